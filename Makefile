@@ -1,0 +1,34 @@
+# The two commands a newcomer needs:  `make demo`  and  `make test`.
+# Each creates .venv on first use and installs what it needs (torch pinned: the CPU wheel).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test install lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[server,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## make demo: server + dashboard on embedded SQLite, with a real fp16 training run streaming into it.
+## Extra flags: make demo ARGS="--steps 300 --exit"
+demo: $(STAMP)
+	$(VENV)/bin/gradwatch demo $(ARGS)
+
+## make test: the whole test suite (PostgreSQL and browser tests run when their services exist;
+## with GRADWATCH_CI=1 a missing service is a failure instead of a skip).
+test: $(STAMP)
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check agent server dashboard migrations tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

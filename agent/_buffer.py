@@ -1,0 +1,113 @@
+"""Between flushes, observations wait here; tensors stay on their device until the flush.
+
+A flush concatenates every buffered tensor into one flat float32 tensor and starts ONE non-blocking
+copy to the host (pinned memory on CUDA). The sender thread waits for that copy and reads the values,
+so the training thread never synchronises with the device on gradwatch's behalf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# (key, step, start offset in the flat tensor, length, is_vector)
+_Slot = tuple[str, int, int, int, bool]
+
+
+@dataclass
+class Resolved:
+    """A packet's values on the host: key → [(step, value)] and key → [(step, [values])]."""
+
+    scalars: dict[str, list[tuple[int, float]]]
+    vectors: dict[str, list[tuple[int, list[float]]]]
+    events: list[dict[str, Any]]
+
+
+@dataclass
+class Packet:
+    """One flush: device values in flight to the host, plus host-side values and events."""
+
+    slots: list[_Slot]
+    host_values: Any  # torch.Tensor on the host (maybe still being filled) or None
+    ready: Any  # torch.cuda.Event marking the copy's completion, or None
+    host_scalars: list[tuple[str, int, float]]
+    events: list[dict[str, Any]]
+    status: str | None = None
+    # Called on the sender thread with the resolved values; each may append events.
+    derivers: list[Callable[[Resolved], None]] = field(default_factory=list)
+
+    def resolve(self) -> Resolved:
+        """Wait for the device copy (sender thread only) and return plain Python values."""
+        flat: list[float] = []
+        if self.host_values is not None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            flat = self.host_values.tolist()  # off the training thread: this is the sender's read
+        scalars: dict[str, list[tuple[int, float]]] = {}
+        vectors: dict[str, list[tuple[int, list[float]]]] = {}
+        for key, step, start, length, is_vector in self.slots:
+            if is_vector:
+                vectors.setdefault(key, []).append((step, flat[start : start + length]))
+            else:
+                scalars.setdefault(key, []).append((step, flat[start]))
+        for key, step, value in self.host_scalars:
+            scalars.setdefault(key, []).append((step, value))
+        resolved = Resolved(scalars, vectors, list(self.events))
+        for derive in self.derivers:
+            derive(resolved)
+        return resolved
+
+
+class StepBuffer:
+    """Collects (key, step, value) observations of the training thread until the next flush."""
+
+    def __init__(self) -> None:
+        self._tensors: list[tuple[str, int, Any, bool]] = []
+        self._host: list[tuple[str, int, float]] = []
+        self._events: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._tensors) + len(self._host) + len(self._events)
+
+    def add_scalar(self, key: str, step: int, value: Any) -> None:
+        """A number or a one-element tensor (kept on its device, detached)."""
+        if isinstance(value, (int, float)):
+            self._host.append((key, step, float(value)))
+        else:
+            self._tensors.append((key, step, value.detach(), False))
+
+    def add_vector(self, key: str, step: int, tensor: Any) -> None:
+        """A 1-d tensor, e.g. one value per layer."""
+        self._tensors.append((key, step, tensor.detach(), True))
+
+    def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
+        self._events.append({"step": step, "kind": kind, "data": data})
+
+    def take(self, derivers: list[Callable[[Resolved], None]], status: str | None = None) -> Packet:
+        """Empty the buffer into a Packet, starting the single device→host copy."""
+        slots: list[_Slot] = []
+        host_values = ready = None
+        if self._tensors:
+            import torch
+
+            parts = []
+            offset = 0
+            for key, step, tensor, is_vector in self._tensors:
+                part = tensor.reshape(-1).to(torch.float32)
+                parts.append(part)
+                slots.append((key, step, offset, part.numel(), is_vector))
+                offset += part.numel()
+            flat = torch.cat(parts)
+            if flat.device.type == "cuda":
+                host_values = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+                host_values.copy_(flat, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            elif flat.device.type == "cpu":
+                host_values = flat
+            else:  # other accelerators: a plain copy; still one transfer per flush
+                host_values = flat.to("cpu", non_blocking=True)
+        packet = Packet(slots, host_values, ready, self._host, self._events, status, list(derivers))
+        self._tensors, self._host, self._events = [], [], []
+        return packet

@@ -1,0 +1,115 @@
+"""The `gradwatch` command: server, db upgrade, demo.
+
+The agent package stays light: server-side modules are imported only by the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+
+def _server_settings(args: argparse.Namespace):  # noqa: ANN202
+    from gradwatch.server.settings import Settings, default_database_url
+
+    return Settings(database_url=args.database_url or default_database_url())
+
+
+def _add_database_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="sqlite:///PATH or postgresql+psycopg://USER@HOST/DB "
+        "(default: GRADWATCH_DATABASE_URL, else SQLite under GRADWATCH_HOME, default ~/.gradwatch)",
+    )
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from gradwatch.server.database import SchemaError
+    from gradwatch.server.serve import serve_forever
+
+    try:
+        serve_forever(_server_settings(args), args.host, args.port)
+    except SchemaError as exc:
+        print(f"gradwatch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from gradwatch.server.database import current_revision, head_revision, make_engine, upgrade
+
+    settings = _server_settings(args)
+    engine = make_engine(settings.database_url)
+    before = current_revision(engine)
+    upgrade(engine)
+    print(f"database schema: {before or 'empty'} -> {head_revision()} (head)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import gradwatch
+    from gradwatch.demo import DemoConfig, train
+    from gradwatch.server.database import SchemaError
+    from gradwatch.server.serve import BackgroundServer
+
+    try:
+        server = BackgroundServer(_server_settings(args), args.host, args.port).start()
+    except (SchemaError, RuntimeError) as exc:
+        print(f"gradwatch: {exc}", file=sys.stderr)
+        return 2
+    cfg = DemoConfig(steps=args.steps, step_delay=args.step_delay)
+    print(f"gradwatch dashboard: {server.url}/dashboard/", flush=True)
+    with gradwatch.init(project="demo", name="tiny-lm-fp16", server=server.url, config=vars(cfg)) as run:
+        print(f"run page:            {run.url}", flush=True)
+        train(run, cfg, log=lambda line: print(line, flush=True))
+    print(f"run {run.id} finished: {run.stats.sent_points} points sent, {run.stats.dropped_points} dropped")
+    if args.exit:
+        server.stop()
+        return 0
+    print("serving the dashboard until Ctrl-C", flush=True)
+    try:
+        server._thread.join()
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradwatch", description="Training-health monitoring for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    server = commands.add_parser("server", help="run the API and dashboard")
+    server.add_argument("--host", default=DEFAULT_HOST)
+    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _add_database_option(server)
+    server.set_defaults(func=_cmd_server)
+
+    db = commands.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
+    up = db.add_parser("upgrade", help="apply migrations up to this version's schema")
+    _add_database_option(up)
+    up.set_defaults(func=_cmd_db_upgrade)
+
+    demo = commands.add_parser("demo", help="server + dashboard + a real fp16 training run streaming into it")
+    demo.add_argument("--steps", type=int, default=int(os.environ.get("GRADWATCH_DEMO_STEPS", "400")))
+    demo.add_argument("--exit", action="store_true", help="stop serving when training ends")
+    demo.add_argument("--step-delay", type=float, default=0.0, help="seconds to pause per step")
+    demo.add_argument("--host", default=DEFAULT_HOST)
+    demo.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _add_database_option(demo)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

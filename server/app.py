@@ -1,0 +1,90 @@
+"""The API application factory: settings in, a FastAPI app out; nothing is created at import time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .database import make_engine, prepare_schema
+from .errors import Conflict, GradwatchServerError, InvalidRequest, NotFound
+from .routers import health, runs, series
+from .settings import Settings
+from .store import Store
+
+_STATUS = {NotFound: 404, Conflict: 409, InvalidRequest: 422}
+
+
+class BodySizeLimit:
+    """Refuse request bodies above a size with 413, before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():  # noqa: ANN202
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = JSONResponse(
+            {"detail": f"request body larger than {self.max_bytes} bytes"}, status_code=413
+        )
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
+    """The JSON API. The database schema is checked (and an empty database migrated) here."""
+    if store is None:
+        engine = make_engine(settings.database_url)
+        prepare_schema(engine, settings.database_url)
+        store = Store(engine)
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        store.engine.dispose()  # close pooled connections on shutdown
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="gradwatch",
+        version="1",
+        summary="Training-health monitoring for PyTorch: ingest, query and stream training signals.",
+    )
+    app.state.settings = settings
+    app.state.store = store
+
+    @app.exception_handler(GradwatchServerError)
+    async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=_STATUS.get(type(exc), 400))
+
+    for router in (health.router, runs.router, series.router):
+        app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,108 @@
+"""Engines and schema versions: connect, check the schema is at the migrations' head, upgrade it.
+
+A new, empty database is migrated to head automatically; one behind head is refused with the command
+that upgrades it (mlflow's rule: never change a user's existing schema implicitly).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.engine import make_url
+
+import gradwatch.migrations
+
+
+class SchemaError(RuntimeError):
+    """The database's schema is not the one this version of gradwatch needs."""
+
+
+def make_engine(database_url: str) -> Engine:
+    """An engine for a sqlite:/// or postgresql+psycopg:// URL, with per-connection pragmas for SQLite."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        if url.database and url.database != ":memory:":
+            Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
+            cursor = dbapi_connection.cursor()
+            # WAL lets readers (dashboard) proceed while an ingest transaction writes.
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    if url.get_backend_name() == "postgresql":
+        return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    raise ValueError(
+        f"unsupported database URL {url.render_as_string(hide_password=True)!r}: "
+        "use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+    )
+
+
+def _alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(Path(gradwatch.migrations.__file__).parent))
+    return config
+
+
+def head_revision() -> str:
+    """The newest migration this version of gradwatch ships."""
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply migrations up to `revision` (default: head) in one transaction."""
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+
+def upgrade_command(database_url: str) -> str:
+    """The shell command a user runs to bring `database_url` to head."""
+    shown = make_url(database_url).render_as_string(hide_password=True)
+    return f"gradwatch db upgrade --database-url '{shown}'"
+
+
+def prepare_schema(engine: Engine, database_url: str) -> None:
+    """Migrate an empty database to head; raise SchemaError for one that is behind, ahead or foreign."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    if current is None:
+        tables = inspect(engine).get_table_names()
+        if tables:
+            raise SchemaError(
+                f"the database {make_url(database_url).render_as_string(hide_password=True)} holds tables "
+                f"({', '.join(sorted(tables)[:5])}) but no gradwatch schema version; point gradwatch at "
+                "an empty database or a gradwatch one"
+            )
+        upgrade(engine)
+        return
+    known = {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+    if current not in known:
+        raise SchemaError(
+            f"the database schema is at revision {current}, newer than this gradwatch knows (head {head}); "
+            "upgrade gradwatch"
+        )
+    raise SchemaError(
+        f"the database schema is at revision {current}, behind this gradwatch's {head}; "
+        f"upgrade it with:\n    {upgrade_command(database_url)}"
+    )

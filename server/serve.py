@@ -1,0 +1,74 @@
+"""Composition root: the API and the dashboard in one process on one port.
+
+This is the only module of the server that imports the dashboard; the dashboard in turn reads data
+only through the API's HTTP endpoints (api_base_url).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+
+from .app import create_app
+from .settings import Settings
+
+
+def create_full_app(settings: Settings, api_base_url: str) -> FastAPI:
+    """API under /api/v1 plus the Dash dashboard under /dashboard/."""
+    from a2wsgi import WSGIMiddleware
+
+    from gradwatch.dashboard import create_dash_app
+
+    app = create_app(settings)
+    dash_app = create_dash_app(api_base_url, requests_pathname_prefix="/dashboard/")
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/dashboard", include_in_schema=False)
+    def _to_dashboard() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", WSGIMiddleware(dash_app.server))  # type: ignore[arg-type]
+    return app
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL this machine reaches a server bound to host:port by (0.0.0.0 → 127.0.0.1)."""
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{reachable}:{port}"
+
+
+class BackgroundServer:
+    """A uvicorn server on its own thread (the demo and tests); stop() shuts it down cleanly."""
+
+    def __init__(self, settings: Settings, host: str, port: int, with_dashboard: bool = True) -> None:
+        url = local_url(host, port)
+        app = create_full_app(settings, url) if with_dashboard else create_app(settings)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.url = url
+        self._thread = threading.Thread(target=self.server.run, name="gradwatch-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url} (is the port in use?)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url} within {timeout:.0f} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def serve_forever(settings: Settings, host: str, port: int) -> None:
+    """Run the full app in the foreground until Ctrl-C."""
+    app = create_full_app(settings, local_url(host, port))
+    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on")

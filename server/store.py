@@ -1,0 +1,328 @@
+"""Persistence: the Store owns every transaction (commit on success, rollback and translate otherwise).
+
+Routers call Store methods with validated schemas and get plain results back; no SQLAlchemy object
+leaves this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from .downsample import min_max_indices
+from .errors import Conflict, NotFound
+from .models import AgentBatch, Event, Flag, Point, Run, Series
+from .schemas import BatchIn, RunIn, json_float
+
+_FLAG_VALUES = {Flag.NAN: math.nan, Flag.POS_INF: math.inf, Flag.NEG_INF: -math.inf}
+SCALE_KEY = "amp/scale"
+
+
+def encode_float(value: float) -> tuple[float | None, int]:
+    """(value column, flag column) for a float: non-finite values are stored as NULL plus a flag."""
+    if math.isfinite(value):
+        return value, Flag.FINITE
+    if math.isnan(value):
+        return None, Flag.NAN
+    return None, Flag.POS_INF if value > 0 else Flag.NEG_INF
+
+
+def decode_float(value: float | None, flag: int) -> float:
+    if flag == Flag.FINITE and value is not None:
+        return value
+    return _FLAG_VALUES.get(Flag(flag), math.nan)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else json_float(obj)
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def dump_json(document: dict[str, Any]) -> str:
+    """Standard JSON text for a free-form document; NaN/±Inf become "NaN"/"Infinity"/"-Infinity"."""
+    return json.dumps(_json_safe(document), allow_nan=False, default=str)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    project: str
+    name: str
+    status: str
+    created_at: float
+    updated_at: float
+    last_step: int | None
+    config: dict[str, Any]
+    metadata: dict[str, Any]
+    skips: int
+    scale: float | None
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    duplicate: bool
+    points: int
+    events: int
+
+
+@dataclass(frozen=True)
+class SeriesResult:
+    steps: list[int]
+    values: list[float]
+    downsampled: bool
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    step: int
+    kind: str
+    rank: int
+    data: dict[str, Any]
+
+
+class Store:
+    """All reads and writes of gradwatch's database, on SQLite or PostgreSQL."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        dialect = engine.dialect.name
+        self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    # -- runs -------------------------------------------------------------------------------------
+
+    def create_run(self, run: RunIn) -> RunRecord:
+        """Create a run, or return the existing one with the same id (agents retry; ranks share ids)."""
+        now = time.time()
+        run_id = run.id or uuid.uuid4().hex
+        with self._transaction() as session:
+            stmt = (
+                self._insert(Run)
+                .values(
+                    id=run_id,
+                    project=run.project,
+                    name=run.name or run_id[:8],
+                    status="running",
+                    config_json=dump_json(run.config),
+                    metadata_json=dump_json(run.metadata),
+                    created_at=now,
+                    updated_at=now,
+                )
+                .on_conflict_do_nothing(index_elements=["id"])
+            )
+            session.execute(stmt)
+            existing = session.get(Run, run_id)
+            assert existing is not None
+            if existing.project != run.project:
+                raise Conflict(
+                    f"run {run_id!r} already exists in project {existing.project!r}, "
+                    f"not {run.project!r}"
+                )
+            return self._run_record(session, existing)
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._transaction() as session:
+            return self._run_record(session, self._require_run(session, run_id))
+
+    def list_runs(self, project: str | None, limit: int, offset: int) -> tuple[list[RunRecord], int]:
+        """Runs, newest first, and how many match before limit/offset."""
+        with self._transaction() as session:
+            query = select(Run)
+            if project is not None:
+                query = query.where(Run.project == project)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(
+                query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)
+            ).all()
+            return [self._run_record(session, run) for run in rows], total
+
+    def delete_run(self, run_id: str) -> None:
+        with self._transaction() as session:
+            self._require_run(session, run_id)
+            series_ids = select(Series.id).where(Series.run_id == run_id)
+            session.execute(delete(Point).where(Point.series_id.in_(series_ids)))
+            for table in (Series, Event, AgentBatch):
+                session.execute(delete(table).where(table.run_id == run_id))
+            session.execute(delete(Run).where(Run.id == run_id))
+
+    # -- ingest -----------------------------------------------------------------------------------
+
+    def ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
+        """Store one agent batch in one transaction, exactly once per (run, rank, seq)."""
+        now = time.time()
+        with self._transaction() as session:
+            self._require_run(session, run_id)
+            claimed = session.execute(
+                self._insert(AgentBatch)
+                .values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=now)
+                .on_conflict_do_nothing()
+                .returning(AgentBatch.seq)
+            ).first()
+            if claimed is None:
+                return IngestResult(duplicate=True, points=0, events=0)
+
+            series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars])
+            point_rows = []
+            last_step = -1
+            for series in batch.scalars:
+                series_id = series_ids[series.key]
+                for step, value in zip(series.steps, series.values):
+                    stored, flag = encode_float(value)
+                    point_rows.append(
+                        {"series_id": series_id, "rank": batch.rank, "step": step, "value": stored, "flag": flag}
+                    )
+                    last_step = max(last_step, step)
+            if point_rows:
+                upsert = self._insert(Point)
+                upsert = upsert.on_conflict_do_update(
+                    index_elements=["series_id", "rank", "step"],
+                    set_={"value": upsert.excluded.value, "flag": upsert.excluded.flag},
+                )
+                session.execute(upsert, point_rows)
+            if batch.events:
+                session.execute(
+                    Event.__table__.insert(),
+                    [
+                        {
+                            "run_id": run_id,
+                            "rank": batch.rank,
+                            "step": e.step,
+                            "kind": e.kind,
+                            "data_json": dump_json(e.data),
+                        }
+                        for e in batch.events
+                    ],
+                )
+                last_step = max(last_step, max(e.step for e in batch.events))
+            values: dict[str, Any] = {"updated_at": now}
+            if last_step >= 0:
+                if session.get_bind().dialect.name == "sqlite":
+                    # SQLite spells the two-argument maximum max(); PostgreSQL spells it greatest().
+                    values["last_step"] = func.max(func.coalesce(Run.last_step, -1), last_step)
+                else:
+                    values["last_step"] = func.greatest(func.coalesce(Run.last_step, -1), last_step)
+            if batch.status is not None:
+                values["status"] = batch.status
+            session.execute(update(Run).where(Run.id == run_id).values(**values))
+            return IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
+
+    def _series_ids(self, session: Session, run_id: str, keys: list[str]) -> dict[str, int]:
+        if not keys:
+            return {}
+        wanted = sorted(set(keys))
+        session.execute(
+            self._insert(Series).on_conflict_do_nothing(index_elements=["run_id", "key"]),
+            [{"run_id": run_id, "key": key} for key in wanted],
+        )
+        rows = session.execute(
+            select(Series.key, Series.id).where(Series.run_id == run_id, Series.key.in_(wanted))
+        ).all()
+        return {key: series_id for key, series_id in rows}
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def keys(self, run_id: str) -> list[str]:
+        with self._transaction() as session:
+            self._require_run(session, run_id)
+            return list(session.scalars(select(Series.key).where(Series.run_id == run_id).order_by(Series.key)))
+
+    def series(
+        self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
+    ) -> SeriesResult:
+        """Points of one key with start <= step < end; more than max_points are downsampled."""
+        with self._transaction() as session:
+            self._require_run(session, run_id)
+            query = (
+                select(Point.step, Point.value, Point.flag)
+                .join(Series, Series.id == Point.series_id)
+                .where(Series.run_id == run_id, Series.key == key, Point.rank == rank)
+            )
+            if start is not None:
+                query = query.where(Point.step >= start)
+            if end is not None:
+                query = query.where(Point.step < end)
+            rows = session.execute(query.order_by(Point.step)).all()
+        steps = [row.step for row in rows]
+        values = [decode_float(row.value, row.flag) for row in rows]
+        if len(rows) <= max_points:
+            return SeriesResult(steps, values, downsampled=False)
+        kept = min_max_indices(values, max_points)
+        return SeriesResult([steps[i] for i in kept], [values[i] for i in kept], downsampled=True)
+
+    def events(
+        self, run_id: str, kind: str | None, start: int | None, end: int | None, limit: int
+    ) -> tuple[list[EventRecord], int]:
+        with self._transaction() as session:
+            self._require_run(session, run_id)
+            query = select(Event).where(Event.run_id == run_id)
+            if kind is not None:
+                query = query.where(Event.kind == kind)
+            if start is not None:
+                query = query.where(Event.step >= start)
+            if end is not None:
+                query = query.where(Event.step < end)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(query.order_by(Event.step, Event.id).limit(limit)).all()
+            return [EventRecord(e.step, e.kind, e.rank, json.loads(e.data_json)) for e in rows], total
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _require_run(session: Session, run_id: str) -> Run:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"run {run_id!r} does not exist")
+        return run
+
+    @staticmethod
+    def _run_record(session: Session, run: Run) -> RunRecord:
+        skips = session.scalar(
+            select(func.count()).where(Event.run_id == run.id, Event.kind == "skip")
+        ) or 0
+        scale_row = session.execute(
+            select(Point.value, Point.flag)
+            .join(Series, Series.id == Point.series_id)
+            .where(Series.run_id == run.id, Series.key == SCALE_KEY, Point.rank == 0)
+            .order_by(Point.step.desc())
+            .limit(1)
+        ).first()
+        return RunRecord(
+            id=run.id,
+            project=run.project,
+            name=run.name,
+            status=run.status,
+            created_at=run.created_at,
+            updated_at=run.updated_at,
+            last_step=run.last_step,
+            config=json.loads(run.config_json),
+            metadata=json.loads(run.metadata_json),
+            skips=skips,
+            scale=decode_float(scale_row.value, scale_row.flag) if scale_row else None,
+        )

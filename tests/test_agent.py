@@ -1,0 +1,199 @@
+"""The agent on real CPU training loops: what it records, and its hard rules (DESIGN.md)."""
+
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from training import RecordingTransport, Reference, train
+
+import gradwatch
+from gradwatch import GradwatchWarning
+
+
+def _run(transport=None, **options):
+    return gradwatch.init(project="test", name="unit", transport=transport or RecordingTransport(), **options)
+
+
+def test_parameters_are_bit_identical_with_and_without_the_agent_fp16():
+    plain = train(30, overflow_steps=(5, 6, 17))
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        watched = train(30, run=run, overflow_steps=(5, 6, 17))
+    for (name, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert transport.batches, "the agent recorded nothing: the comparison would prove nothing"
+
+
+def test_parameters_are_bit_identical_bf16_without_scaler():
+    plain = train(20, precision="bf16")
+    with _run() as run:
+        watched = train(20, run=run, precision="bf16")
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_scale_skips_and_unscaled_norms_match_the_reference():
+    reference = Reference()
+    transport = RecordingTransport()
+    overflow = (4, 5, 6, 20)
+    with _run(transport) as run:
+        train(40, run=run, overflow_steps=overflow, reference=reference)
+
+    scale = transport.series("amp/scale")
+    assert list(scale) == list(range(40))  # first optimizer step is 0, skipped steps count
+    assert list(scale.values()) == reference.scales_after
+    skipped_steps = [s for s, v in transport.series("amp/skipped").items() if v == 1.0]
+    assert skipped_steps == [i for i, s in enumerate(reference.skipped) if s]
+    assert set(overflow) <= set(skipped_steps)
+
+    skips = transport.events("skip")
+    assert [e["step"] for e in skips] == skipped_steps
+    for event in skips:
+        data = event["data"]
+        assert data["scale_after"] == data["scale_before"] / 2
+        assert data["scale_after"] == reference.scales_after[event["step"]]
+        assert data["non_finite_layers"] == reference.non_finite_layers[event["step"]]
+        assert data["non_finite_layers"], "a skip names the layers whose gradients were not finite"
+
+    norms = transport.series("grad/global_norm")
+    for step, expected in enumerate(reference.global_norms):
+        got = norms[step]
+        if math.isfinite(expected):
+            assert got == pytest.approx(expected, rel=1e-5), step
+        else:
+            assert isinstance(got, str), step  # non-finite travels as "NaN"/"Infinity"
+
+    losses = transport.series("loss")
+    assert list(losses) == list(range(40))  # log() before step() attaches to that step
+    assert losses[0] == pytest.approx(reference.losses[0], rel=1e-6)
+
+
+def test_learning_rate_and_step_time_are_recorded():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(5, run=run)
+    assert set(transport.series("lr").values()) == {1e-2}
+    assert len(transport.series("perf/step_time")) == 4  # from the second step on
+    assert all(v > 0 for v in transport.series("perf/step_time").values())
+
+
+def test_no_host_sync_is_added_inside_the_step(monkeypatch):
+    """On CPU every op is synchronous, so count the calls that would force a sync on a GPU."""
+    counts = {"with": 0, "without": 0}
+    mode = {"current": "without"}
+    training_thread = threading.current_thread()
+    for method in ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, **kwargs):
+            if threading.current_thread() is training_thread:
+                counts[mode["current"]] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    train(15, overflow_steps=(3,))
+    mode["current"] = "with"
+    run = _run()
+    train(15, run=run, overflow_steps=(3,))
+    mode["current"] = "finish"
+    counts["finish"] = 0
+    run.finish()
+    assert counts["without"] > 0  # GradScaler itself syncs: the counter sees real calls
+    assert counts["with"] == counts["without"]
+
+
+def test_errors_inside_the_agent_never_reach_the_loop(monkeypatch):
+    transport = RecordingTransport()
+    run = _run(transport)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(run.buffer, "add_vector", broken)
+    with pytest.warns(GradwatchWarning, match="step observation disabled after an internal error") as caught:
+        model = train(10, run=run, overflow_steps=(2,))
+    assert len(caught) == 1  # one warning, not one per step
+    run.finish()
+    plain = train(10, overflow_steps=(2,))
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert transport.series("loss"), "log() keeps working when step observation is disabled"
+
+
+def test_a_failing_transport_never_reaches_the_loop():
+    class Down:
+        def create_run(self, run):
+            raise OSError("connection refused")
+
+        send_batch = create_run
+
+    run = _run(Down(), flush_interval=0.01)
+    train(10, run=run)
+    run.finish(timeout=0.5)
+    assert run.stats.last_error and "connection refused" in run.stats.last_error
+    assert run.stats.sent_points == 0
+
+
+def test_log_ignores_bad_values_with_a_warning_and_keeps_good_ones():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        with pytest.warns(GradwatchWarning, match="ignored 'text'"):
+            run.log({"text": "hello", "acc": 0.5, "t": torch.tensor(2.0)}, step=3)
+    assert transport.series("acc") == {3: 0.5}
+    assert transport.series("t") == {3: 2.0}
+
+
+def test_finish_is_idempotent_and_context_manager_marks_crashes():
+    transport = RecordingTransport()
+    with pytest.raises(ZeroDivisionError):
+        with _run(transport) as run:
+            run.log({"x": 1.0})
+            1 / 0
+    run.finish()
+    assert transport.batches[-1]["status"] == "crashed"
+
+
+def test_init_reads_environment_fallbacks(monkeypatch):
+    monkeypatch.setenv("GRADWATCH_PROJECT", "from-env")
+    monkeypatch.setenv("GRADWATCH_RUN_ID", "shared-id")
+    monkeypatch.setenv("RANK", "3")
+    run = gradwatch.init(transport=RecordingTransport())
+    assert (run.project, run.id, run.rank) == ("from-env", "shared-id", 3)
+    run.finish()
+
+
+def test_misuse_at_setup_is_a_value_error_naming_the_value():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gradwatch.init(project="p", mode="sometimes", transport=RecordingTransport())
+    run = _run()
+    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer, got str"):
+        run.watch(torch.nn.Linear(1, 1), "adam")
+    run.finish()
+
+
+def test_watch_removes_every_wrapper_on_finish():
+    scaler = torch.amp.GradScaler("cpu")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = _run().watch(model, optimizer, scaler=scaler)
+    assert "step" in vars(scaler)
+    run.finish()
+    assert not {"step", "update", "unscale_"} & set(vars(scaler))
+
+
+def test_offline_mode_writes_a_spool_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADWATCH_HOME", str(tmp_path))
+    with gradwatch.init(project="p", mode="offline") as run:
+        run.log({"x": 1.0})
+    spool = tmp_path / "offline" / f"{run.id}-rank0.jsonl"
+    lines = spool.read_text().splitlines()
+    assert '"type": "run"' in lines[0] and '"x"' in lines[1]
+
+
+def test_no_warnings_on_a_healthy_run():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _run() as run:
+            train(5, run=run)

@@ -1,0 +1,145 @@
+"""The JSON API against a real uvicorn server, on a SQLite file and on PostgreSQL."""
+
+import json
+import math
+
+
+def _create(client, **fields):
+    body = {"project": "p", "name": "r"} | fields
+    response = client.post("/api/v1/runs", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _batch(seq, key="loss", steps=(0, 1, 2), values=(1.0, 2.0, 3.0), **extra):
+    return {"seq": seq, "scalars": [{"key": key, "steps": list(steps), "values": list(values)}], **extra}
+
+
+def test_healthz(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok"
+
+
+def test_create_run_is_idempotent_for_the_same_id(client):
+    first = _create(client, id="job-1", config={"lr": 1e-3})
+    again = _create(client, id="job-1")
+    assert first["id"] == again["id"] == "job-1"
+    assert again["config"] == {"lr": 1e-3}
+    assert again["status"] == "running"
+    listed = client.get("/api/v1/runs").json()
+    assert listed["count"] == 1 and listed["data"][0]["id"] == "job-1"
+
+
+def test_same_id_in_another_project_is_a_conflict(client):
+    _create(client, id="job-1")
+    response = client.post("/api/v1/runs", json={"id": "job-1", "project": "other"})
+    assert response.status_code == 409
+    assert "already exists in project 'p'" in response.json()["detail"]
+
+
+def test_ingest_then_read_series_and_events(client):
+    run = _create(client)
+    batch = _batch(0, events=[{"step": 1, "kind": "skip", "data": {"scale_before": 65536.0}}])
+    ack = client.post(f"/api/v1/runs/{run['id']}/batches", json=batch).json()
+    assert ack == {"duplicate": False, "points": 3, "events": 1}
+    series = client.get(f"/api/v1/runs/{run['id']}/series", params={"key": "loss"}).json()
+    assert series["steps"] == [0, 1, 2] and series["values"] == [1.0, 2.0, 3.0]
+    assert series["downsampled"] is False
+    events = client.get(f"/api/v1/runs/{run['id']}/events").json()
+    assert events["count"] == 1
+    assert events["data"][0] == {"step": 1, "kind": "skip", "rank": 0, "data": {"scale_before": 65536.0}}
+    assert client.get(f"/api/v1/runs/{run['id']}").json()["last_step"] == 2
+
+
+def test_a_repeated_batch_is_acknowledged_and_stored_once(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}/batches"
+    assert client.post(url, json=_batch(7)).json()["duplicate"] is False
+    assert client.post(url, json=_batch(7, values=(9.0, 9.0, 9.0))).json()["duplicate"] is True
+    series = client.get(f"/api/v1/runs/{run['id']}/series", params={"key": "loss"}).json()
+    assert series["values"] == [1.0, 2.0, 3.0]
+    # The same seq from another rank is a different batch.
+    assert client.post(url, json=_batch(7) | {"rank": 1}).json()["duplicate"] is False
+
+
+def test_non_finite_values_round_trip(client):
+    run = _create(client)
+    body = json.dumps(_batch(0, values=(math.nan, math.inf, -math.inf)))  # JSON NaN literals
+    response = client.post(
+        f"/api/v1/runs/{run['id']}/batches", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(1, steps=(3,), values=("NaN",)))
+    series = client.get(f"/api/v1/runs/{run['id']}/series", params={"key": "loss"}).json()
+    assert series["values"] == ["NaN", "Infinity", "-Infinity", "NaN"]
+
+
+def test_series_range_and_downsampling_keep_the_spike(client):
+    run = _create(client)
+    n = 5_000
+    values = [1.0] * n
+    values[4_321] = 1e9
+    client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, steps=range(n), values=values))
+    url = f"/api/v1/runs/{run['id']}/series"
+    sampled = client.get(url, params={"key": "loss", "max_points": 100}).json()
+    assert sampled["downsampled"] is True and len(sampled["steps"]) <= 100
+    assert 4_321 in sampled["steps"] and 1e9 in sampled["values"]
+    exact = client.get(url, params={"key": "loss", "start": 10, "end": 60, "max_points": 100}).json()
+    assert exact["steps"] == list(range(10, 60)) and exact["downsampled"] is False
+
+
+def test_bad_input_says_what_is_wrong_and_stores_nothing(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}/batches"
+    bad = _batch(0, steps=(0, 1), values=(1.0,))
+    response = client.post(url, json=bad)
+    assert response.status_code == 422
+    assert "2 steps but 1 values" in response.text
+    response = client.post(url, json=_batch(1, steps=(-1, 0, 1)))
+    assert response.status_code == 422 and "greater than or equal to 0" in response.text
+    response = client.post(url, json=_batch(2, values=("high", 1.0, 2.0)))
+    assert response.status_code == 422
+    assert client.get(f"/api/v1/runs/{run['id']}/keys").json()["data"] == []
+    # The rejected seqs were not consumed: a corrected batch with seq 0 is stored.
+    assert client.post(url, json=_batch(0)).json()["duplicate"] is False
+
+
+def test_unknown_run_is_404_with_a_message(client):
+    response = client.post("/api/v1/runs/nope/batches", json=_batch(0))
+    assert response.status_code == 404
+    assert response.json()["detail"] == "run 'nope' does not exist"
+    assert client.get("/api/v1/runs/nope/series", params={"key": "loss"}).status_code == 404
+
+
+def test_body_size_limit(client):
+    run = _create(client)
+    huge = b"{" + b" " * (33 * 1024 * 1024) + b"}"
+    response = client.post(
+        f"/api/v1/runs/{run['id']}/batches", content=huge, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert "larger than" in response.json()["detail"]
+
+
+def test_delete_run_removes_its_data(client):
+    run = _create(client)
+    client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, events=[{"step": 0, "kind": "skip"}]))
+    assert client.delete(f"/api/v1/runs/{run['id']}").status_code == 204
+    assert client.get(f"/api/v1/runs/{run['id']}").status_code == 404
+    assert client.get("/api/v1/runs").json()["count"] == 0
+
+
+def test_list_runs_filters_by_project_and_pages(client):
+    for i in range(3):
+        _create(client, project="a", name=f"a{i}")
+    _create(client, project="b")
+    page = client.get("/api/v1/runs", params={"project": "a", "limit": 2}).json()
+    assert page["count"] == 3 and len(page["data"]) == 2
+    assert {r["project"] for r in page["data"]} == {"a"}
+
+
+def test_openapi_docs_are_served(client):
+    spec = client.get("/openapi.json").json()
+    assert "/api/v1/runs/{run_id}/series" in spec["paths"]
+    assert client.get("/docs").status_code == 200

@@ -1,0 +1,75 @@
+"""Agent → real uvicorn server → SQLite file / PostgreSQL → HTTP API, with a real fp16 training loop."""
+
+import math
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from conftest import free_port
+from training import Reference, train
+
+import gradwatch
+
+
+def test_training_run_is_stored_and_served(api_server, client):
+    reference = Reference()
+    overflow = (10, 11, 12)
+    with gradwatch.init(project="e2e", name="fp16", server=api_server.url, flush_interval=0.05) as run:
+        train(60, run=run, overflow_steps=overflow, reference=reference)
+    assert run.stats.dropped_points == 0 and run.stats.last_error is None
+
+    stored = client.get(f"/api/v1/runs/{run.id}").json()
+    assert stored["status"] == "finished" and stored["last_step"] == 59
+    assert stored["metadata"]["torch"] == __import__("torch").__version__
+
+    scale = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "amp/scale"}).json()
+    assert scale["steps"] == list(range(60))
+    assert scale["values"] == reference.scales_after
+    assert min(scale["values"]) <= max(scale["values"]) / 8  # three halvings: the drop is there
+
+    skipped_steps = [i for i, s in enumerate(reference.skipped) if s]
+    events = client.get(f"/api/v1/runs/{run.id}/events", params={"kind": "skip"}).json()
+    assert [e["step"] for e in events["data"]] == skipped_steps
+    assert set(overflow) <= set(skipped_steps)
+    assert stored["summary"]["skips"] == len(skipped_steps)
+
+    norms = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "grad/global_norm"}).json()
+    for step, value in zip(norms["steps"], norms["values"]):
+        expected = reference.global_norms[step]
+        if math.isfinite(expected):
+            assert value == pytest.approx(expected, rel=1e-5)
+        else:
+            assert value in ("NaN", "Infinity")
+
+
+def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
+    """`gradwatch demo --steps N --exit` as a user runs it, then its SQLite file served again."""
+    port = free_port()
+    env = os.environ | {"GRADWATCH_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gradwatch.cli", "demo", "--steps", "220", "--exit", "--port", str(port)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"http://127.0.0.1:{port}/dashboard/" in done.stdout
+    assert (tmp_path / "gradwatch.db").exists()
+
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    server = BackgroundServer(
+        Settings(database_url=f"sqlite:///{tmp_path / 'gradwatch.db'}"), "127.0.0.1", free_port(), with_dashboard=False
+    ).start()
+    try:
+        with httpx.Client(base_url=server.url) as c:
+            runs = c.get("/api/v1/runs").json()["data"]
+            assert len(runs) == 1 and runs[0]["status"] == "finished"
+            run_id = runs[0]["id"]
+            skips = c.get(f"/api/v1/runs/{run_id}/events", params={"kind": "skip"}).json()["data"]
+            assert len(skips) >= 3
+            scale = c.get(f"/api/v1/runs/{run_id}/series", params={"key": "amp/scale"}).json()["values"]
+            assert scale[-1] < max(scale)
+    finally:
+        server.stop()

@@ -1,0 +1,95 @@
+"""Migrations are the only source of the schema: they run on SQLite and PostgreSQL and agree with
+the ORM models; a stale schema is refused with the command that upgrades it."""
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
+
+from gradwatch.server.database import (
+    SchemaError,
+    current_revision,
+    head_revision,
+    make_engine,
+    prepare_schema,
+    upgrade,
+)
+from gradwatch.server.models import Base
+
+
+def test_empty_database_is_migrated_to_head_and_matches_models(database_url):
+    engine = make_engine(database_url)
+    prepare_schema(engine, database_url)
+    assert current_revision(engine) == head_revision()
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+    engine.dispose()
+
+
+def test_downgrade_to_base_and_up_again(database_url):
+    from alembic import command
+
+    from gradwatch.server.database import _alembic_config
+
+    engine = make_engine(database_url)
+    upgrade(engine)
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "base")
+    assert current_revision(engine) is None
+    upgrade(engine)
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+
+
+def test_schema_behind_head_is_refused_with_the_upgrade_command(database_url):
+    engine = make_engine(database_url)
+    upgrade(engine)
+    with engine.begin() as connection:  # pretend an older gradwatch created it
+        connection.execute(text("UPDATE alembic_version SET version_num = 'older'"))
+    with pytest.raises(SchemaError, match="newer than this gradwatch knows"):
+        prepare_schema(engine, database_url)
+    engine.dispose()
+
+
+def test_behind_message_names_the_command(sqlite_url, monkeypatch):
+    from gradwatch.server import database
+
+    engine = make_engine(sqlite_url)
+    upgrade(engine)
+    # A newer gradwatch (head "0099") meets this database at our head: it must refuse, not migrate.
+    real_head = head_revision()
+    monkeypatch.setattr(database, "head_revision", lambda: "0099")
+    monkeypatch.setattr(
+        database, "ScriptDirectory", _ScriptsKnowing({real_head, "0099"})
+    )
+    with pytest.raises(SchemaError) as info:
+        prepare_schema(engine, sqlite_url)
+    assert "gradwatch db upgrade --database-url" in str(info.value)
+    assert current_revision(engine) == real_head  # nothing was changed
+    engine.dispose()
+
+
+class _ScriptsKnowing:
+    def __init__(self, revisions):
+        self.revisions = revisions
+
+    def from_config(self, _config):
+        revisions = self.revisions
+
+        class _Scripts:
+            def walk_revisions(self):
+                return [type("Rev", (), {"revision": r}) for r in revisions]
+
+        return _Scripts()
+
+
+def test_foreign_database_is_refused(sqlite_url):
+    engine = make_engine(sqlite_url)
+    with engine.begin() as connection:
+        connection.execute(text("CREATE TABLE someone_elses (id INTEGER)"))
+    with pytest.raises(SchemaError, match="no gradwatch schema version"):
+        prepare_schema(engine, sqlite_url)
+    engine.dispose()
