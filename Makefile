@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean screenshots
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+## make screenshots: regenerate docs/*.png from a real demo run in headless Chromium.
+screenshots: $(STAMP)
+	$(PY) docs/make_screenshots.py

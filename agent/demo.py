@@ -54,14 +54,18 @@ def build_model(cfg: DemoConfig) -> Any:
 
 
 def synthetic_batch(cfg: DemoConfig, generator: Any) -> Any:
-    """Token sequences following x[t+1] = (5 x[t] + 3) mod VOCAB: learnable, so the loss falls."""
+    """Token sequences following x[t+1] = (5 x[t] + 3) mod VOCAB, with 1 token in 8 replaced by noise:
+    learnable, so the loss falls, but not to zero."""
     import torch
 
     start = torch.randint(0, VOCAB, (cfg.batch_size, 1), generator=generator)
     seq = [start]
     for _ in range(cfg.seq_len):
         seq.append((seq[-1] * 5 + 3) % VOCAB)
-    return torch.cat(seq, dim=1)
+    tokens = torch.cat(seq, dim=1)
+    noise = torch.randint(0, VOCAB, tokens.shape, generator=generator)
+    replace = torch.rand(tokens.shape, generator=generator) < 0.125
+    return torch.where(replace, noise, tokens)
 
 
 def train(run: Any, cfg: DemoConfig, log: Any = print) -> None:

@@ -69,6 +69,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
+        for close in app.state.on_shutdown:
+            close()
         store.engine.dispose()  # close pooled connections on shutdown
 
     app = FastAPI(
@@ -79,6 +81,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = store
+    app.state.on_shutdown = []  # callables run at shutdown, e.g. by the composition root
 
     @app.exception_handler(GradwatchServerError)
     async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:

@@ -19,12 +19,16 @@ from .settings import Settings
 
 def create_full_app(settings: Settings, api_base_url: str) -> FastAPI:
     """API under /api/v1 plus the Dash dashboard under /dashboard/."""
+    import httpx
     from a2wsgi import WSGIMiddleware
 
     from gradwatch.dashboard import create_dash_app
 
     app = create_app(settings)
-    dash_app = create_dash_app(api_base_url, requests_pathname_prefix="/dashboard/")
+    # The dashboard's connection pool to the API; closed with the server.
+    http_client = httpx.Client(timeout=30.0)
+    app.state.on_shutdown.append(http_client.close)
+    dash_app = create_dash_app(api_base_url, requests_pathname_prefix="/dashboard/", http_client=http_client)
 
     @app.get("/", include_in_schema=False)
     @app.get("/dashboard", include_in_schema=False)
