@@ -1,6 +1,7 @@
 """Between flushes, observations wait here; tensors stay on their device until the flush.
 
-A flush concatenates every buffered tensor into one flat float32 tensor and starts ONE non-blocking
+A flush concatenates every buffered tensor into one flat float64 tensor (exact for float32 values
+and for counts up to 2^53) and starts ONE non-blocking
 copy to the host (pinned memory on CUDA). The sender thread waits for that copy and reads the values,
 so the training thread never synchronises with the device on gradwatch's behalf.
 """
@@ -11,17 +12,53 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# (key, step, start offset in the flat tensor, length, is_vector)
-_Slot = tuple[str, int, int, int, bool]
+# (key, step, start offset in the flat tensor, shape: () scalar, (n,) vector, (rows, columns) matrix)
+_Slot = tuple[str, int, int, tuple[int, ...]]
 
 
 @dataclass
 class Resolved:
-    """A packet's values on the host: key → [(step, value)] and key → [(step, [values])]."""
+    """A packet's values on the host: key → [(step, value)], [(step, [values])], [(step, [[row]])]."""
 
     scalars: dict[str, list[tuple[int, float]]]
     vectors: dict[str, list[tuple[int, list[float]]]]
+    matrices: dict[str, list[tuple[int, list[list[float]]]]]
     events: list[dict[str, Any]]
+    layers: list[str] | None = None  # names of the vectors' entries, in the model's order
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The data part of a wire batch. Keys starting with "_" are agent-internal and stay here."""
+        from ._wire import json_safe, wire_float
+
+        def public(table: dict[str, Any]) -> list[tuple[str, Any]]:
+            return [(key, points) for key, points in table.items() if not key.startswith("_") and points]
+
+        fields: dict[str, Any] = {
+            "scalars": [
+                {"key": key, "steps": [s for s, _ in points], "values": [wire_float(v) for _, v in points]}
+                for key, points in public(self.scalars)
+            ],
+            "events": [json_safe(event) for event in self.events],
+        }
+        vectors = public(self.vectors)
+        if vectors:
+            fields["vectors"] = [
+                {"key": key, "steps": [s for s, _ in points], "values": [[wire_float(v) for v in row] for _, row in points]}
+                for key, points in vectors
+            ]
+        histograms = public(self.matrices)
+        if histograms:
+            from ._quantities import EXPONENT_MIN, EXPONENT_MAX
+
+            fields["histograms"] = [
+                {"key": key, "step": step, "exponent_min": EXPONENT_MIN, "exponent_max": EXPONENT_MAX,
+                 "counts": [[int(c) for c in row] for row in rows]}
+                for key, points in histograms
+                for step, rows in points
+            ]
+        if (vectors or histograms) and self.layers is not None:
+            fields["layers"] = list(self.layers)
+        return fields
 
 
 @dataclass
@@ -46,14 +83,21 @@ class Packet:
             flat = self.host_values.tolist()  # off the training thread: this is the sender's read
         scalars: dict[str, list[tuple[int, float]]] = {}
         vectors: dict[str, list[tuple[int, list[float]]]] = {}
-        for key, step, start, length, is_vector in self.slots:
-            if is_vector:
-                vectors.setdefault(key, []).append((step, flat[start : start + length]))
-            else:
+        matrices: dict[str, list[tuple[int, list[list[float]]]]] = {}
+        for key, step, start, shape in self.slots:
+            if len(shape) == 0:
                 scalars.setdefault(key, []).append((step, flat[start]))
+            elif len(shape) == 1:
+                vectors.setdefault(key, []).append((step, flat[start : start + shape[0]]))
+            else:
+                rows, columns = shape
+                matrix = [flat[start + r * columns : start + (r + 1) * columns] for r in range(rows)]
+                matrices.setdefault(key, []).append((step, matrix))
         for key, step, value in self.host_scalars:
             scalars.setdefault(key, []).append((step, value))
-        resolved = Resolved(scalars, vectors, list(self.events))
+        for points in scalars.values():
+            points.sort(key=lambda point: point[0])
+        resolved = Resolved(scalars, vectors, matrices, list(self.events))
         for derive in self.derivers:
             derive(resolved)
         return resolved
@@ -63,7 +107,7 @@ class StepBuffer:
     """Collects (key, step, value) observations of the training thread until the next flush."""
 
     def __init__(self) -> None:
-        self._tensors: list[tuple[str, int, Any, bool]] = []
+        self._tensors: list[tuple[str, int, Any]] = []
         self._host: list[tuple[str, int, float]] = []
         self._events: list[dict[str, Any]] = []
 
@@ -75,11 +119,11 @@ class StepBuffer:
         if isinstance(value, (int, float)):
             self._host.append((key, step, float(value)))
         else:
-            self._tensors.append((key, step, value.detach(), False))
+            self._tensors.append((key, step, value.detach().reshape(())))
 
-    def add_vector(self, key: str, step: int, tensor: Any) -> None:
-        """A 1-d tensor, e.g. one value per layer."""
-        self._tensors.append((key, step, tensor.detach(), True))
+    def add_tensor(self, key: str, step: int, tensor: Any) -> None:
+        """A 1-d tensor (one value per layer) or a 2-d one (a histogram row per layer)."""
+        self._tensors.append((key, step, tensor.detach()))
 
     def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
         self._events.append({"step": step, "kind": kind, "data": data})
@@ -93,14 +137,14 @@ class StepBuffer:
 
             parts = []
             offset = 0
-            for key, step, tensor, is_vector in self._tensors:
-                part = tensor.reshape(-1).to(torch.float32)
+            for key, step, tensor in self._tensors:
+                part = tensor.reshape(-1).to(torch.float64)
                 parts.append(part)
-                slots.append((key, step, offset, part.numel(), is_vector))
+                slots.append((key, step, offset, tuple(tensor.shape)))
                 offset += part.numel()
             flat = torch.cat(parts)
             if flat.device.type == "cuda":
-                host_values = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+                host_values = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
                 host_values.copy_(flat, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()

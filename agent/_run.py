@@ -133,9 +133,17 @@ class Run:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def watch(self, model: Any, optimizer: Any, scaler: Any = None) -> Run:
-        """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`."""
-        from ._watch import Watcher
+    def watch(self, model: Any, optimizer: Any, scaler: Any = None, **options: Any) -> Run:
+        """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`.
+
+        options (see WatchOptions): layer_norms_every=10, histograms_every=100, update_ratio_every=100
+        (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput.
+        """
+        from ._watch import Watcher, WatchOptions
+
+        watch_options = WatchOptions(**options)
+        if self._watchers:
+            raise ValueError("this run already watches a model and optimizer; use one run per optimizer")
 
         if not hasattr(optimizer, "param_groups"):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -143,7 +151,7 @@ class Run:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not hasattr(scaler, "is_enabled"):
             raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        self._watchers.append(Watcher(self, model, optimizer, scaler))
+        self._watchers.append(Watcher(self, model, optimizer, scaler, watch_options))
         return self
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
@@ -207,10 +215,17 @@ class Run:
         if due_by_time or self.step - self._last_flush_step >= self.flush_every_steps:
             self.features.guarded("flush")(self._flush)(None)
 
+    def _record_device_memory(self) -> None:
+        """Peak device memory (bytes) once per flush: an allocator counter, no device sync."""
+        torch = sys.modules.get("torch")
+        if torch is not None and self._watchers and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.buffer.add_scalar("sys/max_memory_allocated", self.step, float(torch.cuda.max_memory_allocated()))
+
     def _flush(self, status: str | None) -> None:
         self._last_flush_time = time.monotonic()
         self._last_flush_step = self.step
         if not len(self.buffer) and status is None:
             return
-        packet = self.buffer.take([w.derive_events for w in self._watchers], status)
+        self._record_device_memory()
+        packet = self.buffer.take([w.derive for w in self._watchers], status)
         self._sender.submit(packet)

@@ -16,7 +16,6 @@ from typing import Any
 
 from ._buffer import Packet, Resolved
 from ._transport import Transport, TransportError
-from ._wire import json_safe, wire_float
 
 logger = logging.getLogger("gradwatch")
 _STOP = object()
@@ -34,20 +33,8 @@ class SenderStats:
 
 
 def to_batch(resolved: Resolved, rank: int, seq: int, status: str | None) -> dict[str, Any]:
-    """The wire document of one batch. Keys starting with "_" are agent-internal and stay here."""
-    scalars = []
-    for key, points in resolved.scalars.items():
-        if key.startswith("_"):
-            continue
-        scalars.append(
-            {"key": key, "steps": [s for s, _ in points], "values": [wire_float(v) for _, v in points]}
-        )
-    batch: dict[str, Any] = {
-        "rank": rank,
-        "seq": seq,
-        "scalars": scalars,
-        "events": [json_safe(e) for e in resolved.events],
-    }
+    """The wire document of one batch: identity (rank, seq), data fields, and the run status."""
+    batch: dict[str, Any] = {"rank": rank, "seq": seq, **resolved.wire_fields()}
     if status is not None:
         batch["status"] = status
     return batch

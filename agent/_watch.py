@@ -1,22 +1,26 @@
-"""Hooks on the user's optimizer and GradScaler: what is observed at each optimizer step.
+"""Hooks on the user's optimizer, GradScaler and clip_grad_norm_: what is observed at each step.
 
-One Watcher owns every hook handle and method wrapper it installs and removes them all in remove().
-Nothing is written onto the user's model. Every observation is computed on the device and handed to
-the run's StepBuffer; the user's own calls run exactly as before (their exceptions propagate
-unchanged, ours never do).
+One Watcher owns every hook handle and method wrapper it installs and removes them all in remove();
+nothing is written onto the user's model. Observations are computed on the device (see _quantities)
+and handed to the run's StepBuffer; the user's own calls run exactly as before (their exceptions
+propagate unchanged, ours never reach them).
 
-With a GradScaler (enabled), the scaler's unscale_/step/update are wrapped on the instance:
-- unscale_: gradient norms right after unscaling, i.e. of UNSCALED gradients before any clipping;
-- step: the loss scale used, and found_inf (did this step get skipped?) read as device tensors;
-- update: the scale after the update and the growth tracker.
-Without one, optimizer step pre/post hooks observe the gradients and count the steps.
+Where each signal comes from:
+- optimizer step pre/post hooks: step counting without a scaler; the parameter snapshot and update
+  ratio; for non-fused optimizers under a GradScaler, "the optimizer really stepped" — so a skipped
+  step is known on the host with no device sync, and only skipped steps pay for localisation.
+- GradScaler (wrapped on the instance): unscale_ (gradients are unscaled from here on), step (scale
+  used, found_inf for fused optimizers whose step always runs), update (scale after, growth tracker).
+- clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import _clip, _quantities
 from ._buffer import Resolved
 
 if TYPE_CHECKING:
@@ -24,39 +28,82 @@ if TYPE_CHECKING:
 
     from ._run import Run
 
-LAYER_GRAD_NORMS = "_grad/layer_norms"  # agent-internal: used to name the layers behind a skip
-SCALE_BEFORE = "_amp/scale_before"
+SCALE_BEFORE = "_amp/scale_before"  # agent-internal keys (leading "_") never leave the process
+CLIP_MAX_NORM = "_grad/clip_max_norm"
+MAX_ABS_WEIGHT = "_setup/max_abs_weight"
+MAX_LAYERS_IN_EVENT = 50
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """Sampling schedules (every N optimizer steps; 0 turns a quantity off) and throughput hints.
+
+    Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
+    gradient and parameter norms every 10 steps; histograms and update ratios every 100.
+    """
+
+    layer_norms_every: int = 10
+    histograms_every: int = 100
+    update_ratio_every: int = 100
+    samples_per_step: int | None = None
+    tokens_per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layer_norms_every", "histograms_every", "update_ratio_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a whole number of steps >= 0 (0 = off), got {value!r}")
+        for name in ("samples_per_step", "tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+
+    @staticmethod
+    def due(every: int, step: int) -> bool:
+        return every > 0 and step % every == 0
 
 
 class Watcher:
     """Observes one (model, optimizer, scaler) triple for one run."""
 
-    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def __init__(
+        self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+        options: WatchOptions,
+    ) -> None:
         import torch
 
         self._torch = torch
         self.run = run
+        self.options = options
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.features = run.features
+        # Fused/capturable optimizers take the scaler's found_inf and always run their step.
+        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         names = {id(p): name for name, p in model.named_parameters()}
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._param_ids = {id(p) for p in self.params}
         self.layer_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self._like = self.params[0] if self.params else torch.zeros(())
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
-        self._pending: dict[str, Any] = {}  # observations of the step in progress
+        self._reset_step_state()
         self._awaiting_update: int | None = None
         self._last_step_end: float | None = None
+        self._scale_below_one_reported = False
+        self._misuse_reported: set[str] = set()
+
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_step_hook))
+        self._handles.append(optimizer.register_step_post_hook(self._post_step_hook))
         if self.scaler is not None:
-            self._wrap(self.scaler, "unscale_", self._after_unscale)
-            self._wrap(self.scaler, "step", self._after_scaler_step, before=self._before_scaler_step)
-            self._wrap(self.scaler, "update", self._after_update)
-        else:
-            self._handles.append(optimizer.register_step_pre_hook(self._pre_step_hook))
-            self._handles.append(optimizer.register_step_post_hook(self._post_step_hook))
+            self._wrap(self.scaler, "unscale_", after=self._after_unscale)
+            self._wrap(self.scaler, "step", before=self._before_scaler_step, after=self._after_scaler_step)
+            self._wrap(self.scaler, "update", after=self._after_update)
+        _clip.register(self)
+        self._check_setup(model)
 
     def remove(self) -> None:
         """Remove every hook and wrapper this watcher installed."""
+        _clip.unregister(self)
         for handle in self._handles:
             handle.remove()
         for obj, name in self._wrapped:
@@ -68,63 +115,138 @@ class Watcher:
 
     def _wrap(self, obj: Any, name: str, after: Any, before: Any = None) -> None:
         original = getattr(obj, name)
-        watcher = self
+        guard = self.run.features.guarded("step observation")
+        guarded_before = guard(before) if before is not None else None
+        guarded_after = guard(after)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                watcher._guarded(before, *args, **kwargs)
+            if guarded_before is not None:
+                guarded_before(*args, **kwargs)
             result = original(*args, **kwargs)  # the user's call: its errors are theirs
-            watcher._guarded(after, *args, **kwargs)
+            guarded_after(*args, **kwargs)
             return result
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         obj.__dict__[name] = wrapper
         self._wrapped.append((obj, name))
 
-    def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        self.features.guarded("step observation")(fn)(*args, **kwargs)
+    def _guard(self, fn: Any, *args: Any) -> None:
+        self.run.features.guarded("step observation")(fn)(*args)
 
-    # -- observations -----------------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._grad_norms_seen = False  # per-layer norms / histograms already taken this step
+        self._global_norm: Any = None
+        self._optimizer_stepped = False
+        self._snapshot: list[Any] | None = None
 
-    def _gradient_norms(self) -> None:
-        """Per-layer and global L2 norms of the current gradients, on the device, in float32."""
-        torch = self._torch
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+    # -- gradient observations --------------------------------------------------------------------
+
+    def _grads(self) -> list[Any]:
+        return [p.grad for p in self.params]
+
+    def _observe_gradients(self) -> None:
+        """Per-layer norms and histograms on sampled steps, once per step, before any clipping."""
+        if self._grad_norms_seen:
             return
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        if len(grads) != len(self.params):  # a layer without a gradient this step counts as 0
-            it = iter(norms)
-            zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            norms = [next(it) if p.grad is not None else zero for p in self.params]
-        devices = {n.device for n in norms}
-        if len(devices) > 1:  # model parallel: bring the norms to one device (async copies)
-            norms = [n.to(grads[0].device, non_blocking=True) for n in norms]
-        layer_norms = torch.stack(norms)
-        self._pending[LAYER_GRAD_NORMS] = layer_norms
-        self._pending["grad/global_norm"] = torch.linalg.vector_norm(layer_norms)
+        self._grad_norms_seen = True
+        step = self.run.step
+        options = self.options
+        grads = self._grads()
+        if options.due(options.layer_norms_every, step):
+            per_layer = _quantities.layer_norms(grads, self._like)
+            self.run.buffer.add_tensor("grad/norm", step, per_layer)
+            self._global_norm = _quantities.global_norm(per_layer)
+        if options.due(options.histograms_every, step):
+            self.run.buffer.add_tensor("grad/hist", step, _quantities.log2_histograms(grads, self._like))
 
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is self.optimizer:
-            self._gradient_norms()
+            self._observe_gradients()
+
+    def before_clip(self, parameters: Any, max_norm: float) -> None:
+        self._guard(self._before_clip, parameters, max_norm)
+
+    def _before_clip(self, parameters: list[Any], max_norm: float) -> None:
+        if not parameters or id(parameters[0]) not in self._param_ids:
+            return
+        if self.scaler is not None and not self.fused:
+            from torch.amp.grad_scaler import OptState
+
+            stage = self.scaler._per_optimizer_states[id(self.optimizer)]["stage"]
+            if stage is OptState.READY:
+                self._report_misuse(
+                    "clip_before_unscale",
+                    "clip_grad_norm_ was called on SCALED gradients (before scaler.unscale_): it compares "
+                    "S*||g|| with max_norm, clips on nearly every step and shrinks the true gradient to "
+                    "max_norm/S. Call scaler.unscale_(optimizer) before clipping.",
+                    max_norm=float(max_norm),
+                )
+                return
+        self._observe_gradients()
+
+    def after_clip(self, parameters: Any, max_norm: float, total_norm: Any) -> None:
+        self._guard(self._after_clip, parameters, max_norm, total_norm)
+
+    def _after_clip(self, parameters: list[Any], max_norm: float, total_norm: Any) -> None:
+        if not parameters or id(parameters[0]) not in self._param_ids or "clip_before_unscale" in self._misuse_reported:
+            return
+        if self._global_norm is None:
+            self._global_norm = total_norm.detach()  # the user's own pre-clip norm, reused
+        self.run.buffer.add_scalar(CLIP_MAX_NORM, self.run.step, float(max_norm))
+
+    # -- optimizer hooks --------------------------------------------------------------------------
+
+    def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
+        self._guard(self._pre_step)
+
+    def _pre_step(self) -> None:
+        self._optimizer_stepped = True
+        self._observe_gradients()
+        if self.options.due(self.options.update_ratio_every, self.run.step):
+            self._snapshot = _quantities.snapshot(self.params)
+
+    def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
+        self._guard(self._post_step)
+
+    def _post_step(self) -> None:
+        step = self.run.step
+        if self._snapshot is not None:
+            self.run.buffer.add_tensor("update/ratio", step, _quantities.update_ratios(self.params, self._snapshot))
+            self._snapshot = None
+        if self.scaler is None:
+            self._finish_step()
+            self.run._after_step()
+
+    # -- GradScaler -------------------------------------------------------------------------------
 
     def _before_scaler_step(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is not self.optimizer:
             return
-        self._pending[SCALE_BEFORE] = self.scaler._scale.detach().clone()
+        self._optimizer_stepped = False
+        self.run.buffer.add_scalar(SCALE_BEFORE, self.run.step, self.scaler._scale.detach().clone())
 
     def _after_scaler_step(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is not self.optimizer:
             return
-        torch = self._torch
-        state = self.scaler._per_optimizer_states[id(optimizer)]
-        found = list(state["found_inf_per_device"].values())
-        if found:
-            skipped = torch.stack([f.to(found[0].device, non_blocking=True) for f in found]).sum().clamp(max=1)
+        step = self.run.step
+        buffer = self.run.buffer
+        if self.fused:
+            # The step ran inside the kernel either way: whether it applied is known on the device only.
+            torch = self._torch
+            found = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+            skipped = (
+                torch.stack([f.to(found[0].device, non_blocking=True) for f in found]).sum().clamp(max=1)
+                if found else torch.zeros((), device=self.scaler._scale.device)
+            )
+            buffer.add_scalar("amp/skipped", step, skipped)
         else:
-            skipped = torch.zeros((), device=self.scaler._scale.device)
-        self._pending["amp/skipped"] = skipped
-        self._awaiting_update = self._record_step()
+            skipped_on_host = not self._optimizer_stepped
+            buffer.add_scalar("amp/skipped", step, 1.0 if skipped_on_host else 0.0)
+            if skipped_on_host and not self.options.due(self.options.layer_norms_every, step):
+                # Localise the inf/NaN: per-layer norms, paid for on skipped steps only.
+                buffer.add_tensor("grad/norm", step, _quantities.layer_norms(self._grads(), self._like))
+        self._awaiting_update = step
+        self._finish_step()
 
     def _after_update(self, *_: Any, **__: Any) -> None:
         step = self._awaiting_update
@@ -132,62 +254,134 @@ class Watcher:
             return
         self._awaiting_update = None
         buffer = self.run.buffer
-        buffer.add_scalar("amp/scale", step, self.scaler._scale.detach().clone())
+        scale = self.scaler._scale.detach().clone()
+        buffer.add_scalar("amp/scale", step, scale)
         buffer.add_scalar("amp/growth_tracker", step, self.scaler._growth_tracker.detach().clone())
         self.run._after_step()
 
-    def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
-        self._gradient_norms()
+    # -- step bookkeeping -------------------------------------------------------------------------
 
-    def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
-        self._record_step()
-        self.run._after_step()
-
-    def _record_step(self) -> int:
-        """Hand this step's observations to the buffer and advance the run's step counter."""
+    def _finish_step(self) -> None:
+        """Record the step's remaining observations and advance the run's step counter."""
         step = self.run.step
         buffer = self.run.buffer
-        for key, value in self._pending.items():
-            if key == LAYER_GRAD_NORMS:
-                buffer.add_vector(key, step, value)
-            else:
-                buffer.add_scalar(key, step, value)
-        self._pending.clear()
+        options = self.options
+        if self._global_norm is None:
+            # No clip call and no sampled per-layer norms: one fused norm over the gradients (at this
+            # point unscaled; unchanged since backward, as nothing clipped them).
+            self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
+        buffer.add_scalar("grad/global_norm", step, self._global_norm)
+        if options.due(options.layer_norms_every, step):
+            buffer.add_tensor("param/norm", step, _quantities.layer_norms(self.params, self._like))
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group.get("lr")
             if lr is not None:
-                buffer.add_scalar("lr" if i == 0 else f"lr/{i}", step, lr if isinstance(lr, (int, float)) else lr.detach().clone())
+                key = "lr" if i == 0 else f"lr/{i}"
+                buffer.add_scalar(key, step, lr if isinstance(lr, (int, float)) else lr.detach().clone())
         now = time.perf_counter()
         if self._last_step_end is not None:
-            buffer.add_scalar("perf/step_time", step, now - self._last_step_end)
+            step_time = now - self._last_step_end
+            buffer.add_scalar("perf/step_time", step, step_time)
+            if options.samples_per_step and step_time > 0:
+                buffer.add_scalar("perf/samples_per_sec", step, options.samples_per_step / step_time)
+            if options.tokens_per_step and step_time > 0:
+                buffer.add_scalar("perf/tokens_per_sec", step, options.tokens_per_step / step_time)
         self._last_step_end = now
+        self._reset_step_state()
         self.run.step = step + 1
-        return step
+
+    # -- misuse -----------------------------------------------------------------------------------
+
+    def _report_misuse(self, kind: str, hint: str, **evidence: Any) -> None:
+        if kind in self._misuse_reported:
+            return
+        self._misuse_reported.add(kind)
+        self.run.buffer.add_event(self.run.step, kind, {"hint": hint, **evidence})
+
+    def _check_setup(self, model: Any) -> None:
+        """One-time checks when watching starts (not in the step: a host read here is fine)."""
+        torch = self._torch
+        if self.scaler is None:
+            return
+        config_dtype = getattr(getattr(model, "config", None), "torch_dtype", None)
+        bf16_params = any(p.dtype == torch.bfloat16 for p in self.params)
+        if bf16_params or config_dtype in (torch.bfloat16, "bfloat16"):
+            self._report_misuse(
+                "bf16_model_in_fp16",
+                "this model was trained/stored in bfloat16 and is now trained with an fp16 GradScaler: "
+                "its weights and activations can exceed fp16's range (65504) and overflow every step. "
+                "Train it in bf16 (torch.autocast(dtype=torch.bfloat16), no GradScaler).",
+                config_dtype=str(config_dtype),
+                bf16_parameters=bf16_params,
+            )
+        if self.params:
+            # Checked on the sender thread once the value has arrived: no device sync here.
+            with torch.no_grad():
+                largest = torch.stack([p.detach().abs().amax().float() for p in self.params if p.numel()]).amax()
+            self.run.buffer.add_scalar(MAX_ABS_WEIGHT, self.run.step, largest)
 
     # -- host side, on the sender thread ----------------------------------------------------------
 
-    def derive_events(self, resolved: Resolved) -> None:
-        """Turn the resolved per-step values into `skip` events (scale before/after, culprit layers)."""
-        skipped = resolved.scalars.get("amp/skipped", [])
-        if not skipped:
-            return
-        before = dict(resolved.scalars.get(SCALE_BEFORE, []))
-        after = dict(resolved.scalars.get("amp/scale", []))
-        layer_norms = dict(resolved.vectors.get(LAYER_GRAD_NORMS, []))
-        for step, flag in skipped:
-            if flag < 0.5:
+    def derive(self, resolved: Resolved) -> None:
+        """Host-side quantities from the transferred values: skip events, fp16 fractions, the
+        safe-scale band, post-clip norm, scale-below-1 events; drops update ratios of skipped steps."""
+        scalars, vectors = resolved.scalars, resolved.vectors
+        resolved.layers = self.layer_names
+        for step, largest in scalars.get(MAX_ABS_WEIGHT, []):
+            if largest > _quantities.FP16_MAX:
+                resolved.events.append({"step": step, "kind": "weights_exceed_fp16", "data": {
+                    "max_abs_weight": largest,
+                    "hint": f"a weight of magnitude {largest:.3g} does not fit in fp16 (max 65504): fp16 "
+                    "autocast will produce inf. Train in bf16, or keep that layer in fp32.",
+                }})
+        skipped_steps = {step for step, flag in scalars.get("amp/skipped", []) if flag >= 0.5}
+        before = dict(scalars.get(SCALE_BEFORE, []))
+        after = dict(scalars.get("amp/scale", []))
+        layer_norms = dict(vectors.get("grad/norm", []))
+        for step in sorted(skipped_steps):
+            norms = layer_norms.get(step)
+            data: dict[str, Any] = {"scale_before": before.get(step), "scale_after": after.get(step)}
+            if norms is not None:
+                bad = [n for n, v in zip(self.layer_names, norms) if v != v or v in (float("inf"), float("-inf"))]
+                data["non_finite_layers"] = bad[:MAX_LAYERS_IN_EVENT]
+                data["non_finite_layer_count"] = len(bad)
+            resolved.events.append({"step": step, "kind": "skip", "data": data})
+        if "update/ratio" in vectors and skipped_steps:
+            vectors["update/ratio"] = [(s, v) for s, v in vectors["update/ratio"] if s not in skipped_steps]
+        if not self._scale_below_one_reported:
+            for step, value in scalars.get("amp/scale", []):
+                if value < 1.0:
+                    self._scale_below_one_reported = True
+                    resolved.events.append({"step": step, "kind": "scale_below_one", "data": {
+                        "scale": value,
+                        "hint": "the loss scale fell below 1: gradients overflow even unscaled; look for a "
+                        "layer producing inf (skip events name it), lower the learning rate or switch to bf16",
+                    }})
+                    break
+        max_norms = dict(scalars.get(CLIP_MAX_NORM, []))
+        if max_norms:
+            post = []
+            for step, norm in scalars.get("grad/global_norm", []):
+                if step in max_norms:  # clip_grad_norm_ multiplies by max_norm / (norm + 1e-6), capped at 1
+                    post.append((step, norm * min(1.0, max_norms[step] / (norm + 1e-6))))
+            scalars["grad/global_norm_post_clip"] = post
+        self._derive_fp16_fractions(resolved, before)
+
+    def _derive_fp16_fractions(self, resolved: Resolved, scale_at: dict[int, float]) -> None:
+        histograms = resolved.matrices.get("grad/hist", [])
+        for step, rows in histograms:
+            scale = scale_at.get(step, 1.0) if self.scaler is not None else None
+            if scale is None:
                 continue
-            norms = layer_norms.get(step, [])
-            bad = [name for name, norm in zip(self.layer_names, norms) if norm != norm or abs(norm) == float("inf")]
-            resolved.events.append(
-                {
-                    "step": step,
-                    "kind": "skip",
-                    "data": {
-                        "scale_before": before.get(step),
-                        "scale_after": after.get(step),
-                        "non_finite_layers": bad[:50],
-                        "non_finite_layer_count": len(bad),
-                    },
-                }
-            )
+            fractions = [_quantities.fp16_fractions(row, scale) for row in rows]
+            for index, key in enumerate(("grad/underflow_frac", "grad/precision_loss_frac", "grad/overflow_frac")):
+                resolved.vectors.setdefault(key, []).append((step, [f[index] for f in fractions]))
+            total = [sum(column) for column in zip(*rows)] if rows else []
+            if total:
+                under, precision, over = _quantities.fp16_fractions(total, scale)
+                resolved.scalars.setdefault("grad/global_underflow_frac", []).append((step, under))
+                resolved.scalars.setdefault("grad/global_precision_loss_frac", []).append((step, precision))
+                resolved.scalars.setdefault("grad/global_overflow_frac", []).append((step, over))
+            low, high = _quantities.safe_scale_band(rows)
+            resolved.scalars.setdefault("amp/safe_scale_min", []).append((step, low))
+            resolved.scalars.setdefault("amp/safe_scale_max", []).append((step, high))

@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -57,10 +58,14 @@ class Run(Base):
     created_at: Mapped[float] = mapped_column(Float)  # seconds since the epoch, UTC
     updated_at: Mapped[float] = mapped_column(Float)
     last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Names of the entries of the run's per-layer vectors, in the model's order (JSON list).
+    layers_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
 
 
 class Series(Base):
-    """One scalar key of one run (e.g. "amp/scale"); points refer to it by a small integer id."""
+    """One key of one run (e.g. "amp/scale", "grad/norm"); points refer to it by a small integer id.
+
+    kind: "scalar" (points), "vector" (vector_points) or "histogram" (histogram_points)."""
 
     __tablename__ = "series"
     __table_args__ = (UniqueConstraint("run_id", "key"),)
@@ -68,6 +73,7 @@ class Series(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
     key: Mapped[str] = mapped_column(String(250))
+    kind: Mapped[str] = mapped_column(String(16), default="scalar", server_default="scalar")
 
 
 class Point(Base):
@@ -80,6 +86,34 @@ class Point(Base):
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
     flag: Mapped[int] = mapped_column(SmallInteger, default=Flag.FINITE)
+
+
+class VectorPoint(Base):
+    """One value per layer at one step, as little-endian float64 bytes (NaN/±Inf kept as they are)."""
+
+    __tablename__ = "vector_points"
+
+    series_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class HistogramPoint(Base):
+    """Per-layer log2 histograms at one step: little-endian int64 counts, layers x (bins + 2)."""
+
+    __tablename__ = "histogram_points"
+
+    series_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    exponent_min: Mapped[int] = mapped_column(Integer)
+    exponent_max: Mapped[int] = mapped_column(Integer)
+    counts: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Event(Base):

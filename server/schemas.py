@@ -16,6 +16,7 @@ Name = Annotated[str, Field(min_length=1, max_length=200)]
 MetricKey = Annotated[str, Field(min_length=1, max_length=250)]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 RunStatus = Literal["running", "finished", "crashed"]
+JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
 # Per batch: an agent flushes about once a second, so these are generous.
 MAX_SERIES_PER_BATCH = 10_000
@@ -73,6 +74,59 @@ class ScalarSeriesIn(BaseModel):
         return self
 
 
+MAX_LAYERS = 100_000
+LayerName = Annotated[str, Field(min_length=1, max_length=500)]
+
+
+class VectorSeriesIn(BaseModel):
+    """One per-layer quantity (e.g. "grad/norm") at several steps: a row of one value per layer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: MetricKey
+    steps: list[Step] = Field(max_length=100_000)
+    values: list[list[float]] = Field(max_length=100_000)
+
+    @model_validator(mode="after")
+    def _rows_pair_with_steps(self) -> VectorSeriesIn:
+        if len(self.steps) != len(self.values):
+            raise ValueError(
+                f"vector {self.key!r}: {len(self.steps)} steps but {len(self.values)} rows; they must pair up"
+            )
+        widths = {len(row) for row in self.values}
+        if len(widths) > 1:
+            raise ValueError(f"vector {self.key!r}: rows have different lengths {sorted(widths)}")
+        if widths and widths.pop() > MAX_LAYERS:
+            raise ValueError(f"vector {self.key!r}: more than {MAX_LAYERS} layers")
+        return self
+
+
+class HistogramIn(BaseModel):
+    """Per-layer log2 histograms at one step. Each row: counts for exponents exponent_min..exponent_max
+    (bin e counts |g| in [2^(e-1), 2^e)), then the count of zeros, then of NaN/±Inf."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: MetricKey
+    step: Step
+    exponent_min: Annotated[int, Field(ge=-2000, le=2000)]
+    exponent_max: Annotated[int, Field(ge=-2000, le=2000)]
+    counts: list[list[Annotated[int, Field(ge=0)]]] = Field(max_length=MAX_LAYERS)
+
+    @model_validator(mode="after")
+    def _row_width(self) -> HistogramIn:
+        if self.exponent_max < self.exponent_min:
+            raise ValueError(f"histogram {self.key!r}: exponent_max {self.exponent_max} < exponent_min {self.exponent_min}")
+        width = self.exponent_max - self.exponent_min + 3
+        for index, row in enumerate(self.counts):
+            if len(row) != width:
+                raise ValueError(
+                    f"histogram {self.key!r}: row {index} has {len(row)} counts, expected {width} "
+                    "(one per exponent, then zeros, then non-finite)"
+                )
+        return self
+
+
 class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -90,16 +144,38 @@ class BatchIn(BaseModel):
     seq: Annotated[int, Field(ge=0)]
     scalars: list[ScalarSeriesIn] = Field(default_factory=list, max_length=MAX_SERIES_PER_BATCH)
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BATCH)
+    vectors: list[VectorSeriesIn] = Field(default_factory=list, max_length=MAX_SERIES_PER_BATCH)
+    histograms: list[HistogramIn] = Field(default_factory=list, max_length=MAX_SERIES_PER_BATCH)
+    layers: list[LayerName] | None = Field(
+        default=None, max_length=MAX_LAYERS, description="names of the vectors' entries, in order"
+    )
     status: RunStatus | None = None
+
+
+class VectorsOut(BaseModel):
+    key: str
+    rank: int
+    layers: list[str]
+    steps: list[int] = Field(description="first step of each (possibly downsampled) column")
+    values: list[list[JsonFloat]] = Field(description="one row per step, one value per layer")
+    downsampled: bool = Field(description="true when steps were merged (max per layer, non-finite kept)")
+
+
+class HistogramsOut(BaseModel):
+    key: str
+    rank: int
+    layer: str
+    exponents: list[int] = Field(description="bin e counts |g| in [2^(e-1), 2^e); ends are open")
+    steps: list[int]
+    counts: list[list[int]] = Field(description="one row per step, one count per exponent")
+    zeros: list[int]
+    non_finite: list[int]
 
 
 class BatchAck(BaseModel):
     duplicate: bool = Field(description="true when this (run, rank, seq) was stored before")
     points: int
     events: int
-
-
-JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
 
 class SeriesOut(BaseModel):
@@ -124,6 +200,7 @@ class EventList(BaseModel):
 
 class KeyList(BaseModel):
     data: list[str]
+    kind: str
 
 
 def json_float(value: float) -> JsonFloat:

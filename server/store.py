@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from array import array
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,8 +22,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from .downsample import min_max_indices
-from .errors import Conflict, NotFound
-from .models import AgentBatch, Event, Flag, Point, Run, Series
+from .errors import Conflict, InvalidRequest, NotFound
+from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
 from .schemas import BatchIn, RunIn, json_float
 
 _FLAG_VALUES = {Flag.NAN: math.nan, Flag.POS_INF: math.inf, Flag.NEG_INF: -math.inf}
@@ -41,6 +43,22 @@ def decode_float(value: float | None, flag: int) -> float:
     if flag == Flag.FINITE and value is not None:
         return value
     return _FLAG_VALUES.get(Flag(flag), math.nan)
+
+
+def pack(values: list[float] | list[int], typecode: str) -> bytes:
+    """Little-endian bytes of a float64 ("d") or int64 ("q") array: compact, portable, NaN-preserving."""
+    packed = array(typecode, values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack(data: bytes, typecode: str) -> list[Any]:
+    values = array(typecode)
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 def _json_safe(obj: Any) -> Any:
@@ -85,6 +103,38 @@ class SeriesResult:
     steps: list[int]
     values: list[float]
     downsampled: bool
+
+
+@dataclass(frozen=True)
+class VectorsResult:
+    layers: list[str]
+    steps: list[int]
+    values: list[list[float]]
+    downsampled: bool
+
+
+@dataclass(frozen=True)
+class HistogramsResult:
+    exponents: list[int]
+    steps: list[int]
+    counts: list[list[int]]
+    zeros: list[int]
+    non_finite: list[int]
+
+
+def _worst(values: tuple[float, ...]) -> float:
+    for value in values:
+        if not math.isfinite(value):
+            return value
+    return max(values)
+
+
+def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
+    if start is not None:
+        query = query.where(column >= start)
+    if end is not None:
+        query = query.where(column < end)
+    return query
 
 
 @dataclass(frozen=True)
@@ -167,7 +217,8 @@ class Store:
         with self._transaction() as session:
             self._require_run(session, run_id)
             series_ids = select(Series.id).where(Series.run_id == run_id)
-            session.execute(delete(Point).where(Point.series_id.in_(series_ids)))
+            for table in (Point, VectorPoint, HistogramPoint):
+                session.execute(delete(table).where(table.series_id.in_(series_ids)))
             for table in (Series, Event, AgentBatch):
                 session.execute(delete(table).where(table.run_id == run_id))
             session.execute(delete(Run).where(Run.id == run_id))
@@ -188,7 +239,7 @@ class Store:
             if claimed is None:
                 return IngestResult(duplicate=True, points=0, events=0)
 
-            series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars])
+            series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
             point_rows = []
             last_step = -1
             for series in batch.scalars:
@@ -221,7 +272,10 @@ class Store:
                     ],
                 )
                 last_step = max(last_step, max(e.step for e in batch.events))
+            last_step = max(last_step, self._ingest_layer_data(session, run_id, batch))
             values: dict[str, Any] = {"updated_at": now}
+            if batch.layers is not None:
+                values["layers_json"] = json.dumps(batch.layers)
             if last_step >= 0:
                 if session.get_bind().dialect.name == "sqlite":
                     # SQLite spells the two-argument maximum max(); PostgreSQL spells it greatest().
@@ -233,25 +287,148 @@ class Store:
             session.execute(update(Run).where(Run.id == run_id).values(**values))
             return IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
 
-    def _series_ids(self, session: Session, run_id: str, keys: list[str]) -> dict[str, int]:
+    def _ingest_layer_data(self, session: Session, run_id: str, batch: BatchIn) -> int:
+        """Store the batch's per-layer vectors and histograms; returns the largest step (or -1)."""
+        if not batch.vectors and not batch.histograms:
+            return -1
+        layers = batch.layers
+        if layers is None:
+            layers = json.loads(session.scalar(select(Run.layers_json).where(Run.id == run_id)) or "[]")
+        width = len(layers)
+        last_step = -1
+        for vector in batch.vectors:
+            for row in vector.values:
+                if width and len(row) != width:
+                    raise InvalidRequest(
+                        f"vector {vector.key!r} has {len(row)} values per step but the run has {width} layers"
+                    )
+        for histogram in batch.histograms:
+            if width and len(histogram.counts) != width:
+                raise InvalidRequest(
+                    f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} layers"
+                )
+        vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
+        rows = [
+            {"series_id": vector_ids[v.key], "rank": batch.rank, "step": step, "data": pack(row, "d")}
+            for v in batch.vectors
+            for step, row in zip(v.steps, v.values)
+        ]
+        if rows:
+            upsert = self._insert(VectorPoint)
+            session.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=["series_id", "rank", "step"], set_={"data": upsert.excluded.data}
+                ),
+                rows,
+            )
+            last_step = max(row["step"] for row in rows)
+        histogram_ids = self._series_ids(session, run_id, [h.key for h in batch.histograms], "histogram")
+        rows = [
+            {
+                "series_id": histogram_ids[h.key], "rank": batch.rank, "step": h.step,
+                "exponent_min": h.exponent_min, "exponent_max": h.exponent_max,
+                "counts": pack([c for row in h.counts for c in row], "q"),
+            }
+            for h in batch.histograms
+        ]
+        if rows:
+            upsert = self._insert(HistogramPoint)
+            session.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=["series_id", "rank", "step"],
+                    set_={name: getattr(upsert.excluded, name) for name in ("exponent_min", "exponent_max", "counts")},
+                ),
+                rows,
+            )
+            last_step = max([last_step] + [row["step"] for row in rows])
+        return last_step
+
+    def _series_ids(self, session: Session, run_id: str, keys: list[str], kind: str) -> dict[str, int]:
         if not keys:
             return {}
         wanted = sorted(set(keys))
         session.execute(
             self._insert(Series).on_conflict_do_nothing(index_elements=["run_id", "key"]),
-            [{"run_id": run_id, "key": key} for key in wanted],
+            [{"run_id": run_id, "key": key, "kind": kind} for key in wanted],
         )
         rows = session.execute(
-            select(Series.key, Series.id).where(Series.run_id == run_id, Series.key.in_(wanted))
+            select(Series.key, Series.id, Series.kind).where(Series.run_id == run_id, Series.key.in_(wanted))
         ).all()
-        return {key: series_id for key, series_id in rows}
+        clashes = [key for key, _, stored_kind in rows if stored_kind != kind]
+        if clashes:
+            raise InvalidRequest(f"key {clashes[0]!r} is already used by this run for another kind of data")
+        return {key: series_id for key, series_id, _ in rows}
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def keys(self, run_id: str) -> list[str]:
+    def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
         with self._transaction() as session:
             self._require_run(session, run_id)
-            return list(session.scalars(select(Series.key).where(Series.run_id == run_id).order_by(Series.key)))
+            return list(
+                session.scalars(
+                    select(Series.key).where(Series.run_id == run_id, Series.kind == kind).order_by(Series.key)
+                )
+            )
+
+    def vectors(
+        self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_steps: int
+    ) -> VectorsResult:
+        """Per-layer rows of one key with start <= step < end; more than max_steps steps are merged
+        into buckets keeping, per layer, the first non-finite value or else the largest."""
+        with self._transaction() as session:
+            run = self._require_run(session, run_id)
+            query = (
+                select(VectorPoint.step, VectorPoint.data)
+                .join(Series, Series.id == VectorPoint.series_id)
+                .where(Series.run_id == run_id, Series.key == key, VectorPoint.rank == rank)
+            )
+            query = _step_range(query, VectorPoint.step, start, end)
+            rows = session.execute(query.order_by(VectorPoint.step)).all()
+            layers = json.loads(run.layers_json)
+        steps = [row.step for row in rows]
+        matrix = [unpack(row.data, "d") for row in rows]
+        if len(rows) <= max_steps:
+            return VectorsResult(layers, steps, matrix, downsampled=False)
+        merged_steps, merged = [], []
+        n = len(rows)
+        for b in range(max_steps):
+            lo, hi = b * n // max_steps, (b + 1) * n // max_steps
+            if lo == hi:
+                continue
+            merged_steps.append(steps[lo])
+            merged.append([_worst(column) for column in zip(*matrix[lo:hi])])
+        return VectorsResult(layers, merged_steps, merged, downsampled=True)
+
+    def histograms(
+        self, run_id: str, key: str, layer: str, rank: int, start: int | None, end: int | None, max_steps: int
+    ) -> HistogramsResult:
+        """One layer's log2 histograms over steps (evenly thinned to at most max_steps snapshots)."""
+        with self._transaction() as session:
+            run = self._require_run(session, run_id)
+            layers = json.loads(run.layers_json)
+            if layer not in layers:
+                raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
+            index = layers.index(layer)
+            query = (
+                select(HistogramPoint)
+                .join(Series, Series.id == HistogramPoint.series_id)
+                .where(Series.run_id == run_id, Series.key == key, HistogramPoint.rank == rank)
+            )
+            query = _step_range(query, HistogramPoint.step, start, end)
+            points = session.scalars(query.order_by(HistogramPoint.step)).all()
+            if len(points) > max_steps:
+                points = [points[i * len(points) // max_steps] for i in range(max_steps)]
+            exponent_min = points[0].exponent_min if points else 0
+            exponent_max = points[0].exponent_max if points else -1
+            steps, counts, zeros, non_finite = [], [], [], []
+            for point in points:
+                width = point.exponent_max - point.exponent_min + 3
+                row = unpack(point.counts, "q")[index * width : (index + 1) * width]
+                steps.append(point.step)
+                counts.append(row[:-2])
+                zeros.append(row[-2])
+                non_finite.append(row[-1])
+        return HistogramsResult(list(range(exponent_min, exponent_max + 1)), steps, counts, zeros, non_finite)
 
     def series(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
@@ -264,10 +441,7 @@ class Store:
                 .join(Series, Series.id == Point.series_id)
                 .where(Series.run_id == run_id, Series.key == key, Point.rank == rank)
             )
-            if start is not None:
-                query = query.where(Point.step >= start)
-            if end is not None:
-                query = query.where(Point.step < end)
+            query = _step_range(query, Point.step, start, end)
             rows = session.execute(query.order_by(Point.step)).all()
         steps = [row.step for row in rows]
         values = [decode_float(row.value, row.flag) for row in rows]
@@ -284,10 +458,7 @@ class Store:
             query = select(Event).where(Event.run_id == run_id)
             if kind is not None:
                 query = query.where(Event.kind == kind)
-            if start is not None:
-                query = query.where(Event.step >= start)
-            if end is not None:
-                query = query.where(Event.step < end)
+            query = _step_range(query, Event.step, start, end)
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             rows = session.scalars(query.order_by(Event.step, Event.id).limit(limit)).all()
             return [EventRecord(e.step, e.kind, e.rank, json.loads(e.data_json)) for e in rows], total

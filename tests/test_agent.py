@@ -111,7 +111,7 @@ def test_errors_inside_the_agent_never_reach_the_loop(monkeypatch):
     def broken(*_args, **_kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(run.buffer, "add_vector", broken)
+    monkeypatch.setattr(run.buffer, "add_tensor", broken)
     with pytest.warns(GradwatchWarning, match="step observation disabled after an internal error") as caught:
         model = train(10, run=run, overflow_steps=(2,))
     assert len(caught) == 1  # one warning, not one per step

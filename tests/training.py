@@ -42,14 +42,18 @@ def train(
     seed: int = 0,
     log_loss: bool = True,
     reference: Reference | None = None,
+    watch_options: dict[str, Any] | None = None,
+    clip: str | None = "after_unscale",
+    fused: bool = False,
+    init_scale: float = 2.0**16,
 ) -> TinyNet:
     """Train TinyNet for `steps` optimizer steps; `overflow_steps` blow up activations to inf in fp16."""
     torch.manual_seed(seed)
     model = TinyNet()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=20) if precision == "fp16" else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=20) if precision == "fp16" else None
     if run is not None:
-        run.watch(model, optimizer, scaler=scaler)
+        run.watch(model, optimizer, scaler=scaler, **(watch_options or {}))
     generator = torch.Generator().manual_seed(seed)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     for step in range(steps):
@@ -63,6 +67,8 @@ def train(
             run.log({"loss": loss})
         if scaler is not None:
             scaler.scale(loss).backward()
+            if clip == "before_unscale":
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.unscale_(optimizer)
             if reference is not None:
                 reference.global_norms.append(_global_norm(model))
@@ -73,7 +79,8 @@ def train(
                     sum(v.item() for v in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
                     > 0
                 )
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip == "after_unscale":
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
             if reference is not None:
@@ -83,7 +90,8 @@ def train(
             if reference is not None:
                 reference.global_norms.append(_global_norm(model))
                 reference.skipped.append(False)
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         if reference is not None:
             reference.losses.append(loss.item())
@@ -115,6 +123,20 @@ class RecordingTransport:
                 if series["key"] == key:
                     points.update(zip(series["steps"], series["values"]))
         return dict(sorted(points.items()))
+
+    def vectors(self, key: str) -> dict[int, list[Any]]:
+        rows: dict[int, list[Any]] = {}
+        for batch in self.batches:
+            for vector in batch.get("vectors", []):
+                if vector["key"] == key:
+                    rows.update(zip(vector["steps"], vector["values"]))
+        return dict(sorted(rows.items()))
+
+    def histograms(self, key: str = "grad/hist") -> dict[int, dict[str, Any]]:
+        return {h["step"]: h for b in self.batches for h in b.get("histograms", []) if h["key"] == key}
+
+    def layers(self) -> list[str]:
+        return next(b["layers"] for b in self.batches if "layers" in b)
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [e for b in self.batches for e in b["events"] if e["kind"] == kind]

@@ -1,4 +1,4 @@
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response, status
 
@@ -70,6 +70,8 @@ def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep) -> BatchAck:
 
 
 @router.get("/{run_id}/keys")
-def list_keys(run_id: str, store: StoreDep) -> KeyList:
-    """The scalar series keys a run has."""
-    return KeyList(data=store.keys(run_id))
+def list_keys(
+    run_id: str, store: StoreDep, kind: Literal["scalar", "vector", "histogram"] = "scalar"
+) -> KeyList:
+    """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
+    return KeyList(data=store.keys(run_id, kind), kind=kind)

@@ -3,7 +3,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ..deps import StoreDep
-from ..schemas import EventList, EventOut, SeriesOut, json_float
+from ..schemas import EventList, EventOut, HistogramsOut, SeriesOut, VectorsOut, json_float
 
 router = APIRouter(prefix="/api/v1/runs", tags=["series"])
 
@@ -26,6 +26,47 @@ def get_series(
         steps=result.steps,
         values=[json_float(v) for v in result.values],
         downsampled=result.downsampled,
+    )
+
+
+@router.get("/{run_id}/vectors")
+def get_vectors(
+    run_id: str,
+    store: StoreDep,
+    key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. grad/norm, update/ratio")],
+    max_steps: Annotated[int, Query(ge=1, le=20_000)] = 500,
+    start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
+    end: Annotated[int | None, Query(ge=0, description="last step, exclusive")] = None,
+    rank: Annotated[int, Query(ge=0)] = 0,
+) -> VectorsOut:
+    """A per-layer quantity as a step x layer matrix (for heatmaps), in the model's layer order."""
+    result = store.vectors(run_id, key, rank, start, end, max_steps)
+    return VectorsOut(
+        key=key,
+        rank=rank,
+        layers=result.layers,
+        steps=result.steps,
+        values=[[json_float(v) for v in row] for row in result.values],
+        downsampled=result.downsampled,
+    )
+
+
+@router.get("/{run_id}/histograms")
+def get_histograms(
+    run_id: str,
+    store: StoreDep,
+    layer: Annotated[str, Query(min_length=1, max_length=500, description="a layer name")],
+    key: Annotated[str, Query(min_length=1, max_length=250)] = "grad/hist",
+    max_steps: Annotated[int, Query(ge=1, le=10_000)] = 200,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    end: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int, Query(ge=0)] = 0,
+) -> HistogramsOut:
+    """One layer's log2|g| histograms over steps: counts per power of two, zeros, NaN/Inf."""
+    result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
+    return HistogramsOut(
+        key=key, rank=rank, layer=layer, exponents=result.exponents, steps=result.steps,
+        counts=result.counts, zeros=result.zeros, non_finite=result.non_finite,
     )
 
 

@@ -1,0 +1,60 @@
+"""Interception of torch.nn.utils.clip_grad_norm_ while at least one Watcher wants it.
+
+The total norm clip_grad_norm_ returns is the pre-clip gradient norm the user already paid for;
+watchers reuse it instead of computing their own. The patch is installed with the first watcher and
+removed with the last; behaviour of the call itself is unchanged (same arguments, same result).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_watchers: list[Any] = []
+_originals: dict[str, Any] = {}
+
+
+def _patched(original: Any) -> Any:
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        if not _watchers:
+            return original(parameters, max_norm, *args, **kwargs)
+        # A generator would be consumed by our look at it: hand the original the same items as a list.
+        if not hasattr(parameters, "grad"):
+            parameters = list(parameters)
+        for watcher in list(_watchers):
+            watcher.before_clip(parameters, max_norm)
+        total_norm = original(parameters, max_norm, *args, **kwargs)
+        for watcher in list(_watchers):
+            watcher.after_clip(parameters, max_norm, total_norm)
+        return total_norm
+
+    clip_grad_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+def register(watcher: Any) -> None:
+    import torch.nn.utils
+    import torch.nn.utils.clip_grad
+
+    with _lock:
+        if not _watchers:
+            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                original = module.clip_grad_norm_
+                _originals[module.__name__] = original
+                module.clip_grad_norm_ = _patched(original)
+        _watchers.append(watcher)
+
+
+def unregister(watcher: Any) -> None:
+    import torch.nn.utils
+    import torch.nn.utils.clip_grad
+
+    with _lock:
+        if watcher in _watchers:
+            _watchers.remove(watcher)
+        if not _watchers and _originals:
+            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                module.clip_grad_norm_ = _originals.pop(module.__name__)

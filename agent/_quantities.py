@@ -1,0 +1,158 @@
+"""What is computed: the training-health quantities, as pure functions of tensors on their device.
+
+No function here synchronises with the device (no .item(), .tolist(), .cpu(), no data-dependent
+Python branching); each returns tensors that the StepBuffer later moves to the host in one transfer.
+Host-side derivations from the transferred values (fp16 fractions, safe-scale band) live at the
+bottom and run on the sender thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+# log2 histogram bins: bin e counts |g| in [2^(e-1), 2^e) (torch.frexp's exponent), e in
+# [EXPONENT_MIN, EXPONENT_MAX]; smaller magnitudes fall into the first bin, larger into the last.
+# The range covers fp16's thresholds (2^-24, 2^-14, 2^16) at any loss scale from 2^-40 to 2^56.
+EXPONENT_MIN = -80
+EXPONENT_MAX = 40
+N_BINS = EXPONENT_MAX - EXPONENT_MIN + 1
+# Columns of one layer's histogram row: N_BINS exponent bins, then zeros, then non-finite values.
+ZERO_COLUMN = N_BINS
+NON_FINITE_COLUMN = N_BINS + 1
+
+FP16_SMALLEST_SUBNORMAL = 2.0**-24  # below this (scaled) a gradient becomes 0 in fp16
+FP16_SMALLEST_NORMAL = 2.0**-14  # below this it loses precision (subnormal)
+FP16_MAX = 65504.0  # above this it becomes inf
+
+
+def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
+    """L2 norm of each tensor, in float32, stacked into one 1-d tensor (one value per layer).
+
+    `tensors` may contain None (a layer without a gradient this step): its norm is 0.
+    `like`: a tensor on the device the result should live on.
+    """
+    import torch
+
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return torch.zeros(len(tensors), dtype=torch.float32, device=like.device)
+    norms = torch._foreach_norm(present, 2, dtype=torch.float32)
+    if len(present) != len(tensors):
+        it = iter(norms)
+        zero = torch.zeros((), dtype=torch.float32, device=like.device)
+        norms = [next(it) if t is not None else zero for t in tensors]
+    if len({n.device for n in norms}) > 1:  # model parallel: gather the scalars on one device
+        norms = [n.to(like.device, non_blocking=True) for n in norms]
+    return torch.stack(norms)
+
+
+def global_norm(per_layer: Any) -> Any:
+    """The global L2 norm from per-layer L2 norms (sqrt of the sum of squares)."""
+    import torch
+
+    return torch.linalg.vector_norm(per_layer)
+
+
+def snapshot(params: Sequence[Any]) -> list[Any]:
+    """Copies of the parameters, taken before an optimizer step (for the update ratio)."""
+    import torch
+
+    with torch.no_grad():
+        return torch._foreach_mul([p.detach() for p in params], 1.0)
+
+
+def update_ratios(params: Sequence[Any], before: Sequence[Any]) -> Any:
+    """||W_after − W_before|| / ||W_before|| per layer, float32 (inf where W_before is all zeros)."""
+    import torch
+
+    with torch.no_grad():
+        after = [p.detach() for p in params]
+        delta = torch._foreach_sub(after, list(before))
+        delta_norms = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
+        weight_norms = torch.stack(torch._foreach_norm(list(before), 2, dtype=torch.float32))
+        return delta_norms / weight_norms
+
+
+def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
+    """Per layer, counts of |g| per power-of-two bin plus zero and non-finite counts.
+
+    Returns an int64 tensor [layers, N_BINS + 2]; column e - EXPONENT_MIN counts |g| in
+    [2^(e-1), 2^e); ZERO_COLUMN counts exact zeros, NON_FINITE_COLUMN NaN and ±Inf. Exact: every
+    element is counted once, NaN/Inf are never dropped. A missing tensor (None) gives a zero row.
+    """
+    import torch
+
+    rows = []
+    dump = N_BINS  # index for elements that are zero or non-finite; cut off below
+    for t in tensors:
+        if t is None:
+            rows.append(torch.zeros(N_BINS + 2, dtype=torch.int64, device=like.device))
+            continue
+        flat = t.detach().reshape(-1).float()
+        finite = torch.isfinite(flat)
+        magnitude = flat.abs()
+        nonzero = magnitude > 0
+        _, exponent = torch.frexp(magnitude)
+        index = (exponent.clamp(EXPONENT_MIN, EXPONENT_MAX) - EXPONENT_MIN).long()
+        index = torch.where(finite & nonzero, index, dump)
+        counts = torch.bincount(index, minlength=N_BINS + 1)[:N_BINS]
+        zeros = (finite & ~nonzero).sum().reshape(1)
+        non_finite = (~finite).sum().reshape(1)
+        row = torch.cat([counts, zeros, non_finite])
+        rows.append(row.to(like.device, non_blocking=True))
+    return torch.stack(rows)
+
+
+# -- host side (sender thread): derivations from transferred histograms --------------------------
+
+
+def _bin_lower_edge(column: int) -> float:
+    return 2.0 ** (column + EXPONENT_MIN - 1)
+
+
+def _bin_upper_edge(column: int) -> float:
+    return 2.0 ** (column + EXPONENT_MIN)
+
+
+def fp16_fractions(row: Sequence[float], scale: float) -> tuple[float, float, float]:
+    """(underflow, precision-loss, overflow) fractions of one layer's non-zero finite gradients at
+    loss scale `scale`: |g·S| < 2^-24, |g·S| < 2^-14, |g·S| > 65504.
+
+    Counted from whole bins, so exact when S is a power of two (GradScaler's scales are); otherwise
+    a bin straddling a threshold is counted on the safe side (not underflowing / not overflowing).
+    NaN when the layer has no non-zero finite gradient.
+    """
+    counted = sum(row[:N_BINS])
+    if counted == 0 or not (scale > 0 and math.isfinite(scale)):
+        return math.nan, math.nan, math.nan
+    underflow = precision_loss = overflow = 0.0
+    for column in range(N_BINS):
+        count = row[column]
+        if not count:
+            continue
+        if _bin_upper_edge(column) * scale <= FP16_SMALLEST_SUBNORMAL:
+            underflow += count
+        if _bin_upper_edge(column) * scale <= FP16_SMALLEST_NORMAL:
+            precision_loss += count
+        if _bin_lower_edge(column) * scale > FP16_MAX:
+            overflow += count
+    return underflow / counted, precision_loss / counted, overflow / counted
+
+
+def safe_scale_band(rows: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(low, high): loss scales S with eps_fp16 / g_min < S < 65504 / g_max, from all layers' bins.
+
+    g_min is taken as the lower edge of the smallest non-empty bin and g_max as the upper edge of the
+    largest, so the band is conservative (never wider than the true one). NaN when nothing counted.
+    """
+    lowest = highest = None
+    for row in rows:
+        for column in range(N_BINS):
+            if row[column]:
+                lowest = column if lowest is None else min(lowest, column)
+                highest = column if highest is None else max(highest, column)
+    if lowest is None or highest is None:
+        return math.nan, math.nan
+    return FP16_SMALLEST_SUBNORMAL / _bin_lower_edge(lowest), FP16_MAX / _bin_upper_edge(highest)

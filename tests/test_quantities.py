@@ -1,0 +1,212 @@
+"""Each per-step quantity checked against a plain-autograd reference on a tiny model."""
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+from training import RecordingTransport, TinyNet, train
+
+import gradwatch
+from gradwatch import _quantities as q
+
+
+def _run(transport):
+    return gradwatch.init(project="q", transport=transport)
+
+
+def _one_step(options, precision="fp16", clip=True, capture=None):
+    """One fp16/bf16 step on TinyNet with gradwatch; returns the transport and what the test saw."""
+    torch.manual_seed(1)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if precision == "fp16" else None
+    transport = RecordingTransport()
+    seen = {}
+    with _run(transport) as run:
+        run.watch(model, optimizer, scaler=scaler, **options)
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        seen["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        seen["before"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if clip:
+            seen["clip_return"] = nn.utils.clip_grad_norm_(model.parameters(), 0.01).item()
+            seen["post_clip"] = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters()])
+            ).item()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        seen["after"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        seen["names"] = [n for n, _ in model.named_parameters()]
+    return transport, seen
+
+
+def test_per_layer_grad_and_param_norms_match_autograd():
+    transport, seen = _one_step({"layer_norms_every": 1})
+    assert transport.layers() == seen["names"]
+    grad_norms = transport.vectors("grad/norm")[0]
+    param_norms = transport.vectors("param/norm")[0]
+    for i, name in enumerate(seen["names"]):
+        assert grad_norms[i] == pytest.approx(seen["grads"][name].norm().item(), rel=1e-6)  # pre-clip
+        assert param_norms[i] == pytest.approx(seen["after"][name].norm().item(), rel=1e-6)
+
+
+def test_global_norm_reuses_clip_and_post_clip_is_derived():
+    transport, seen = _one_step({"layer_norms_every": 0})
+    assert transport.series("grad/global_norm")[0] == pytest.approx(seen["clip_return"], rel=1e-6)
+    assert transport.series("grad/global_norm_post_clip")[0] == pytest.approx(seen["post_clip"], rel=1e-4)
+
+
+def test_global_norm_without_clip_is_computed():
+    transport, seen = _one_step({"layer_norms_every": 0}, clip=False)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen["grads"].values()])).item()
+    assert transport.series("grad/global_norm")[0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_update_ratio_matches_autograd():
+    transport, seen = _one_step({"update_ratio_every": 1}, precision="bf16")
+    ratios = transport.vectors("update/ratio")[0]
+    for i, name in enumerate(seen["names"]):
+        before, after = seen["before"][name], seen["after"][name]
+        assert ratios[i] == pytest.approx(((after - before).norm() / before.norm()).item(), rel=1e-5)
+
+
+def test_histograms_match_a_per_element_reference_and_count_every_value():
+    tensors = [
+        torch.tensor([0.0, 1.0, -1.5, 3e-8, float("nan"), float("inf"), -float("inf"), 2.0**-100, 2.0**60]),
+        torch.zeros(5),
+        torch.full((4,), float("nan")),  # all-NaN: counted, never a crash
+        None,
+    ]
+    rows = q.log2_histograms(tensors, torch.zeros(())).tolist()
+    for tensor, row in zip(tensors, rows):
+        expected = [0] * (q.N_BINS + 2)
+        for value in ([] if tensor is None else tensor.tolist()):
+            if not math.isfinite(value):
+                expected[q.NON_FINITE_COLUMN] += 1
+            elif value == 0:
+                expected[q.ZERO_COLUMN] += 1
+            else:
+                exponent = min(max(math.frexp(abs(value))[1], q.EXPONENT_MIN), q.EXPONENT_MAX)
+                expected[exponent - q.EXPONENT_MIN] += 1
+        assert row == expected
+        assert sum(row) == (0 if tensor is None else tensor.numel())
+
+
+def test_fp16_fractions_match_brute_force():
+    rng = random.Random(0)
+    values = [rng.choice([-1, 1]) * 2.0 ** rng.uniform(-45, 5) for _ in range(5_000)]
+    row = q.log2_histograms([torch.tensor(values)], torch.zeros(())).tolist()[0]
+    for scale in (1.0, 2.0**8, 2.0**16, 2.0**24):
+        under, precision, over = q.fp16_fractions(row, scale)
+        assert under == sum(abs(v * scale) < 2.0**-24 for v in values) / len(values)
+        assert precision == sum(abs(v * scale) < 2.0**-14 for v in values) / len(values)
+        assert over == sum(abs(v * scale) > 65504 for v in values) / len(values)
+
+
+def test_safe_scale_band_is_conservative():
+    values = [3e-7, -0.02, 5.0]
+    row = q.log2_histograms([torch.tensor(values)], torch.zeros(())).tolist()[0]
+    low, high = q.safe_scale_band([row])
+    assert low >= 2.0**-24 / min(map(abs, values))
+    assert high <= 65504 / max(map(abs, values))
+    assert low < high
+
+
+def test_histograms_and_fractions_travel_with_the_run():
+    transport, seen = _one_step({"histograms_every": 1})
+    histogram = transport.histograms()[0]
+    assert len(histogram["counts"]) == len(seen["names"])
+    for name, counts in zip(seen["names"], histogram["counts"]):
+        assert sum(counts) == seen["grads"][name].numel()
+    under = transport.vectors("grad/underflow_frac")[0]
+    assert len(under) == len(seen["names"]) and all(0 <= f <= 1 for f in under)
+    low = transport.series("amp/safe_scale_min")[0]
+    high = transport.series("amp/safe_scale_max")[0]
+    assert 0 < low < high
+
+
+def test_skipped_steps_are_excluded_from_update_ratios():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(8, run=run, overflow_steps=(3,), watch_options={"update_ratio_every": 1})
+    assert 3 not in transport.vectors("update/ratio")
+    assert {0, 1, 2, 4} <= set(transport.vectors("update/ratio"))
+
+
+def test_skip_detection_with_a_fused_optimizer():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(8, run=run, overflow_steps=(2, 5), fused=True)
+    skipped = [s for s, v in transport.series("amp/skipped").items() if v == 1.0]
+    assert skipped == [2, 5]
+    assert [e["step"] for e in transport.events("skip")] == [2, 5]
+
+
+def test_scaler_update_with_an_explicit_new_scale():
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        run.watch(model, optimizer, scaler=scaler)
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update(1024.0)
+    assert transport.series("amp/scale") == {0: 1024.0}
+
+
+def test_clip_before_unscale_is_reported():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(3, run=run, clip="before_unscale")
+    [event] = transport.events("clip_before_unscale")
+    assert event["step"] == 0 and "unscale_" in event["data"]["hint"]
+
+
+def test_scale_below_one_is_reported_once():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(12, run=run, overflow_steps=tuple(range(1, 10)), init_scale=8.0)
+    events = transport.events("scale_below_one")
+    assert len(events) == 1 and events[0]["data"]["scale"] < 1
+
+
+def test_bf16_model_in_fp16_and_oversized_weights_are_reported():
+    model = TinyNet()
+    with torch.no_grad():
+        model.hidden.weight[0, 0] = 1e5
+    model.config = type("Config", (), {"torch_dtype": torch.bfloat16})()
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        run.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
+    assert transport.events("bf16_model_in_fp16")
+    [event] = transport.events("weights_exceed_fp16")
+    assert event["data"]["max_abs_weight"] == 1e5
+
+
+def test_throughput_from_samples_per_step():
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        train(4, run=run, watch_options={"samples_per_step": 8})
+    rates = transport.series("perf/samples_per_sec")
+    times = transport.series("perf/step_time")
+    assert rates and all(rates[s] == pytest.approx(8 / times[s]) for s in rates)
+
+
+@pytest.mark.parametrize("bad", [{"layer_norms_every": -1}, {"histograms_every": 1.5}, {"samples_per_step": 0}])
+def test_watch_options_are_validated(bad):
+    run = _run(RecordingTransport())
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        run.watch(TinyNet(), torch.optim.SGD(TinyNet().parameters(), lr=0.1), **bad)
+    run.finish()
