@@ -143,3 +143,71 @@ def test_openapi_docs_are_served(client):
     spec = client.get("/openapi.json").json()
     assert "/api/v1/runs/{run_id}/series" in spec["paths"]
     assert client.get("/docs").status_code == 200
+
+
+def _layer_batch(seq, steps, layers=("a.weight", "b.weight"), **extra):
+    width = 121 + 2
+    return {
+        "seq": seq,
+        "layers": list(layers),
+        "vectors": [{"key": "grad/norm", "steps": list(steps),
+                     "values": [[float(s), float(s) * 2] for s in steps]}],
+        "histograms": [{"key": "grad/hist", "step": s, "exponent_min": -80, "exponent_max": 40,
+                        "counts": [[s] * width, [1] * width]} for s in steps],
+        **extra,
+    }
+
+
+def test_per_layer_vectors_come_back_as_a_step_by_layer_matrix(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}"
+    assert client.post(f"{url}/batches", json=_layer_batch(0, range(10))).status_code == 200
+    matrix = client.get(f"{url}/vectors", params={"key": "grad/norm"}).json()
+    assert matrix["layers"] == ["a.weight", "b.weight"]
+    assert matrix["steps"] == list(range(10))
+    assert matrix["values"][3] == [3.0, 6.0]
+    merged = client.get(f"{url}/vectors", params={"key": "grad/norm", "max_steps": 2}).json()
+    assert merged["downsampled"] is True and merged["steps"] == [0, 5]
+    assert merged["values"] == [[4.0, 8.0], [9.0, 18.0]]  # the largest per layer and bucket
+    assert client.get(f"{url}/keys", params={"kind": "vector"}).json()["data"] == ["grad/norm"]
+    assert client.get(f"{url}/keys").json()["data"] == []  # no scalar keys
+
+
+def test_non_finite_per_layer_values_survive_merging(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}"
+    batch = {"seq": 0, "layers": ["x"], "vectors": [
+        {"key": "grad/norm", "steps": [0, 1, 2, 3], "values": [[1.0], ["NaN"], [5.0], [2.0]]}]}
+    assert client.post(f"{url}/batches", json=batch).status_code == 200
+    merged = client.get(f"{url}/vectors", params={"key": "grad/norm", "max_steps": 2}).json()
+    assert merged["values"] == [["NaN"], [5.0]]
+
+
+def test_histograms_of_one_layer_over_steps(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}"
+    client.post(f"{url}/batches", json=_layer_batch(0, [0, 100, 200]))
+    hist = client.get(f"{url}/histograms", params={"layer": "a.weight"}).json()
+    assert hist["steps"] == [0, 100, 200]
+    assert hist["exponents"][0] == -80 and len(hist["exponents"]) == 121
+    assert hist["counts"][1] == [100] * 121 and hist["zeros"] == [0, 100, 200]
+    other = client.get(f"{url}/histograms", params={"layer": "b.weight"}).json()
+    assert other["non_finite"] == [1, 1, 1]
+    missing = client.get(f"{url}/histograms", params={"layer": "nope"})
+    assert missing.status_code == 404 and "not one of the run's 2 layers" in missing.json()["detail"]
+
+
+def test_layer_data_that_does_not_fit_the_run_is_refused_whole(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}"
+    client.post(f"{url}/batches", json=_layer_batch(0, [0]))
+    wrong = {"seq": 1, "scalars": [{"key": "loss", "steps": [1], "values": [1.0]}],
+             "vectors": [{"key": "grad/norm", "steps": [1], "values": [[1.0, 2.0, 3.0]]}]}
+    response = client.post(f"{url}/batches", json=wrong)
+    assert response.status_code == 422
+    assert "3 values per step but the run has 2 layers" in response.json()["detail"]
+    assert client.get(f"{url}/keys").json()["data"] == []  # the batch's scalar was not stored either
+    bad_hist = _layer_batch(2, [5])
+    bad_hist["histograms"][0]["counts"][0] = [1, 2]
+    response = client.post(f"{url}/batches", json=bad_hist)
+    assert response.status_code == 422 and "expected 123" in response.text
