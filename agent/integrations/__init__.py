@@ -1,0 +1,2 @@
+"""Framework adapters, imported only when used: gradwatch.integrations.huggingface,
+gradwatch.integrations.lightning."""

@@ -1,0 +1,53 @@
+"""PyTorch Lightning integration.
+
+    from gradwatch.integrations.lightning import GradwatchCallback
+    trainer = L.Trainer(precision="16-mixed", callbacks=[GradwatchCallback(project="llm")])
+
+Watches the LightningModule with the trainer's first optimizer (and the precision plugin's GradScaler
+when there is one), records the training loss each batch (kept on the device) and finishes the run at
+the end of fit. Pass run= to use a run you created yourself (it is then not finished here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the older package name
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+import gradwatch
+
+
+class GradwatchCallback(pl.Callback):
+    def __init__(self, run: gradwatch.Run | None = None, watch_options: dict[str, Any] | None = None, **init: Any):
+        self.run = run
+        self._owns_run = run is None
+        self._init = init
+        self._watch_options = watch_options or {}
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.run is None:
+            self._init.setdefault("rank", trainer.global_rank)
+            self.run = gradwatch.init(config=dict(getattr(pl_module, "hparams", {}) or {}), **self._init)
+        if not trainer.optimizers:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.run.watch(pl_module, trainer.optimizers[0], scaler=scaler, **self._watch_options)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.run is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None and hasattr(loss, "detach"):
+            # The optimizer step of this batch has run: the loss belongs to the step before the counter.
+            self.run.log({"loss": loss.detach()}, step=max(self.run.step - 1, 0))
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.run is not None and self._owns_run:
+            self.run.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.run is not None and self._owns_run:
+            self.run.finish(status="crashed")

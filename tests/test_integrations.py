@@ -1,0 +1,83 @@
+"""Hugging Face Trainer and PyTorch Lightning callbacks on tiny models built in code (no downloads)."""
+
+import pytest
+import torch
+from training import RecordingTransport
+
+import gradwatch
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+def test_hugging_face_trainer_callback(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from gradwatch.integrations.huggingface import GradwatchCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    tokens = torch.randint(0, 64, (32, 16))
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=1.0, learning_rate=1e-3,
+    )
+    transport = RecordingTransport()
+    run = gradwatch.init(project="hf", transport=transport)
+    logged = []
+
+    class Capture(GradwatchCallback.__mro__[1]):  # a plain TrainerCallback that keeps the logs
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append(dict(logs or {}))
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      callbacks=[GradwatchCallback(run=run, watch_options={"layer_norms_every": 1}), Capture()])
+    trainer.train()
+    run.finish()
+
+    norms = transport.series("grad/global_norm")
+    assert list(norms) == list(range(6))
+    hf_norms = [entry["grad_norm"] for entry in logged if "grad_norm" in entry]
+    assert [norms[s] for s in range(6)] == pytest.approx(hf_norms, rel=1e-5)  # the clip's own norm, reused
+    assert transport.series("hf/loss") and transport.series("lr")
+    layers = transport.layers()
+    assert "transformer.h.0.attn.c_attn.weight" in layers
+    assert len(transport.vectors("grad/norm")[0]) == len(layers)
+
+
+def test_lightning_callback(tmp_path):
+    import lightning.pytorch as pl
+
+    from gradwatch.integrations.lightning import GradwatchCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, _index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    transport = RecordingTransport()
+    run = gradwatch.init(project="lightning", transport=transport)
+    trainer = pl.Trainer(
+        max_steps=6, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        default_root_dir=str(tmp_path), callbacks=[GradwatchCallback(run=run)],
+    )
+    trainer.fit(Tiny(), loader)
+    run.finish()
+    assert list(transport.series("loss")) == list(range(6))
+    assert list(transport.series("grad/global_norm")) == list(range(6))
+    assert transport.series("lr")[0] == pytest.approx(1e-2)
