@@ -75,34 +75,48 @@ def update_ratios(params: Sequence[Any], before: Sequence[Any]) -> Any:
         return delta_norms / weight_norms
 
 
+def _exponent_column_map(device: Any) -> Any:
+    """Column of the output row for each float32 biased exponent E (0..255).
+
+    A normal float32 with biased exponent E lies in [2^(E-127), 2^(E-126)): frexp exponent E - 126.
+    E = 0 holds zeros and fp32 subnormals (|g| < 2^-126, far below anything fp16 can hold at any
+    loss scale): both are counted as zeros. E = 255 holds NaN and ±Inf.
+    """
+    import torch
+
+    columns = [min(max(e - 126, EXPONENT_MIN), EXPONENT_MAX) - EXPONENT_MIN for e in range(256)]
+    columns[0] = ZERO_COLUMN
+    columns[255] = NON_FINITE_COLUMN
+    return torch.tensor(columns, dtype=torch.int64, device=device)
+
+
 def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
     """Per layer, counts of |g| per power-of-two bin plus zero and non-finite counts.
 
     Returns an int64 tensor [layers, N_BINS + 2]; column e - EXPONENT_MIN counts |g| in
-    [2^(e-1), 2^e); ZERO_COLUMN counts exact zeros, NON_FINITE_COLUMN NaN and ±Inf. Exact: every
-    element is counted once, NaN/Inf are never dropped. A missing tensor (None) gives a zero row.
+    [2^(e-1), 2^e); ZERO_COLUMN counts zeros (and fp32 subnormals, |g| < 2^-126), NON_FINITE_COLUMN
+    NaN and ±Inf. Exact: every element is counted once, NaN/Inf are never dropped. A missing tensor
+    (None) gives a zero row.
+
+    Cost: the exponent is read from the float32 bit pattern, so each layer takes three passes over
+    its gradient (shift, mask, bincount) and no float math.
     """
     import torch
 
     rows = []
-    dump = N_BINS  # index for elements that are zero or non-finite; cut off below
     for t in tensors:
         if t is None:
-            rows.append(torch.zeros(N_BINS + 2, dtype=torch.int64, device=like.device))
+            rows.append(torch.zeros(256, dtype=torch.int64, device=like.device))
             continue
-        flat = t.detach().reshape(-1).float()
-        finite = torch.isfinite(flat)
-        magnitude = flat.abs()
-        nonzero = magnitude > 0
-        _, exponent = torch.frexp(magnitude)
-        index = (exponent.clamp(EXPONENT_MIN, EXPONENT_MAX) - EXPONENT_MIN).long()
-        index = torch.where(finite & nonzero, index, dump)
-        counts = torch.bincount(index, minlength=N_BINS + 1)[:N_BINS]
-        zeros = (finite & ~nonzero).sum().reshape(1)
-        non_finite = (~finite).sum().reshape(1)
-        row = torch.cat([counts, zeros, non_finite])
-        rows.append(row.to(like.device, non_blocking=True))
-    return torch.stack(rows)
+        flat = t.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        biased_exponent = flat.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
+        counts = torch.bincount(biased_exponent, minlength=256)
+        rows.append(counts.to(like.device, non_blocking=True))
+    out = torch.zeros(len(rows), N_BINS + 2, dtype=torch.int64, device=like.device)
+    out.index_add_(1, _exponent_column_map(like.device), torch.stack(rows))
+    return out
 
 
 # -- host side (sender thread): derivations from transferred histograms --------------------------

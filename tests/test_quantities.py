@@ -83,7 +83,8 @@ def test_update_ratio_matches_autograd():
 
 def test_histograms_match_a_per_element_reference_and_count_every_value():
     tensors = [
-        torch.tensor([0.0, 1.0, -1.5, 3e-8, float("nan"), float("inf"), -float("inf"), 2.0**-100, 2.0**60]),
+        torch.tensor([0.0, -0.0, 1.0, -1.5, 3e-8, float("nan"), float("inf"), -float("inf"), 2.0**-100, 2.0**60]),
+        torch.tensor([1e-40, 2.0**-126, -(2.0**-127)], dtype=torch.float32),  # fp32 subnormals count as zeros
         torch.zeros(5),
         torch.full((4,), float("nan")),  # all-NaN: counted, never a crash
         None,
@@ -94,7 +95,7 @@ def test_histograms_match_a_per_element_reference_and_count_every_value():
         for value in ([] if tensor is None else tensor.tolist()):
             if not math.isfinite(value):
                 expected[q.NON_FINITE_COLUMN] += 1
-            elif value == 0:
+            elif abs(value) < 2.0**-126:
                 expected[q.ZERO_COLUMN] += 1
             else:
                 exponent = min(max(math.frexp(abs(value))[1], q.EXPONENT_MIN), q.EXPONENT_MAX)
