@@ -12,6 +12,7 @@ Errors, one rooted hierarchy:
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -83,8 +84,10 @@ class ApiClient:
         self._headers = {"Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._owns_client = client is None
         self._client = client if client is not None else httpx.Client(timeout=timeout_s)
+        # An own client is closed by close(), or when this object is collected (a Dash app holds it
+        # with no shutdown hook), or at exit: pooled keep-alive sockets are never left to the GC.
+        self._close_own_client = weakref.finalize(self, self._client.close) if client is None else None
 
     # -- endpoints ---------------------------------------------------------------------------------
 
@@ -140,8 +143,8 @@ class ApiClient:
 
     def close(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
-        if self._owns_client:
-            self._client.close()
+        if self._close_own_client is not None:
+            self._close_own_client()
 
     def __enter__(self) -> Self:
         return self

@@ -3,6 +3,7 @@ httpx.MockTransport, and the Dash app's pages and callbacks through Flask's test
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -389,6 +390,15 @@ def test_close_leaves_a_passed_in_client_open_and_closes_its_own():
     own.close()
     own.close()
     assert own._client.is_closed
+
+
+def test_an_own_client_is_closed_when_the_api_client_is_collected():
+    # A Dash app holds its ApiClient without a shutdown hook; pooled sockets must not be left to the GC.
+    api = ApiClient("http://x")
+    own = api._client
+    del api
+    gc.collect()
+    assert own.is_closed
 
 
 # -- the Dash app --------------------------------------------------------------------------------------
