@@ -114,6 +114,11 @@ def lr_figure(series: Mapping[str, Any] | None, *, uirevision: str = "gradwatch"
     """Learning rate per step (of the first param group)."""
     figure = _scalar_figure(series, "Learning rate", "lr", mark_non_finite=False, uirevision=uirevision)
     figure.layout.yaxis.update(exponentformat="e")
+    _, raw_values = _points(series)
+    finite = [v for v in (finite_or_none(value) for value in raw_values) if v is not None]
+    if finite and min(finite) == max(finite):
+        # Plotly pads a constant line to value ± 1, which draws a 3e-4 learning rate as "0".
+        figure.layout.yaxis.update(range=[0, 2 * finite[0]] if finite[0] > 0 else None)
     return figure
 
 

@@ -603,3 +603,8 @@ def test_unreachable_api_shows_a_banner_instead_of_failing():
     response = refresh(client)
     assert "Cannot reach the gradwatch API" in json.dumps(response["run-header"])
     assert response["refresh"]["disabled"] is False  # keeps retrying
+
+
+def test_constant_learning_rate_gets_a_range_around_its_value():
+    figure = figures.lr_figure({"steps": [0, 1, 2], "values": [3e-4, 3e-4, 3e-4]})
+    assert tuple(figure.layout.yaxis.range) == (0, 6e-4)
