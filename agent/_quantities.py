@@ -55,24 +55,34 @@ def global_norm(per_layer: Any) -> Any:
     return torch.linalg.vector_norm(per_layer)
 
 
-def snapshot(params: Sequence[Any]) -> list[Any]:
-    """Copies of the parameters, taken before an optimizer step (for the update ratio)."""
+class Snapshot:
+    """Copies of the parameters and their norms, taken before an optimizer step (update ratio)."""
+
+    def __init__(self, params: Sequence[Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.copies = torch._foreach_mul([p.detach() for p in params], 1.0)
+            self.norms = torch.stack(torch._foreach_norm(self.copies, 2, dtype=torch.float32))
+
+
+def snapshot(params: Sequence[Any]) -> Snapshot:
+    """Take a Snapshot of `params` (one copy of the model: memory bounded by the model's size)."""
+    return Snapshot(params)
+
+
+def update_ratios(params: Sequence[Any], before: Snapshot) -> Any:
+    """||W_after − W_before|| / ||W_before|| per layer, float32 (inf where W_before is all zeros).
+
+    The difference is taken in place in the snapshot's copies (no second model-sized allocation);
+    the snapshot is spent afterwards.
+    """
     import torch
 
     with torch.no_grad():
-        return torch._foreach_mul([p.detach() for p in params], 1.0)
-
-
-def update_ratios(params: Sequence[Any], before: Sequence[Any]) -> Any:
-    """||W_after − W_before|| / ||W_before|| per layer, float32 (inf where W_before is all zeros)."""
-    import torch
-
-    with torch.no_grad():
-        after = [p.detach() for p in params]
-        delta = torch._foreach_sub(after, list(before))
-        delta_norms = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
-        weight_norms = torch.stack(torch._foreach_norm(list(before), 2, dtype=torch.float32))
-        return delta_norms / weight_norms
+        torch._foreach_sub_(before.copies, [p.detach() for p in params])  # W_before - W_after
+        delta_norms = torch.stack(torch._foreach_norm(before.copies, 2, dtype=torch.float32))
+        return delta_norms / before.norms
 
 
 def _exponent_column_map(device: Any) -> Any:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import atexit
 import logging
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -17,7 +19,8 @@ from typing import Any
 
 from ._buffer import StepBuffer
 from ._errors import FeatureSwitch, GradwatchWarning
-from ._sender import Sender
+from ._sender import Backoff, Sender
+from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
 from ._transport import HttpTransport, Transport
 from ._wire import json_safe
 
@@ -25,24 +28,6 @@ logger = logging.getLogger("gradwatch")
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 MODES = ("online", "offline")
-
-
-class OfflineTransport:
-    """Appends every request to a JSON-lines file instead of sending it (GRADWATCH_MODE=offline)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def create_run(self, run: dict[str, Any]) -> None:
-        self._append({"type": "run", "run": run})
-
-    def send_batch(self, run_id: str, batch: dict[str, Any]) -> None:
-        self._append({"type": "batch", "run_id": run_id, "batch": batch})
-
-    def _append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 def _git_commit() -> str | None:
@@ -94,7 +79,14 @@ class Run:
         transport: Transport | None = None,
         flush_interval: float = 1.0,
         flush_every_steps: int = 100,
+        spool_dir: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = DEFAULT_MAX_BYTES,
+        max_backoff: float = 30.0,
     ) -> None:
+        """spool_dir: where unsent batches wait on disk (default GRADWATCH_SPOOL_DIR, else
+        GRADWATCH_HOME/spool; with your own transport= and no spool_dir they wait in memory only);
+        spool_max_bytes: the spool file's cap; max_backoff: longest wait between retries (seconds).
+        Offline mode writes GRADWATCH_HOME/offline/RUN-rankR.jsonl for `gradwatch sync`."""
         if not project or not isinstance(project, str):
             raise ValueError(f"project must be a non-empty string, got {project!r}")
         if mode not in MODES:
@@ -108,6 +100,9 @@ class Run:
         self.mode = mode
         self.step = 0
         self.features = FeatureSwitch()
+        # Guarded once here, not per call: log() and the flush check run on every step.
+        self._guarded_log = self.features.guarded("log")(self._log)
+        self._guarded_flush = self.features.guarded("flush")(self._flush)
         self.buffer = StepBuffer()
         self.flush_interval = flush_interval
         self.flush_every_steps = flush_every_steps
@@ -115,12 +110,8 @@ class Run:
         self._last_flush_step = 0
         self._watchers: list[Any] = []
         self._finished = False
-        if transport is None:
-            if mode == "offline":
-                home = Path(os.environ.get("GRADWATCH_HOME") or Path.home() / ".gradwatch")
-                transport = OfflineTransport(home / "offline" / f"{self.id}-rank{rank}.jsonl")
-            else:
-                transport = HttpTransport(server, token)
+        if mode == "offline" and transport is not None:
+            raise ValueError("mode='offline' writes the spool file only; it takes no transport=")
         self.server = server
         document = {
             "id": self.id,
@@ -129,7 +120,18 @@ class Run:
             "config": json_safe(config or {}),
             "metadata": json_safe(_environment_metadata()),
         }
-        self._sender = Sender(transport, document, rank)
+        if mode == "offline":
+            spool_path: Path | None = Path(spool_dir or offline_dir()) / spool_file_name(self.id, rank)
+        elif transport is None or spool_dir is not None:
+            spool_path = Path(spool_dir or default_spool_dir()) / spool_file_name(self.id, rank)
+        else:
+            spool_path = None
+        if transport is None and mode == "online":
+            transport = HttpTransport(server, token)
+        spool = Spool(spool_path, document, rank, max_bytes=spool_max_bytes, keep_file=mode == "offline")
+        backoff = Backoff(base=min(0.25, max_backoff), cap=max_backoff)
+        self._sender = Sender(transport, document, rank, spool, backoff=backoff)
+        _track(self)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class Run:
         """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`.
 
         options (see WatchOptions): layer_norms_every=10, histograms_every=100, update_ratio_every=100
-        (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput.
+        param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput.
         """
         from ._watch import Watcher, WatchOptions
 
@@ -156,25 +158,42 @@ class Run:
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         """Record scalars (numbers or one-element tensors, kept on their device) at `step`."""
-        self.features.guarded("log")(self._log)(data, step)
+        self._guarded_log(data, step)
 
     def finish(self, timeout: float = 10.0, status: str = "finished") -> None:
-        """Flush, send what is queued (for at most `timeout` s) and close. Safe to call twice."""
+        """Flush, send what is queued (for at most `timeout` s) and close. Safe to call twice.
+
+        What the server has not taken by then stays in the spool file, named in a warning; a run
+        resumed with the same id and rank sends it, or `gradwatch sync FILE` does.
+        """
         if self._finished:
             return
         self._finished = True
+        _live_runs.discard(self)
         for watcher in self._watchers:
             watcher.remove()
         self.features.guarded("flush")(self._flush)(status)
-        if not self._sender.close(timeout):
-            logger.warning(
-                "gradwatch: run %s finished with data not yet sent after %.0f s (last error: %s)",
-                self.id, timeout, self._sender.stats.last_error,
-            )
+        everything_sent = self._sender.close(timeout)
+        stats, path = self._sender.stats, self._sender.spool.path
+        if self.mode == "offline":
+            logger.info("gradwatch: run %s: %d points written to %s; upload them with `gradwatch sync %s`",
+                        self.id, stats.spooled, path, path)
+        elif not everything_sent:
+            where = (f"{stats.spooled} points wait in {path} (sent when this run resumes, or with "
+                     f"`gradwatch sync {path}`)") if stats.spooled else ""
+            lost = f"{stats.queued} points held in memory are lost" if stats.queued else ""
+            logger.warning("gradwatch: run %s: the server did not take everything within %.0f s: %s "
+                           "(last error: %s)", self.id, timeout, "; ".join(x for x in (where, lost) if x),
+                           stats.last_error)
+        if stats.dropped:
+            logger.warning("gradwatch: run %s: %d points were dropped (last error: %s)",
+                           self.id, stats.dropped, stats.last_error)
 
     @property
     def stats(self) -> Any:
-        """The agent's own health: points sent, dropped, queued, last error."""
+        """The agent's own health (SenderStats), in points: queued, sent, spooled, dropped, and
+        last_error. Each batch also carries them as agent/queued, agent/sent, agent/spooled and
+        agent/dropped at its last step."""
         return self._sender.stats
 
     @property
@@ -213,7 +232,7 @@ class Run:
     def _maybe_flush(self) -> None:
         due_by_time = time.monotonic() - self._last_flush_time >= self.flush_interval
         if due_by_time or self.step - self._last_flush_step >= self.flush_every_steps:
-            self.features.guarded("flush")(self._flush)(None)
+            self._guarded_flush(None)
 
     def _record_device_memory(self) -> None:
         """Peak device memory (bytes) once per flush: an allocator counter, no device sync."""
@@ -229,3 +248,70 @@ class Run:
         self._record_device_memory()
         packet = self.buffer.take([w.derive for w in self._watchers], status)
         self._sender.submit(packet)
+
+
+# -- process life: exit, SIGTERM, fork ---------------------------------------------------------------
+
+EXIT_FLUSH_TIMEOUT = 5.0  # seconds each unfinished run gets at exit or SIGTERM; the rest is spooled
+_live_runs: set[Run] = set()  # runs not finished yet (strong references: their threads are alive)
+_hooks_lock = threading.Lock()
+_exit_hooks_installed = False
+_previous_sigterm: Any = None
+
+
+def _track(run: Run) -> None:
+    """Remember an unfinished run and install the process hooks once (SIGTERM: from the main thread)."""
+    global _exit_hooks_installed, _previous_sigterm
+    _live_runs.add(run)
+    with _hooks_lock:
+        if not _exit_hooks_installed:
+            _exit_hooks_installed = True
+            atexit.register(_finish_live_runs, None)
+            if hasattr(os, "register_at_fork"):  # POSIX only
+                os.register_at_fork(after_in_child=_after_fork_in_child)
+        if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is not None:  # None: a handler set outside Python, which we could not call on
+                _previous_sigterm = previous
+                signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _finish_live_runs(status: str | None) -> None:
+    """Finish every unfinished run; at exit, "crashed" when an uncaught exception ends the program."""
+    if status is None:
+        status = "crashed" if getattr(sys, "last_value", None) is not None else "finished"
+    for run in list(_live_runs):
+        try:
+            run.finish(timeout=EXIT_FLUSH_TIMEOUT, status=status)
+        except Exception:  # at exit, one run's failure must not stop the others
+            logger.warning("gradwatch: could not finish run %s at exit", run.id, exc_info=True)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Flush every run, then do what the previous SIGTERM handler would have done."""
+    _finish_live_runs("crashed")
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # the default action: terminate by this signal
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+class _AllFeatures(dict):
+    """A FeatureSwitch.disabled that contains every feature: a forked child's run observes nothing."""
+
+    def __contains__(self, feature: object) -> bool:
+        return True
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) has none of the sender's threads and may hold copies
+    # of its locks in a locked state; it also shares the parent's seq namespace, so anything it sent
+    # could take the seq of a parent batch. Its runs therefore become inert.
+    for run in list(_live_runs):
+        run._sender.forget_after_fork()
+        run.features.disabled = _AllFeatures(forked="this process is a fork of the one that started the run")
+        run.buffer = StepBuffer()
+        run._finished = True
+    _live_runs.clear()

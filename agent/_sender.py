@@ -1,146 +1,437 @@
-"""The sender thread: the training thread only enqueues; one worker resolves and posts batches.
+"""The sender: the training thread only appends packets to an inbox; two worker threads do the rest.
 
-The worker waits on the queue; a sentinel stops it after everything queued before it; `close()` is
-idempotent. Enqueueing never blocks: a full queue drops the packet and counts it (never silently).
+    training thread --submit()--> inbox: a bounded deque; append is constant-time, takes no lock,
+                                  and a full inbox drops the packet and counts its points
+    collector thread: inbox -> Packet.resolve() (device values are read here) -> wire fragments ->
+                      pending; while the server is failing, pending is sealed into batches (each gets
+                      its seq once) and written to the spool file, so the inbox never fills
+    uploader thread:  the spool's oldest batch -- or, when the spool is empty, everything pending
+                      sealed into one batch -- is POSTed; success frees it; a retryable failure writes
+                      what is in memory to the spool and waits (exponential backoff with jitter);
+                      a refusal (4xx other than 408/429) drops the batch and counts its points
+
+Pending data is merged while the uploader is busy, so a slow server gets fewer, larger batches
+instead of an ever-growing backlog. Seqs: a batch's seq is (namespace << 20) + counter, where the
+namespace is the wall-clock millisecond at which this sender started (strictly increasing within a
+process; a new one after 2^20 batches). A resumed process of the same run and rank therefore never
+reuses a seq of an earlier process (its clock has moved on), with no counter to persist, and a
+batch keeps its seq through the spool, so retries and replays are stored once by the server.
+
+close() is idempotent and bounded by its timeout; what is left then is written to the spool file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from ._buffer import Packet, Resolved
+from ._spool import Spool
 from ._transport import Transport, TransportError
+from ._wire import HEALTH_PREFIX, batch_points, group_fragments, last_step, merge_fragments
 
 logger = logging.getLogger("gradwatch")
-_STOP = object()
+
+SEQ_COUNTER_BITS = 20
+_namespace_lock = threading.Lock()
+_last_namespace = 0
+
+
+def _new_namespace() -> int:
+    """The current wall-clock millisecond, strictly above every namespace this process used."""
+    global _last_namespace
+    with _namespace_lock:
+        _last_namespace = max(int(time.time() * 1000), _last_namespace + 1)
+        return _last_namespace
+
+
+class SeqAllocator:
+    """Batch sequence numbers, unique per (run, rank) across processes: see the module docstring."""
+
+    def __init__(self) -> None:
+        self._namespace = _new_namespace()
+        self._count = 0
+        self.first = self._namespace << SEQ_COUNTER_BITS  # no seq of an earlier process reaches this
+
+    def next(self) -> int:
+        if self._count >= 1 << SEQ_COUNTER_BITS:
+            self._namespace, self._count = _new_namespace(), 0
+        self._count += 1
+        return (self._namespace << SEQ_COUNTER_BITS) | (self._count - 1)
 
 
 @dataclass
-class SenderStats:
-    """The agent's own health, as counts of points."""
+class Backoff:
+    """Exponential backoff with jitter: the n-th failure in a row waits min(cap, base·2^(n-1)) seconds
+    times a random factor in [0.5, 1), so many agents recovering together do not retry in step."""
 
-    queued_packets: int = 0
-    sent_points: int = 0
-    dropped_points: int = 0
+    base: float = 0.25
+    cap: float = 30.0
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base <= self.cap:
+            raise ValueError(f"backoff needs 0 < base <= cap (seconds), got base={self.base!r}, cap={self.cap!r}")
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return min(self.cap, self.base * 2 ** min(self.failures - 1, 30)) * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass(frozen=True)
+class SenderStats:
+    """The agent's own health, in points (one point = one key at one step).
+
+    queued: waiting in memory; spooled: waiting in the spool file; sent: acknowledged by the server;
+    dropped: lost, each for a reason logged once (inbox full, spool and memory full, refused by the
+    server); last_error: the most recent failure's message, if any.
+    """
+
+    queued: int = 0
+    sent: int = 0
+    spooled: int = 0
+    dropped: int = 0
     sent_batches: int = 0
     last_error: str | None = None
 
+    @property
+    def sent_points(self) -> int:
+        return self.sent
 
-def to_batch(resolved: Resolved, rank: int, seq: int, status: str | None) -> dict[str, Any]:
-    """The wire document of one batch: identity (rank, seq), data fields, and the run status."""
-    batch: dict[str, Any] = {"rank": rank, "seq": seq, **resolved.wire_fields()}
+    @property
+    def dropped_points(self) -> int:
+        return self.dropped
+
+
+def to_fragment(resolved: Resolved, status: str | None) -> dict[str, Any]:
+    """The data part of a wire batch (no rank or seq yet) for one flush."""
+    fragment: dict[str, Any] = dict(resolved.wire_fields())
     if status is not None:
-        batch["status"] = status
-    return batch
+        fragment["status"] = status
+    return fragment
+
+
+def packet_points(packet: Packet) -> int:
+    return len(packet.slots) + len(packet.host_scalars)
+
+
+_SENT, _REFUSED, _RETRY = "sent", "refused", "retry"
 
 
 class Sender:
+    """Moves one run's packets to the server (or, with transport None, to the spool file only)."""
+
     def __init__(
         self,
-        transport: Transport,
+        transport: Transport | None,
         run_document: dict[str, Any],
         rank: int,
-        max_queue: int = 256,
-        max_backoff: float = 30.0,
+        spool: Spool | None = None,
+        *,
+        max_queue: int = 1024,
+        max_batch_points: int = 50_000,
+        spill_after: float = 1.0,
+        backoff: Backoff | None = None,
+        poll_interval: float = 0.05,
     ) -> None:
+        """max_queue: packets the inbox holds; max_batch_points: largest merged batch; spill_after:
+        seconds pending data waits before it is sealed into the spool while the server is failing;
+        poll_interval: seconds between the collector's looks at the inbox."""
+        if max_queue < 1 or max_batch_points < 1:
+            raise ValueError(f"max_queue and max_batch_points must be >= 1, got {max_queue!r}, {max_batch_points!r}")
         self.transport = transport
         self.run_document = run_document
+        self.run_id = run_document["id"]
         self.rank = rank
-        self.stats = SenderStats()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
-        self._max_backoff = max_backoff
-        self._seq = 0
+        self.spool = spool if spool is not None else Spool(None, run_document, rank)
+        self._max_queue = max_queue
+        self._max_batch_points = max_batch_points
+        self._spill_after = spill_after
+        self._poll_interval = poll_interval
+        self._backoff = backoff or Backoff()
+        self._seqs = SeqAllocator()
+        self._inbox: deque[tuple[Packet, int]] = deque()
+        # Counters with a single writer each, so the training thread never takes a lock.
+        self._submitted = 0  # training thread
+        self._rejected = 0  # training thread: points of packets refused by a full inbox
+        self._taken = 0  # collector
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pending: list[dict[str, Any]] = []  # fragments not sealed yet (under _lock)
+        self._pending_points = 0
+        self._pending_since = 0.0
+        self._sent = self._sent_batches = self._dropped = 0
+        self._last_error: str | None = None
+        self._failing = False  # the last upload attempt failed and may be retried
         self._run_created = False
+        self._warned: set[str] = set()
         self._closing = threading.Event()
         self._deadline = float("inf")
+        self._collector_done = False
         self._closed = False
-        self._warned_drop = False
-        self._thread = threading.Thread(target=self._loop, name="gradwatch-sender", daemon=True)
-        self._thread.start()
+        self._forked = False
+        self._collector = threading.Thread(target=self._collect, name="gradwatch-collector", daemon=True)
+        self._uploader = (
+            threading.Thread(target=self._upload, name="gradwatch-uploader", daemon=True) if transport else None
+        )
+        self._collector.start()
+        if self._uploader is not None:
+            self._uploader.start()
+
+    # -- training thread --------------------------------------------------------------------------
 
     def submit(self, packet: Packet) -> bool:
-        """Enqueue without waiting; False (and the points counted as dropped) when the queue is full."""
-        try:
-            self._queue.put_nowait(packet)
-            self.stats.queued_packets += 1
-            return True
-        except queue.Full:
-            self.stats.dropped_points += len(packet.slots) + len(packet.host_scalars)
-            if not self._warned_drop:
-                self._warned_drop = True
-                logger.warning("gradwatch: send queue full (server slow or down); dropping data")
+        """Hand a packet to the sender without waiting; False (points counted as dropped) when full."""
+        if self._forked:
             return False
+        points = packet_points(packet)
+        if self._closed:
+            self._rejected += points
+            self._warn_once("closed", "gradwatch: data logged after finish() is dropped (counted in run.stats.dropped)")
+            return False
+        if len(self._inbox) >= self._max_queue:
+            self._rejected += points
+            self._warn_once("inbox", "gradwatch: the send queue is full (%d packets); dropping data, counted in "
+                            "run.stats.dropped", self._max_queue)
+            return False
+        self._inbox.append((packet, points))
+        self._submitted += points
+        return True
+
+    @property
+    def stats(self) -> SenderStats:
+        """A snapshot of the counters (read without locks: each is written by one thread)."""
+        spool = self.spool
+        return SenderStats(
+            queued=max(self._submitted - self._taken, 0) + self._pending_points + spool.memory_points,
+            sent=self._sent,
+            spooled=spool.disk_points,
+            dropped=self._rejected + self._dropped + spool.dropped_points,
+            sent_batches=self._sent_batches,
+            last_error=self._last_error,
+        )
 
     def close(self, timeout: float) -> bool:
-        """Send what is queued, for at most `timeout` seconds; True when everything went out."""
-        if self._closed:
+        """Send what is queued for at most `timeout` seconds, then write what is left to the spool
+        file. True when everything reached the server (offline: the file). Idempotent."""
+        if self._forked:
             return True
-        self._closed = True
-        self._deadline = time.monotonic() + timeout
-        self._closing.set()
-        try:
-            self._queue.put(_STOP, timeout=max(timeout, 0.0))
-        except queue.Full:
-            pass
-        self._thread.join(timeout=max(self._deadline - time.monotonic(), 0.0) + 0.5)
-        return not self._thread.is_alive() and self._queue.empty()
+        if not self._closed:
+            self._closed = True
+            self._deadline = time.monotonic() + max(timeout, 0.0)
+            self._closing.set()
+            with self._changed:
+                self._changed.notify_all()
+            self._collector.join(max(self._deadline - time.monotonic(), 0.0) + 1.0)
+            if self._uploader is not None:
+                self._uploader.join(max(self._deadline - time.monotonic(), 0.0) + 0.1)
+            with self._lock:
+                # Whatever is still here must survive the process: `gradwatch sync` or a resumed run
+                # sends it. A batch an uploader still has in flight may be written too; its seq makes
+                # the second copy a no-op on the server.
+                if self._pending:
+                    self._seal_pending(persist=True)
+                self.spool.persist()
+                self.spool.fsync()
+        left = len(self.spool) if self.transport is not None else self.spool.memory_entries
+        return not self._inbox and not self._pending and not left
 
-    # -- worker -----------------------------------------------------------------------------------
+    def forget_after_fork(self) -> None:
+        """In a forked child: the worker threads do not exist here and the locks may be held
+        forever, so never touch them; submit() and close() become no-ops."""
+        self._forked = True
+        self._inbox = deque()
 
-    def _loop(self) -> None:
+    # -- collector thread -------------------------------------------------------------------------
+
+    def _collect(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
+            closing = self._closing.is_set()  # read first: packets submitted before close() are taken
             try:
-                self._deliver(item)
+                while self._inbox:
+                    packet, points = self._inbox.popleft()
+                    self._take(packet, points)
+                with self._lock:
+                    self._seal_if_due(closing)
             except Exception as exc:  # noqa: BLE001 - the worker must not die silently
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                logger.warning("gradwatch: could not send a batch: %s", exc, exc_info=exc)
-            finally:
-                self.stats.queued_packets -= 1
+                self._error(exc, "collector")
+            if closing:
+                with self._changed:
+                    self._collector_done = True
+                    self._changed.notify_all()
+                return
+            self._closing.wait(self._poll_interval)
 
-    def _deliver(self, packet: Packet) -> None:
-        resolved = packet.resolve()
-        batch = to_batch(resolved, self.rank, self._seq, packet.status)
-        self._seq += 1
-        points = sum(len(s["steps"]) for s in batch["scalars"])
-        if self._with_retries(lambda: self._send(batch)):
-            self.stats.sent_points += points
-            self.stats.sent_batches += 1
-        else:
-            self.stats.dropped_points += points
+    def _take(self, packet: Packet, points: int) -> None:
+        try:
+            fragment = to_fragment(packet.resolve(), packet.status)
+        except Exception as exc:  # noqa: BLE001 - one bad packet must not stop the others
+            with self._lock:
+                self._dropped += points
+            self._error(exc, "resolve")
+            return
+        finally:
+            self._taken += points
+        with self._changed:
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.append(fragment)
+            self._pending_points += batch_points(fragment)
+            self._changed.notify_all()
 
-    def _send(self, batch: dict[str, Any]) -> None:
-        if not self._run_created:
-            self.transport.create_run(self.run_document)
-            self._run_created = True
-        self.transport.send_batch(self.run_document["id"], batch)
+    def _seal_if_due(self, closing: bool) -> None:
+        """(under _lock) Seal pending data into the spool when it must not wait for the uploader."""
+        if not self._pending:
+            return
+        offline = self.transport is None
+        backlog = self._failing or len(self.spool) > 0
+        aged = time.monotonic() - self._pending_since >= self._spill_after
+        big = self._pending_points >= self._max_batch_points
+        if (closing and offline) or big or (aged and (offline or backlog)):
+            self._seal_pending(persist=offline or self._failing)
 
-    def _with_retries(self, attempt: Any) -> bool:
-        delay = 0.25
+    def _seal_pending(self, persist: bool) -> None:
+        """(under _lock) Turn pending fragments into batches with their seq, and hand them to the spool."""
+        fragments, self._pending, self._pending_points = self._pending, [], 0
+        for group in group_fragments(fragments, self._max_batch_points):
+            batch = merge_fragments(group)
+            points = batch_points(batch)
+            batch = {"rank": self.rank, "seq": self._seqs.next(), **batch}
+            self._add_health(batch)
+            self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
+
+    def _add_health(self, batch: dict[str, Any]) -> None:
+        """The agent's own counters as scalars at the batch's last step (excluded from point counts)."""
+        step = last_step(batch)
+        if step is None:
+            return
+        stats = self.stats
+        batch["scalars"] = list(batch.get("scalars", [])) + [
+            {"key": f"{HEALTH_PREFIX}{name}", "steps": [step], "values": [float(getattr(stats, name))]}
+            for name in ("queued", "sent", "spooled", "dropped")
+        ]
+
+    # -- uploader thread --------------------------------------------------------------------------
+
+    def _upload(self) -> None:
+        try:
+            self.spool.check_writable()  # file system calls, outside the lock: the collector goes on
+            leftovers = self.spool.scan_leftovers()
+            with self._lock:
+                found = self.spool.adopt(leftovers, older_than=self._seqs.first)
+            if found:
+                logger.info("gradwatch: run %s: replaying %d points left in %s", self.run_id, found, self.spool.path)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc, "spool")
         while True:
             try:
-                attempt()
-                return True
-            except TransportError as exc:
-                self.stats.last_error = str(exc)
-                if not exc.retryable:
-                    logger.warning("gradwatch: server refused a batch: %s", exc)
+                if not self._upload_once():
+                    return
+            except Exception as exc:  # noqa: BLE001 - the worker must not die silently
+                self._error(exc, "uploader")
+                if self._wait(1.0):
+                    return
+
+    def _upload_once(self) -> bool:
+        """One attempt at the oldest batch; False when the uploader is done (all sent, or deadline)."""
+        with self._changed:
+            while True:
+                if time.monotonic() >= self._deadline:
                     return False
-            remaining = self._deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            # Exponential backoff with jitter; a close() shortens the wait to its deadline.
-            wait = min(delay * random.uniform(0.5, 1.5), remaining)
-            if self._closing.is_set():
-                time.sleep(wait)
+                if not len(self.spool) and self._pending and not self._failing:
+                    self._seal_pending(persist=False)
+                head = self.spool.oldest()
+                if head is not None:
+                    break
+                if self._collector_done and not self._pending:
+                    return False
+                self._changed.wait(min(0.5, max(self._deadline - time.monotonic(), 0.0)))
+        seq, batch, points = head
+        outcome = self._attempt(batch)
+        with self._lock:
+            if outcome == _SENT:
+                self.spool.remove(seq)
+                self._sent += points
+                self._sent_batches += 1
+                if self._failing:
+                    logger.info("gradwatch: run %s: server reachable again; sending the %d spooled points",
+                                self.run_id, self.spool.points)
+                self._failing = False
+                self._backoff.reset()
+                return True
+            if outcome == _REFUSED:
+                self.spool.remove(seq)
+                self._dropped += points
+                return True
+            if not self._failing:
+                self._failing = True
+                self.spool.persist()
+            delay = self._backoff.next_delay()
+        return not self._wait(delay)
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, no later than close()'s deadline; True when the deadline has passed."""
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            return True
+        if self._closing.is_set():
+            time.sleep(min(seconds, remaining))
+        else:
+            self._closing.wait(seconds)  # close() cuts a long backoff short: one prompt last try
+        return time.monotonic() >= self._deadline
+
+    def _attempt(self, batch: dict[str, Any] | bytes) -> str:
+        assert self.transport is not None
+        try:
+            if not self._run_created:
+                self.transport.create_run(self.run_document)
+                self._run_created = True
+            if isinstance(batch, bytes):
+                send_encoded = getattr(self.transport, "send_encoded", None)
+                if send_encoded is not None:
+                    send_encoded(self.run_id, batch)
+                else:
+                    self.transport.send_batch(self.run_id, json.loads(batch))
             else:
-                self._closing.wait(wait)
-            delay = min(delay * 2, self._max_backoff)
+                self.transport.send_batch(self.run_id, batch)
+            return _SENT
+        except TransportError as exc:
+            self._last_error = str(exc)
+            if exc.status == 404:
+                self._run_created = False  # the server lost the run (a new database): create it again
+            if exc.retryable or exc.status == 404:
+                self._warn_unreachable(exc)
+                return _RETRY
+            self._warn_once("refused", "gradwatch: run %s: the server refused a batch, which is dropped and "
+                            "counted in run.stats.dropped: %s", self.run_id, exc)
+            return _REFUSED
+        except Exception as exc:  # noqa: BLE001 - a custom transport's own failure: try again later
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._warn_unreachable(exc)
+            return _RETRY
+
+    def _warn_unreachable(self, exc: BaseException) -> None:
+        if not self._failing:  # once per outage
+            where = f"the spool file {self.spool.path}" if self.spool.writable else "memory"
+            logger.warning("gradwatch: run %s: cannot reach the server (%s); data waits in %s and is retried "
+                           "with backoff", self.run_id, exc, where)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, where: str) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        logger.warning("gradwatch: internal error in the %s: %s", where, exc, exc_info=exc)
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)

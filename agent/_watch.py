@@ -39,17 +39,18 @@ class WatchOptions:
     """Sampling schedules (every N optimizer steps; 0 turns a quantity off) and throughput hints.
 
     Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
-    gradient and parameter norms every 10 steps; histograms and update ratios every 100.
+    gradient norms every 10 steps; parameter norms, histograms and update ratios every 100.
     """
 
     layer_norms_every: int = 10
+    param_norms_every: int = 100
     histograms_every: int = 100
     update_ratio_every: int = 100
     samples_per_step: int | None = None
     tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("layer_norms_every", "histograms_every", "update_ratio_every"):
+        for name in ("layer_norms_every", "param_norms_every", "histograms_every", "update_ratio_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a whole number of steps >= 0 (0 = off), got {value!r}")
@@ -92,8 +93,12 @@ class Watcher:
         self._scale_below_one_reported = False
         self._misuse_reported: set[str] = set()
 
-        self._handles.append(optimizer.register_step_pre_hook(self._pre_step_hook))
-        self._handles.append(optimizer.register_step_post_hook(self._post_step_hook))
+        # Guarded once here, not per call: the wrappers are on the step's path.
+        guard = run.features.guarded("step observation")
+        self.before_clip = guard(self._before_clip)
+        self.after_clip = guard(self._after_clip)
+        self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
+        self._handles.append(optimizer.register_step_post_hook(guard(self._post_step_hook)))
         if self.scaler is not None:
             self._wrap(self.scaler, "unscale_", after=self._after_unscale)
             self._wrap(self.scaler, "step", before=self._before_scaler_step, after=self._after_scaler_step)
@@ -130,9 +135,6 @@ class Watcher:
         obj.__dict__[name] = wrapper
         self._wrapped.append((obj, name))
 
-    def _guard(self, fn: Any, *args: Any) -> None:
-        self.run.features.guarded("step observation")(fn)(*args)
-
     def _reset_step_state(self) -> None:
         self._grad_norms_seen = False  # per-layer norms / histograms already taken this step
         self._global_norm: Any = None
@@ -163,9 +165,6 @@ class Watcher:
         if optimizer is self.optimizer:
             self._observe_gradients()
 
-    def before_clip(self, parameters: Any, max_norm: float) -> None:
-        self._guard(self._before_clip, parameters, max_norm)
-
     def _before_clip(self, parameters: list[Any], max_norm: float) -> None:
         if not parameters or id(parameters[0]) not in self._param_ids:
             return
@@ -184,9 +183,6 @@ class Watcher:
                 return
         self._observe_gradients()
 
-    def after_clip(self, parameters: Any, max_norm: float, total_norm: Any) -> None:
-        self._guard(self._after_clip, parameters, max_norm, total_norm)
-
     def _after_clip(self, parameters: list[Any], max_norm: float, total_norm: Any) -> None:
         if not parameters or id(parameters[0]) not in self._param_ids or "clip_before_unscale" in self._misuse_reported:
             return
@@ -197,18 +193,12 @@ class Watcher:
     # -- optimizer hooks --------------------------------------------------------------------------
 
     def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
-        self._guard(self._pre_step)
-
-    def _pre_step(self) -> None:
         self._optimizer_stepped = True
         self._observe_gradients()
         if self.options.due(self.options.update_ratio_every, self.run.step):
             self._snapshot = _quantities.snapshot(self.params)
 
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
-        self._guard(self._post_step)
-
-    def _post_step(self) -> None:
         step = self.run.step
         if self._snapshot is not None:
             self.run.buffer.add_tensor("update/ratio", step, _quantities.update_ratios(self.params, self._snapshot))
@@ -271,7 +261,7 @@ class Watcher:
             # point unscaled; unchanged since backward, as nothing clipped them).
             self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
         buffer.add_scalar("grad/global_norm", step, self._global_norm)
-        if options.due(options.layer_norms_every, step):
+        if options.due(options.param_norms_every, step):
             buffer.add_tensor("param/norm", step, _quantities.layer_norms(self.params, self._like))
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group.get("lr")

@@ -1,4 +1,4 @@
-"""The `gradwatch` command: server, db upgrade, demo.
+"""The `gradwatch` command: server, db upgrade, demo, sync.
 
 The agent package stays light: server-side modules are imported only by the commands that need them.
 """
@@ -15,9 +15,14 @@ DEFAULT_PORT = 8765
 
 
 def _server_settings(args: argparse.Namespace):  # noqa: ANN202
+    from gradwatch.server.serve import local_url
     from gradwatch.server.settings import Settings, default_database_url
 
-    return Settings(database_url=args.database_url or default_database_url())
+    public_url = getattr(args, "public_url", None)
+    if public_url is None and hasattr(args, "port"):
+        public_url = local_url(args.host, args.port)
+    options = {"public_url": public_url} if public_url else {}
+    return Settings(database_url=args.database_url or default_database_url(), **options)
 
 
 def _add_database_option(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +85,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sync(args: argparse.Namespace) -> int:
+    from gradwatch.sync import sync
+
+    try:
+        report = sync(args.path, args.server, args.token)
+    except ValueError as exc:
+        print(f"gradwatch: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"synced {report.files} spool file(s): {report.points_sent} points in {report.batches_sent} batches "
+        f"({report.already_stored} already on the server, {report.skipped} skipped as uploaded before, "
+        f"{report.bad_lines} torn or corrupt lines ignored)"
+    )
+    for message in report.refused:
+        print(f"gradwatch: the server refused a batch: {message}", file=sys.stderr)
+    if report.error is not None:
+        print(f"gradwatch: stopped early ({report.error}); run the same command again to continue",
+              file=sys.stderr)
+    return 0 if report.complete else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradwatch", description="Training-health monitoring for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     server = commands.add_parser("server", help="run the API and dashboard")
     server.add_argument("--host", default=DEFAULT_HOST)
     server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument(
+        "--public-url", default=os.environ.get("GRADWATCH_PUBLIC_URL"),
+        help="the URL people open the dashboard at, used in alert links (default http://HOST:PORT)",
+    )
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)
 
@@ -103,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=DEFAULT_PORT)
     _add_database_option(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    sync = commands.add_parser("sync", help="upload spool files of offline runs (exactly once, resumable)")
+    sync.add_argument("path", help="a spool file (.jsonl) or a folder of them, e.g. ~/.gradwatch/offline")
+    sync.add_argument("--server", default=os.environ.get("GRADWATCH_SERVER") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
+                      help="server URL (default: GRADWATCH_SERVER, else http://127.0.0.1:8765)")
+    sync.add_argument("--token", default=os.environ.get("GRADWATCH_TOKEN"), help="write token (default: GRADWATCH_TOKEN)")
+    sync.set_defaults(func=_cmd_sync)
     return parser
 
 

@@ -9,8 +9,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .alerts import AlertEngine, AlertService, OutboxWorker
+from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
 from .errors import Conflict, GradwatchServerError, InvalidRequest, NotFound
+from .routers import alerts as alerts_router
 from .routers import health, runs, series
 from .settings import Settings
 from .store import Store
@@ -60,14 +63,33 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def _alerts(settings: Settings, store: Store) -> tuple[OutboxWorker | None, AlertService]:
+    """The alert engine hooked into ingest, the API's alert service and (optionally) the delivery worker."""
+    worker: OutboxWorker | None = None
+    engine = AlertEngine(settings.public_url)
+    if settings.alert_worker:
+        worker = OutboxWorker(
+            store.engine, settings,
+            periodic=((settings.heartbeat_check_interval_s, engine.check_heartbeats),),
+        )
+        engine.on_enqueued = worker.wake
+    store.after_ingest.append(engine.after_ingest)
+    return worker, AlertService(store.engine, engine, settings)
+
+
 def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     """The JSON API. The database schema is checked (and an empty database migrated) here."""
     if store is None:
         engine = make_engine(settings.database_url)
         prepare_schema(engine, settings.database_url)
         store = Store(engine)
+    worker, alerts = _alerts(settings, store)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if worker is not None:
+            worker.start()
+            app.state.on_shutdown.insert(0, worker.stop)
         yield
         for close in app.state.on_shutdown:
             close()
@@ -82,12 +104,14 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = store
     app.state.on_shutdown = []  # callables run at shutdown, e.g. by the composition root
+    app.state.alerts = alerts
 
     @app.exception_handler(GradwatchServerError)
     async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_STATUS.get(type(exc), 400))
 
-    for router in (health.router, runs.router, series.router):
+    for router in (health.router, runs.router, series.router, alerts_router.router):
         app.include_router(router)
+    app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

@@ -10,6 +10,7 @@ import enum
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -141,3 +142,120 @@ class AgentBatch(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     received_at: Mapped[float] = mapped_column(Float)
+
+
+# -- alerts (migration 0003) ------------------------------------------------------------------------
+
+
+class AlertProject(Base):
+    """A project whose default alert rules were installed (once: deleting them does not bring them back)."""
+
+    __tablename__ = "alert_projects"
+
+    project: Mapped[str] = mapped_column(String(200), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class AlertRule(Base):
+    """One rule: a type from gradwatch.server.alerts.rules with its parameters, scoped to a project or
+    to one run of it (run_id set)."""
+
+    __tablename__ = "alert_rules"
+    __table_args__ = (Index(None, "project", "run_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(String(200))
+    run_id: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("runs.id", ondelete="CASCADE"), nullable=True
+    )
+    type: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+    params_json: Mapped[str] = mapped_column(Text, default="{}")
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    cooldown_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class AlertRuleState(Base):
+    """An incremental evaluator's state for one (rule, run), written in the ingest transaction."""
+
+    __tablename__ = "alert_rule_states"
+
+    rule_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True
+    )
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    state_json: Mapped[str] = mapped_column(Text, default="{}")
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class Alert(Base):
+    """A rule that fired for a run. open_key is "rule/run" while firing and NULL once resolved: the
+    unique constraint makes "at most one open alert per rule and run" hold across server processes."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index(None, "project", "created_at"), Index(None, "run_id", "step"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rule_id: Mapped[int | None] = mapped_column(
+        Integer, ForeignKey("alert_rules.id", ondelete="SET NULL"), nullable=True
+    )
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
+    project: Mapped[str] = mapped_column(String(200))
+    type: Mapped[str] = mapped_column(String(64))
+    severity: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))  # firing | resolved
+    open_key: Mapped[str | None] = mapped_column(String(100), nullable=True, unique=True)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # where the condition first held
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    occurrences: Mapped[int] = mapped_column(Integer, default=1)
+    title: Mapped[str] = mapped_column(String(500))
+    hint: Mapped[str] = mapped_column(Text)
+    evidence_json: Mapped[str] = mapped_column(Text, default="{}")
+    link: Mapped[str] = mapped_column(String(1000))
+    created_at: Mapped[float] = mapped_column(Float)
+    resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    resolution_notified: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Webhook(Base):
+    """A project's subscription: alerts of the project are POSTed to url in the given format."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(String(200), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    format: Mapped[str] = mapped_column(String(16))  # json | slack | discord
+    secret: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Delivery(Base):
+    """The outbox: one POST of one rendered payload to one webhook, retried with backoff.
+
+    status: pending → sending (claimed by one worker until claimed_until) → delivered | failed;
+    a failed attempt goes back to pending with a later next_attempt_at."""
+
+    __tablename__ = "deliveries"
+    __table_args__ = (Index(None, "status", "next_attempt_at"), Index(None, "webhook_id", "id"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    webhook_id: Mapped[int] = mapped_column(Integer, ForeignKey("webhooks.id", ondelete="CASCADE"))
+    alert_id: Mapped[int | None] = mapped_column(
+        Integer, ForeignKey("alerts.id", ondelete="CASCADE"), nullable=True
+    )
+    event: Mapped[str] = mapped_column(String(32))  # alert.firing | alert.resolved | test
+    payload: Mapped[str] = mapped_column(Text)  # the exact body sent, rendered once at enqueue time
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    claim_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    claimed_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    response_status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)

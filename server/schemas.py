@@ -210,3 +210,144 @@ def json_float(value: float) -> JsonFloat:
     if math.isnan(value):
         return "NaN"
     return "Infinity" if value > 0 else "-Infinity"
+
+
+# -- alerts, webhooks, deliveries -----------------------------------------------------------------
+
+WebhookFormat = Literal["json", "slack", "discord"]
+
+
+class AlertRuleIn(BaseModel):
+    """A rule to create. type: one of GET /api/v1/alert-rules/types; params default per type."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project: Name
+    run_id: RunId | None = Field(default=None, description="limit the rule to one run of the project")
+    type: Annotated[str, Field(min_length=1, max_length=64)]
+    name: Name | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    enabled: bool = True
+    cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = Field(
+        default=None,
+        description="a re-trigger within this many steps of the alert's step reopens it without a new "
+        "notification (default per type: 100, heartbeat 0)",
+    )
+
+
+class AlertRulePatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name | None = None
+    params: dict[str, Any] | None = Field(default=None, description="replaces the parameters (others default)")
+    enabled: bool | None = None
+    cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = None
+
+
+class AlertRuleOut(BaseModel):
+    id: int
+    project: str
+    run_id: str | None
+    type: str
+    name: str
+    params: dict[str, Any]
+    enabled: bool
+    cooldown_steps: int
+    severity: str
+    description: str
+
+
+class AlertRuleList(BaseModel):
+    data: list[AlertRuleOut]
+    count: int
+
+
+class RuleParamOut(BaseModel):
+    default: float | int | str
+    minimum: float | None
+    maximum: float | None
+    doc: str
+
+
+class RuleTypeOut(BaseModel):
+    type: str
+    severity: str
+    description: str
+    params: dict[str, RuleParamOut]
+    default_rule: bool = Field(description="installed for every new project")
+
+
+class RuleTypeList(BaseModel):
+    data: list[RuleTypeOut]
+
+
+class AlertOut(BaseModel):
+    id: int
+    project: str
+    run_id: str
+    run_name: str
+    rule_id: int | None
+    type: str
+    severity: str
+    status: Literal["firing", "resolved"]
+    step: int | None = Field(description="the step where the condition first held")
+    last_step: int | None
+    resolved_step: int | None
+    occurrences: int = Field(description="steps the condition held while open (de-duplicated)")
+    title: str
+    hint: str = Field(description="what probably happened and what to try")
+    evidence: dict[str, Any] = Field(description="steps, values, layers… and link")
+    link: str = Field(description="the run page at the alert's step")
+    created_at: str | None
+    resolved_at: str | None
+
+
+class AlertList(BaseModel):
+    data: list[AlertOut]
+    count: int
+
+
+class WebhookIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: Annotated[str, Field(min_length=1, max_length=2000)]
+    format: WebhookFormat = "json"
+    project: Name
+    secret: Annotated[str, Field(min_length=1, max_length=500)] | None = Field(
+        default=None, description="signs each request: X-Gradwatch-Signature (HMAC-SHA256)"
+    )
+    enabled: bool = True
+
+
+class WebhookOut(BaseModel):
+    id: int
+    project: str
+    url: str
+    format: str
+    signed: bool = Field(description="true when the webhook has a secret (never returned)")
+    enabled: bool
+    created_at: str
+
+
+class WebhookList(BaseModel):
+    data: list[WebhookOut]
+    count: int
+
+
+class DeliveryOut(BaseModel):
+    id: int
+    webhook_id: int
+    alert_id: int | None
+    event: str
+    status: Literal["pending", "sending", "delivered", "failed"]
+    attempts: int
+    next_attempt_at: str | None
+    response_status: int | None
+    last_error: str | None
+    created_at: str
+    delivered_at: str | None
+
+
+class DeliveryList(BaseModel):
+    data: list[DeliveryOut]
+    count: int

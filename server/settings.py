@@ -33,3 +33,13 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    # Alerts and webhooks (see gradwatch.server.alerts).
+    alert_worker: bool = True  # run the outbox/heartbeat worker thread in this process
+    webhook_timeout_s: float = 10.0  # per POST
+    webhook_allowed_hosts: tuple[str, ...] | None = None  # None: any http(s) host
+    outbox_poll_interval_s: float = 1.0  # idle wait between outbox scans (an enqueue wakes it at once)
+    outbox_lease_s: float = 60.0  # a claimed delivery not finished by then is claimable again
+    outbox_max_attempts: int = 10  # then the delivery is marked failed
+    outbox_backoff_base_s: float = 5.0  # retry n waits base * 2^(n-1) seconds…
+    outbox_backoff_max_s: float = 1800.0  # …at most this
+    heartbeat_check_interval_s: float = 30.0

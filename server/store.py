@@ -12,7 +12,7 @@ import sys
 from array import array
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +153,9 @@ class Store:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         dialect = engine.dialect.name
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
+        # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
+        self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
 
     @contextmanager
     def _transaction(self) -> Iterator[Session]:
@@ -285,6 +288,8 @@ class Store:
             if batch.status is not None:
                 values["status"] = batch.status
             session.execute(update(Run).where(Run.id == run_id).values(**values))
+            for hook in self.after_ingest:
+                hook(session, run_id, batch)
             return IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
 
     def _ingest_layer_data(self, session: Session, run_id: str, batch: BatchIn) -> int:

@@ -1,0 +1,470 @@
+"""The spool: sealed batches waiting for the server, always handed out oldest (lowest seq) first.
+
+A batch stays in memory while the server keeps up; it is written to the spool file once the server
+fails, when memory holds too many points, or when the run closes with it unsent. The file is
+append-only text, one record a line:
+
+    <crc32 of the JSON, 8 hex digits> <JSON>\\n
+
+    {"type": "run", "run": {...run document...}}            written before a process's first batch
+    {"type": "batch", "run_id": ID, "rank": R, "seq": S, "points": P, "batch": {...wire batch...}}
+
+Every record is one os.write on an O_APPEND descriptor, so a crash can only tear the last line; a line
+whose checksum does not match or that lacks its newline is skipped, and a writer that finds the file
+not ending in a newline ends it first, so torn bytes never join a new record. There is one file per
+(run, rank); several processes of one run (a resumed job) append to it in turn. Batches keep the seq
+they were sealed with, so a replay -- by a resumed run at start, or by `gradwatch sync FILE` -- is
+stored once by the server. The file is size-capped (one warning when full); beyond the cap, and
+when it cannot be written at all (one warning), batches stay in memory up to a bound, and beyond
+that they are dropped and counted, never silently.
+
+Not thread-safe: the sender calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import re
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._wire import batch_points, dumps
+
+logger = logging.getLogger("gradwatch")
+
+DEFAULT_MAX_BYTES = 1 << 30  # spool file cap: 1 GiB
+# Points kept in memory when they cannot go to disk (~70 bytes each as Python objects: ~35 MB).
+DEFAULT_MAX_MEMORY_POINTS = 500_000
+
+_BATCH_HEADER = re.compile(
+    rb'\{"type": "batch", "run_id": "([A-Za-z0-9_.\-]{1,64})", "rank": (\d+), "seq": (\d+), '
+    rb'"points": (\d+), "batch": '
+)
+
+
+def gradwatch_home() -> Path:
+    """GRADWATCH_HOME, default ~/.gradwatch."""
+    return Path(os.environ.get("GRADWATCH_HOME") or Path.home() / ".gradwatch")
+
+
+def default_spool_dir() -> Path:
+    """Where an online run spools what the server has not taken: GRADWATCH_SPOOL_DIR, else
+    GRADWATCH_HOME/spool."""
+    return Path(os.environ.get("GRADWATCH_SPOOL_DIR") or gradwatch_home() / "spool")
+
+
+def offline_dir() -> Path:
+    """Where an offline run writes its spool: GRADWATCH_HOME/offline."""
+    return gradwatch_home() / "offline"
+
+
+def spool_file_name(run_id: str, rank: int) -> str:
+    return f"{run_id}-rank{rank}.jsonl"
+
+
+# -- records --------------------------------------------------------------------------------------
+
+
+def _line(payload: bytes) -> bytes:
+    return b"%08x %s\n" % (zlib.crc32(payload), payload)
+
+
+def run_record(run_document: dict[str, Any]) -> bytes:
+    """The line that introduces a process's batches: its run document."""
+    return _line(json.dumps({"type": "run", "run": run_document}, allow_nan=False).encode())
+
+
+def batch_record(run_id: str, batch: dict[str, Any], points: int) -> bytes:
+    """The line of one sealed batch; the header fields let a reader index it without parsing it."""
+    header = json.dumps(run_id)
+    payload = (
+        f'{{"type": "batch", "run_id": {header}, "rank": {int(batch["rank"])}, "seq": {int(batch["seq"])}, '
+        f'"points": {int(points)}, "batch": {dumps(batch)}}}'
+    )
+    return _line(payload.encode())
+
+
+@dataclass(frozen=True)
+class Record:
+    """One valid line of a spool file: where it is and what it says (batch bodies are not parsed)."""
+
+    offset: int
+    length: int
+    type: str
+    run_id: str | None = None
+    rank: int = 0
+    seq: int = -1
+    points: int = 0
+    run: dict[str, Any] | None = None
+
+
+def _payload(line: bytes) -> bytes | None:
+    """The JSON of a line if its checksum matches, else None (torn or corrupt)."""
+    if len(line) < 11 or line[8:9] != b" " or not line.endswith(b"\n"):
+        return None
+    payload = line[9:-1]
+    try:
+        return payload if int(line[:8], 16) == zlib.crc32(payload) else None
+    except ValueError:
+        return None
+
+
+def _describe(offset: int, line: bytes) -> Record | None:
+    payload = _payload(line)
+    if payload is None:
+        return None
+    header = _BATCH_HEADER.match(payload)
+    if header is not None:
+        run_id, rank, seq, points = header.groups()
+        return Record(offset, len(line), "batch", run_id.decode(), int(rank), int(seq), int(points))
+    try:
+        document = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    if document.get("type") == "run" and isinstance(document.get("run"), dict):
+        return Record(offset, len(line), "run", document["run"].get("id"), run=document["run"])
+    if document.get("type") == "batch" and isinstance(document.get("batch"), dict):
+        batch = document["batch"]
+        return Record(offset, len(line), "batch", document.get("run_id"), int(batch.get("rank", 0)),
+                      int(batch["seq"]), batch_points(batch))
+    return None
+
+
+@dataclass
+class ScanResult:
+    """The valid records of a spool file, and how many lines were torn or corrupt."""
+
+    records: list[Record]
+    bad_lines: int
+
+
+def scan(path: Path) -> ScanResult:
+    """Read a spool file's records (streaming: one line in memory at a time)."""
+    records: list[Record] = []
+    bad = 0
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            record = _describe(offset, line)
+            if record is None:
+                bad += 1
+            else:
+                records.append(record)
+            offset += len(line)
+    return ScanResult(records, bad)
+
+
+def read_batch_json(path: Path, record: Record) -> bytes | None:
+    """The wire JSON of one batch record, exactly as written; None if the bytes changed since."""
+    with open(path, "rb") as f:
+        f.seek(record.offset)
+        line = f.read(record.length)
+    payload = _payload(line)
+    if payload is None:
+        return None
+    header = _BATCH_HEADER.match(payload)
+    if header is not None and int(header.group(3)) == record.seq and payload.endswith(b"}"):
+        return payload[header.end() : -1]
+    try:
+        document = json.loads(payload)
+        batch = document["batch"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return dumps(batch).encode() if batch.get("seq") == record.seq else None
+
+
+# -- the spool ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    seq: int
+    points: int
+    batch: dict[str, Any] | None  # in memory; None once it is only in the file
+    record: Record | None = None  # in the file
+
+
+class Spool:
+    """Sealed batches of one (run, rank) until the server has them. `path` None: memory only."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        run_document: dict[str, Any],
+        rank: int = 0,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_memory_points: int = DEFAULT_MAX_MEMORY_POINTS,
+        keep_file: bool = False,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"spool max_bytes must be positive, got {max_bytes!r}")
+        self.path = path
+        self.run_document = run_document
+        self.run_id = run_document["id"]
+        self.rank = rank
+        self.max_bytes = max_bytes
+        self.max_memory_points = max_memory_points
+        self.keep_file = keep_file  # offline spools stay for `gradwatch sync`
+        self.memory_points = 0  # points in batches held only in memory
+        self.disk_points = 0  # points in batches in the file and not yet acknowledged
+        self.dropped_points = 0  # points that found room neither in the file nor in memory
+        self._entries: dict[int, _Entry] = {}
+        self._order: list[int] = []  # heap of seqs; entries removed lazily
+        self._run_written = False  # this process's run record is in the file
+        self._disk_entries = 0  # entries whose batch is in the file
+        self._file_is_ours = False  # we wrote or replayed it: ours to delete once everything is sent
+        self._newline_checked = False
+        self._disk_failed = False
+        self._warned: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def points(self) -> int:
+        return self.memory_points + self.disk_points
+
+    @property
+    def writable(self) -> bool:
+        """Whether batches can still go to the file."""
+        return self.path is not None and not self._disk_failed
+
+    @property
+    def memory_entries(self) -> int:
+        """Batches held only in memory (lost if the process ends now)."""
+        return len(self._entries) - self._disk_entries
+
+    # -- setup (on a worker thread: file system calls never run on the training thread) ----------
+
+    def check_writable(self) -> bool:
+        """Probe the spool folder once, so a read-only or missing location is reported at start."""
+        if self.path is None or self._disk_failed:
+            return not self._disk_failed
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.path.parent):
+                pass
+        except OSError as exc:
+            self._fail_disk(exc)
+            return False
+        return True
+
+    def scan_leftovers(self) -> ScanResult | None:
+        """Read what an earlier process of this run and rank left in the file. File reads only: the
+        sender calls it without its lock, so a large file does not hold up the collector."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            return scan(self.path)
+        except OSError as exc:
+            self._warn_once("recover", "gradwatch: cannot read the spool file %s (%s); its data is not replayed",
+                            self.path, exc)
+            return None
+
+    def adopt(self, leftovers: ScanResult | None, older_than: int | None = None) -> int:
+        """Index the leftover batches (their seqs are older, so they are sent first); `older_than`: the
+        first seq of this process, whose own batches are indexed already. Returns their points."""
+        if leftovers is None:
+            return 0
+        found = 0
+        self._file_is_ours = True
+        for record in leftovers.records:
+            if record.type != "batch" or record.run_id != self.run_id or record.rank != self.rank:
+                continue
+            if record.seq in self._entries or older_than is not None and record.seq >= older_than:
+                continue  # written by this process since the scan
+            self._index(_Entry(record.seq, record.points, None, record))
+            self.disk_points += record.points
+            self._disk_entries += 1
+            found += record.points
+        if leftovers.bad_lines:
+            logger.warning("gradwatch: spool file %s: %d torn or corrupt line(s) skipped", self.path,
+                           leftovers.bad_lines)
+        return found
+
+    def recover(self) -> int:
+        """scan_leftovers() and adopt() in one call."""
+        return self.adopt(self.scan_leftovers())
+
+    # -- adding and persisting --------------------------------------------------------------------
+
+    def add(self, batch: dict[str, Any], points: int, persist: bool) -> bool:
+        """Hold a sealed batch; `persist` writes it to the file now. False: no room, dropped (counted)."""
+        entry = _Entry(int(batch["seq"]), points, batch)
+        over_memory = self.memory_points + points > self.max_memory_points
+        if (persist or over_memory) and self._write([entry]):
+            self._index(entry)
+            return True
+        if over_memory:
+            self.dropped_points += points
+            self._warn_once(
+                "memory",
+                "gradwatch: more than %d unsent points are held in memory and the spool file cannot take "
+                "more; dropping new data (counted in run.stats.dropped)",
+                self.max_memory_points,
+            )
+            return False
+        self._index(entry)
+        self.memory_points += points
+        return True
+
+    def persist(self) -> None:
+        """Write every batch held only in memory to the file, oldest first (as far as it has room)."""
+        waiting = sorted((e for e in self._entries.values() if e.record is None), key=lambda e: e.seq)
+        if waiting:
+            self._write(waiting)
+
+    def fsync(self) -> None:
+        """Ask the OS to put the file on disk (at close: a power cut then loses nothing written)."""
+        if self.path is None or self._disk_failed or not self.path.exists():
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    # -- handing out ------------------------------------------------------------------------------
+
+    def oldest(self) -> tuple[int, dict[str, Any] | bytes, int] | None:
+        """(seq, batch, points) of the oldest batch: a dict, or the JSON bytes of a batch in the file."""
+        while self._order:
+            seq = self._order[0]
+            entry = self._entries.get(seq)
+            if entry is None:
+                heapq.heappop(self._order)
+                continue
+            if entry.batch is not None:
+                return seq, entry.batch, entry.points
+            body = None
+            try:
+                body = read_batch_json(self.path, entry.record) if self.path and entry.record else None
+            except OSError:
+                pass
+            if body is not None:
+                return seq, body, entry.points
+            self.remove(seq)
+            self.dropped_points += entry.points
+            logger.warning("gradwatch: spool file %s changed under us: batch %d (%d points) lost",
+                           self.path, seq, entry.points)
+        return None
+
+    def remove(self, seq: int) -> None:
+        """Forget a batch (the server has it, or refused it). An online file with nothing left goes."""
+        entry = self._entries.pop(seq, None)
+        if entry is None:
+            return
+        if entry.record is not None:
+            self.disk_points -= entry.points
+            self._disk_entries -= 1
+        else:
+            self.memory_points -= entry.points
+        if not self.keep_file and self.path is not None and self._file_is_ours and not self._disk_entries:
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._run_written = self._file_is_ours = False
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _index(self, entry: _Entry) -> None:
+        self._entries[entry.seq] = entry
+        heapq.heappush(self._order, entry.seq)
+
+    def _write(self, entries: list[_Entry]) -> bool:
+        """Append entries (as many as the cap allows, oldest first); True when all were written."""
+        if self.path is None or self._disk_failed:
+            return False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._fail_disk(exc)
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            prefix = b""
+            if not self._newline_checked:
+                self._newline_checked = True
+                if size and not self._ends_with_newline():
+                    prefix = b"\n"  # a torn last line stays a (skipped) line of its own
+            if not self._run_written:
+                prefix += run_record(self.run_document)
+            lines = []
+            offset = size + len(prefix)
+            total = len(prefix)
+            for entry in entries:
+                line = batch_record(self.run_id, entry.batch, entry.points)  # type: ignore[arg-type]
+                if size + total + len(line) > self.max_bytes:
+                    self._warn_once(
+                        "cap",
+                        "gradwatch: spool file %s reached its cap of %d MiB; unsent data now waits in memory "
+                        "(up to %d points), beyond that it is dropped and counted in run.stats.dropped",
+                        self.path, self.max_bytes >> 20, self.max_memory_points,
+                    )
+                    break
+                lines.append((entry, offset, line))
+                offset += len(line)
+                total += len(line)
+            if not lines:
+                return False
+            data = prefix + b"".join(line for _, _, line in lines)
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except OSError as exc:
+            self._fail_disk(exc)
+            return False
+        finally:
+            os.close(fd)
+        self._run_written = self._file_is_ours = True
+        for entry, offset, line in lines:
+            if entry.seq in self._entries:
+                self.memory_points -= entry.points  # it moves from memory to the file
+            self.disk_points += entry.points
+            self._disk_entries += 1
+            entry.record = Record(offset, len(line), "batch", self.run_id, int(entry.batch["rank"]),  # type: ignore[index]
+                                  entry.seq, entry.points)
+            entry.batch = None
+        return len(lines) == len(entries)
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as f:  # type: ignore[arg-type]
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _fail_disk(self, exc: OSError) -> None:
+        self._disk_failed = True
+        self._warn_once(
+            "disk",
+            "gradwatch: cannot write the spool file %s (%s: %s); unsent data is kept in memory only "
+            "(up to %d points), beyond that it is dropped and counted in run.stats.dropped",
+            self.path, type(exc).__name__, exc, self.max_memory_points,
+        )
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)
+
+
+def iter_spool_files(path: Path) -> Iterator[Path]:
+    """A spool file itself, or every *.jsonl under a folder, in name order."""
+    if path.is_dir():
+        yield from sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+    else:
+        yield path

@@ -1,0 +1,374 @@
+"""The alert engine: feeds each stored batch to the rules of its run, inside the ingest transaction,
+and turns findings into alerts and outbox deliveries.
+
+Exactly once per batch: Store.ingest calls after_ingest() only for a batch it has not seen, in the
+same transaction that stores it, so a crash loses both or neither. Evaluator state lives per
+(rule, run) in alert_rule_states; concurrent batches of one run are serialised by the runs-row update
+that ingest makes before calling us (and the state rows are read FOR UPDATE on PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import event, literal, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Delivery, Event, Run, Webhook
+from ..schemas import BatchIn
+from ..store import dump_json
+from .rules import CLEAR, DEFAULT_RULES, RULE_TYPES, Finding, RuleType, StepData, make_rule
+from .webhooks import render
+
+__all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
+
+logger = logging.getLogger("gradwatch.alerts")
+
+HINTS = {
+    "scale_drop": "Gradients keep overflowing fp16. Look at the layers named in the evidence; lower the learning "
+    "rate or add warmup; if the model was pretrained in bf16, train it in bf16 (no GradScaler).",
+    "skip_storm": "Optimizer steps are being skipped because gradients overflow fp16: lower the learning rate, "
+    "check the named layers, or switch to bf16. A few skips at the start are the scaler calibrating.",
+    "scale_floor": "The loss scale collapsed: a layer produces inf/NaN whatever the scale (often a NaN in the "
+    "forward pass, not overflow). Check the layers in the skip events, lower the learning rate or switch to bf16; "
+    "if the scale reaches ~3e-39 the weights turn NaN.",
+    "non_finite": "NaN/Inf in the loss or gradients: check the named layer's inputs (log of 0, division, fp16 "
+    "overflow in attention/softmax), lower the learning rate, or switch to bf16.",
+    "non_finite_applied": "A non-finite value reached the optimizer and the weights may now be NaN: use a GradScaler "
+    "with fp16 (or train in bf16), lower the learning rate, and restart from the last good checkpoint.",
+    "grad_norm_spike": "The learning rate is likely too high (or a bad batch): lower it or add warmup, and clip "
+    "gradients after scaler.unscale_(optimizer).",
+    "no_scale_growth": "An overflow recurs within every growth interval, so the scale never grows back: a layer "
+    "sits at fp16's limit. If small gradients start to underflow, raise init_scale or switch to bf16.",
+    "update_ratio_high": "Updates above the band each step: the learning rate is too high for that layer; lower it "
+    "(or use a per-layer learning rate) and add warmup.",
+    "update_ratio_low": "Updates below the band: the layer barely learns: frozen by mistake, learning rate too low, "
+    "or gradients underflowing in fp16 (raise init_scale / switch to bf16).",
+    "underflow": "Gradients underflow to zero in fp16: raise the GradScaler's init_scale (or let it grow), or "
+    "switch to bf16; tiny LoRA/QLoRA adapter gradients are the usual case.",
+    "heartbeat": "The run stopped reporting: the process may have crashed, hung (NCCL timeout, data loader) or "
+    "exited (e.g. DeepSpeed's 'Current loss scale already at minimum'). Check its logs.",
+    "rank_disagreement": "Ranks disagree on skipping a step, so their weights diverge: their found-inf checks are "
+    "not synchronised. With FSDP use ShardedGradScaler; every rank must unscale_/step the same optimizer.",
+}
+# Misuse the agent reports as events; when a run has one, its hint comes first in the rules it explains.
+MISUSE_EVENTS = ("clip_before_unscale", "bf16_model_in_fp16", "weights_exceed_fp16")
+_EXPLAINED_BY_MISUSE = {"scale_drop", "skip_storm", "scale_floor", "non_finite", "no_scale_growth", "grad_norm_spike", "underflow"}
+
+
+def _iso(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
+    """An alert as the API returns it and webhooks carry it."""
+    return {
+        "id": alert.id,
+        "project": alert.project,
+        "run_id": alert.run_id,
+        "run_name": run_name,
+        "rule_id": alert.rule_id,
+        "type": alert.type,
+        "severity": alert.severity,
+        "status": alert.status,
+        "step": alert.step,
+        "last_step": alert.last_step,
+        "resolved_step": alert.resolved_step,
+        "occurrences": alert.occurrences,
+        "title": alert.title,
+        "hint": alert.hint,
+        "evidence": json.loads(alert.evidence_json),
+        "link": alert.link,
+        "created_at": _iso(alert.created_at),
+        "resolved_at": _iso(alert.resolved_at),
+    }
+
+
+def step_data(batch: BatchIn, scalar_keys: set[str], vector_keys: set[str]) -> list[StepData]:
+    """The batch's points of the wanted keys (and all its events), grouped by step, in step order."""
+    by_step: dict[int, StepData] = {}
+
+    def at(step: int) -> StepData:
+        data = by_step.get(step)
+        if data is None:
+            data = by_step[step] = StepData(step, batch.rank)
+        return data
+
+    for series in batch.scalars:
+        if series.key in scalar_keys:
+            for step, value in zip(series.steps, series.values):
+                at(step).scalars[series.key] = value
+    for vector in batch.vectors:
+        if vector.key in vector_keys:
+            for step, row in zip(vector.steps, vector.values):
+                at(step).vectors[vector.key] = row
+    for item in batch.events:
+        at(item.step).events.append((item.kind, item.data))
+    return [by_step[step] for step in sorted(by_step)]
+
+
+class AlertEngine:
+    """Evaluates rules on ingest (after_ingest) and on the clock (check_heartbeats); records alerts
+    and enqueues their webhook deliveries in the caller's transaction."""
+
+    def __init__(self, public_url: str, on_enqueued: Callable[[], None] | None = None) -> None:
+        self.public_url = public_url.rstrip("/")
+        self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
+        self._projects_ready: set[str] = set()
+
+    # -- rules of a project -----------------------------------------------------------------------
+
+    def ensure_defaults(self, session: Session, project: str) -> None:
+        """Install DEFAULT_RULES the first time a project is seen (recorded in alert_projects)."""
+        if project in self._projects_ready:
+            return
+        insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+        now = time.time()
+        created = session.execute(
+            insert(AlertProject).values(project=project, created_at=now).on_conflict_do_nothing().returning(
+                AlertProject.project
+            )
+        ).first()
+        if created is not None:
+            for rule_type in DEFAULT_RULES:
+                session.add(AlertRule(
+                    project=project, run_id=None, type=rule_type, name=rule_type.replace("_", " "),
+                    params_json=json.dumps(RULE_TYPES[rule_type]().values), enabled=True,
+                    cooldown_steps=RULE_TYPES[rule_type].cooldown_steps, created_at=now, updated_at=now,
+                ))
+            session.flush()
+        self._projects_ready.add(project)
+
+    def forget_project(self, project: str) -> None:
+        self._projects_ready.discard(project)
+
+    @staticmethod
+    def rules_for(session: Session, project: str, run_id: str) -> list[AlertRule]:
+        return list(session.scalars(
+            select(AlertRule)
+            .where(AlertRule.project == project, AlertRule.enabled.is_(True))
+            .where(or_(AlertRule.run_id.is_(None), AlertRule.run_id == run_id))
+            .order_by(AlertRule.id)
+        ))
+
+    # -- evaluation on ingest ---------------------------------------------------------------------
+
+    def after_ingest(self, session: Session, run_id: str, batch: BatchIn) -> None:
+        """Evaluate a newly stored batch (Store.ingest's hook, inside its transaction)."""
+        run = session.get(Run, run_id)
+        assert run is not None
+        self.ensure_defaults(session, run.project)
+        rules = []
+        for row in self.rules_for(session, run.project, run_id):
+            try:
+                rules.append((row, make_rule(row.type, json.loads(row.params_json))))
+            except (ValueError, TypeError):
+                logger.exception("gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type)
+        if not rules:
+            return
+        scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
+        vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
+            rule.key for _, rule in rules if "key" in rule.values
+        }
+        if batch.status is not None and batch.status != "running":
+            self._run_ended(session, run, [(row, rule) for row, rule in rules if rule.periodic])
+        steps = step_data(batch, scalar_keys, vector_keys)
+        if not steps:
+            return
+        layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
+        for row, rule in rules:
+            fed = [data for data in steps if rule.reads(data)]
+            if fed:
+                self._evaluate(session, run, row, rule, fed, layers)
+
+    def _run_ended(self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]]) -> None:
+        """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
+        for row, rule in periodic:
+            state = self._load_state(session, row, rule, run.id)
+            document = json.loads(state.state_json)
+            if document["alert"] is not None:
+                self._resolve(session, run, document, run.last_step)
+                state.state_json = json.dumps(document)
+                state.updated_at = time.time()
+
+    def _load_state(self, session: Session, rule_row: AlertRule, rule: RuleType, run_id: str) -> AlertRuleState:
+        state = session.scalars(
+            select(AlertRuleState)
+            .where(AlertRuleState.rule_id == rule_row.id, AlertRuleState.run_id == run_id)
+            .with_for_update()
+        ).first()
+        if state is None:
+            document = {"eval": rule.initial_state(), "last": {}, "alert": None, "last_alert": None, "fired_step": None}
+            state = AlertRuleState(rule_id=rule_row.id, run_id=run_id, state_json=json.dumps(document), updated_at=time.time())
+            session.add(state)
+        return state
+
+    def _evaluate(
+        self, session: Session, run: Run, row: AlertRule, rule: RuleType, fed: list[StepData], layers: list[str]
+    ) -> None:
+        state = self._load_state(session, row, rule, run.id)
+        document = json.loads(state.state_json)
+        last = document["last"]
+        verdicts = []
+        try:  # pure: a failing rule is logged and skipped, it never blocks ingest
+            for data in fed:
+                rank = str(data.rank)
+                if data.step <= last.get(rank, -1):
+                    continue  # a replayed or out-of-order step was evaluated already
+                last[rank] = data.step
+                verdicts.append((data.step, rule.observe(document["eval"], data, layers)))
+        except Exception:
+            logger.exception("gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id)
+            return
+        for step, verdict in verdicts:
+            if isinstance(verdict, Finding):
+                self._fire(session, run, row, rule, document, verdict)
+            elif verdict is CLEAR and document["alert"] is not None:
+                self._resolve(session, run, document, step)
+        state.state_json = json.dumps(document)
+        state.updated_at = time.time()
+
+    # -- alerts -----------------------------------------------------------------------------------
+
+    def _fire(
+        self, session: Session, run: Run, row: AlertRule, rule: RuleType, document: dict[str, Any], finding: Finding
+    ) -> None:
+        if document["alert"] is not None:  # de-duplicated: the open alert counts it
+            session.execute(
+                update(Alert).where(Alert.id == document["alert"])
+                .values(occurrences=Alert.occurrences + 1, last_step=finding.step)
+            )
+            return
+        previous = document.get("last_alert")
+        fired = document.get("fired_step")
+        if previous is not None and fired is not None and finding.step < fired + row.cooldown_steps:
+            # Within the cooldown: the previous alert opens again, without a new notification.
+            reopened = session.execute(
+                update(Alert).where(Alert.id == previous, Alert.status == "resolved")
+                .values(status="firing", open_key=_open_key(row.id, run.id), resolved_at=None, resolved_step=None,
+                        occurrences=Alert.occurrences + 1, last_step=finding.step)
+            ).rowcount
+            if reopened:
+                document["alert"] = previous
+                return
+        alert = Alert(
+            rule_id=row.id, run_id=run.id, project=run.project, type=rule.name, severity=rule.severity,
+            status="firing", open_key=_open_key(row.id, run.id), step=finding.step, last_step=finding.step,
+            occurrences=1, title=finding.title[:500], hint=self._hint(session, run.id, rule.name, finding),
+            evidence_json=dump_json(finding.evidence | {"link": self.link(run.id, finding.step)}),
+            link=self.link(run.id, finding.step), created_at=time.time(), resolution_notified=False,
+        )
+        session.add(alert)
+        session.flush()
+        document["alert"] = document["last_alert"] = alert.id
+        document["fired_step"] = finding.step
+        self._enqueue(session, alert, run, "alert.firing")
+
+    def _resolve(self, session: Session, run: Run, document: dict[str, Any], step: int | None) -> None:
+        alert = session.get(Alert, document["alert"])
+        document["alert"] = None
+        if alert is None or alert.status != "firing":
+            return
+        alert.status = "resolved"
+        alert.open_key = None
+        alert.resolved_at = time.time()
+        alert.resolved_step = step
+        session.flush()
+        if not alert.resolution_notified:
+            alert.resolution_notified = True
+            self._enqueue(session, alert, run, "alert.resolved")
+
+    def link(self, run_id: str, step: int | None) -> str:
+        base = f"{self.public_url}/dashboard/runs/{run_id}"
+        return base if step is None else f"{base}?step={step}"
+
+    def _hint(self, session: Session, run_id: str, rule_name: str, finding: Finding) -> str:
+        base = HINTS.get(finding.cause or rule_name, HINTS.get(rule_name, ""))
+        if rule_name not in _EXPLAINED_BY_MISUSE:
+            return base
+        misuse = session.execute(
+            select(Event.kind, Event.data_json)
+            .where(Event.run_id == run_id, Event.kind.in_(MISUSE_EVENTS))
+            .order_by(Event.step, Event.id)
+            .limit(len(MISUSE_EVENTS) * 2)
+        ).all()
+        causes: dict[str, str] = {}
+        for kind, data_json in misuse:
+            hint = json.loads(data_json).get("hint")
+            if isinstance(hint, str) and kind not in causes:
+                causes[kind] = f"Likely cause ({kind.replace('_', ' ')}): {hint}"
+        return " ".join([*causes.values(), base]).strip()
+
+    def _enqueue(self, session: Session, alert: Alert, run: Run, event_name: str) -> None:
+        webhooks = session.scalars(
+            select(Webhook).where(Webhook.project == run.project, Webhook.enabled.is_(True)).order_by(Webhook.id)
+        ).all()
+        if not webhooks:
+            return
+        document = alert_document(alert, run.name)
+        now = time.time()
+        for webhook in webhooks:
+            session.add(Delivery(
+                webhook_id=webhook.id, alert_id=alert.id, event=event_name,
+                payload=render(webhook.format, event_name, _json_ready(document)),
+                status="pending", attempts=0, next_attempt_at=now, created_at=now,
+            ))
+        self.notify_after_commit(session)
+
+    def notify_after_commit(self, session: Session) -> None:
+        if self.on_enqueued is not None and not session.info.get("gradwatch_notify"):
+            session.info["gradwatch_notify"] = True
+            callback = self.on_enqueued
+
+            def _after_commit(_session: Session) -> None:
+                callback()
+
+            event.listen(session, "after_commit", _after_commit, once=True)
+
+    # -- evaluation on the clock ------------------------------------------------------------------
+
+    def check_heartbeats(self, session: Session, now: float) -> int:
+        """Open a heartbeat alert for each running run silent for longer than its rule's timeout."""
+        opened = 0
+        rules = session.scalars(
+            select(AlertRule).where(AlertRule.type == "heartbeat", AlertRule.enabled.is_(True)).order_by(AlertRule.id)
+        ).all()
+        for row in rules:
+            rule = make_rule(row.type, json.loads(row.params_json))
+            already_open = select(Alert.id).where(Alert.open_key == literal(f"{row.id}/") + Run.id).exists()
+            query = select(Run).where(
+                Run.project == row.project, Run.status == "running", Run.updated_at < now - rule.timeout_s,
+                ~already_open,
+            )
+            if row.run_id is not None:
+                query = query.where(Run.id == row.run_id)
+            for run in session.scalars(query.order_by(Run.id).limit(1000)).all():
+                state = self._load_state(session, row, rule, run.id)
+                document = json.loads(state.state_json)
+                if document["alert"] is not None:
+                    continue
+                silent = now - run.updated_at
+                finding = Finding(
+                    run.last_step if run.last_step is not None else 0,
+                    f"no data for {silent / 60:.0f} min (last step {run.last_step})",
+                    {"steps": [run.last_step], "last_seen": _iso(run.updated_at), "silent_s": round(silent, 1)},
+                )
+                self._fire(session, run, row, rule, document, finding)
+                state.state_json = json.dumps(document)
+                state.updated_at = now
+                opened += 1
+        return opened
+
+
+def _open_key(rule_id: int, run_id: str) -> str:
+    return f"{rule_id}/{run_id}"
+
+
+def _json_ready(document: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(dump_json(document))

@@ -1,0 +1,208 @@
+"""The delivery worker: a thread in each server process that claims due deliveries from the outbox
+table, POSTs them, and records the outcome, retrying failures with exponential backoff.
+
+A claim is one atomic UPDATE … WHERE id = (SELECT … LIMIT 1 [FOR UPDATE SKIP LOCKED]) that moves a
+row from pending to sending with a lease (claimed_until) and a fresh claim_token: on PostgreSQL two
+processes never claim the same row, on SQLite the single writer makes the UPDATE atomic. A row whose
+lease ran out (its worker died mid-send) is claimable again. Only the token holder may finish a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+from sqlalchemy import Engine, and_, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..models import Delivery, Webhook
+from ..settings import Settings
+from .webhooks import signature_headers
+
+__all__ = ["OutboxWorker", "backoff_delay"]
+
+logger = logging.getLogger("gradwatch.alerts")
+
+
+def backoff_delay(attempts: int, base_s: float, max_s: float) -> float:
+    """Seconds before retry number `attempts` (1, 2, …): base, 2·base, 4·base, … capped at max_s."""
+    return min(max_s, base_s * 2 ** max(0, attempts - 1))
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    token: str
+    attempts: int
+    url: str
+    secret: str | None
+    payload: str
+
+
+class OutboxWorker:
+    """Delivers the outbox. start() / stop() (idempotent); wake() after enqueuing to skip the poll wait.
+
+    periodic: (interval seconds, callable(session, now)) tasks run on the same thread, e.g. heartbeats."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        *,
+        client: httpx.Client | None = None,
+        periodic: tuple[tuple[float, Callable[[Session, float], object]], ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._client = client
+        self._own_client = client is None
+        self._periodic = [[interval, task, 0.0] for interval, task in periodic]
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> OutboxWorker:
+        if self._thread is None:
+            if self._client is None:
+                self._client = httpx.Client(timeout=self.settings.webhook_timeout_s, follow_redirects=False)
+            self._thread = threading.Thread(target=self._loop, name="gradwatch-outbox", daemon=True)
+            self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout if timeout is not None else self.settings.webhook_timeout_s + 5)
+            self._thread = None
+        if self._own_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            delivered_any = False
+            try:
+                self._run_periodic()
+                delivered_any = self.deliver_due()
+            except Exception:  # never let the worker die silently: log and retry after the poll interval
+                logger.exception("gradwatch: the outbox worker failed; retrying")
+            if not delivered_any:
+                self._wakeup.wait(self.settings.outbox_poll_interval_s)
+                self._wakeup.clear()
+
+    def _run_periodic(self) -> None:
+        now = time.time()
+        for entry in self._periodic:
+            interval, task, last = entry
+            if now - last >= interval:
+                entry[2] = now
+                with self._transaction() as session:
+                    task(session, now)
+
+    # -- one pass ---------------------------------------------------------------------------------
+
+    def deliver_due(self, limit: int = 100) -> bool:
+        """Claim and send due deliveries one at a time (up to limit); True when any was attempted."""
+        attempted = False
+        for _ in range(limit):
+            if self._stopping.is_set():
+                break
+            claimed = self.claim()
+            if claimed is None:
+                break
+            attempted = True
+            self._send(claimed)
+        return attempted
+
+    def claim(self) -> Claimed | None:
+        """Atomically take the oldest due delivery (or one whose lease expired) for this worker."""
+        now = time.time()
+        claimable = or_(
+            and_(Delivery.status == "pending", Delivery.next_attempt_at <= now),
+            and_(Delivery.status == "sending", Delivery.claimed_until < now),
+        )
+        oldest = (
+            select(Delivery.id).where(claimable).order_by(Delivery.next_attempt_at, Delivery.id).limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        token = uuid.uuid4().hex
+        with self._transaction() as session:
+            row = session.execute(
+                update(Delivery)
+                .where(Delivery.id == oldest, claimable)
+                .values(status="sending", claim_token=token, claimed_until=now + self.settings.outbox_lease_s,
+                        attempts=Delivery.attempts + 1)
+                .returning(Delivery.id, Delivery.attempts, Delivery.webhook_id, Delivery.payload)
+                .execution_options(synchronize_session=False)
+            ).first()
+            if row is None:
+                return None
+            webhook = session.get(Webhook, row.webhook_id)
+            if webhook is None:
+                return None
+            return Claimed(row.id, token, row.attempts, webhook.url, webhook.secret, row.payload)
+
+    def _send(self, claimed: Claimed) -> None:
+        body = claimed.payload.encode()
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "gradwatch-webhooks/1",
+            "X-Gradwatch-Delivery": str(claimed.id),
+        } | signature_headers(claimed.secret, time.time(), body)
+        status: int | None = None
+        error: str | None = None
+        assert self._client is not None
+        try:
+            response = self._client.post(claimed.url, content=body, headers=headers)
+            status = response.status_code
+            if not 200 <= status < 300:
+                error = f"HTTP {status}: {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        self._finish(claimed, status, error)
+
+    def _finish(self, claimed: Claimed, status: int | None, error: str | None) -> None:
+        now = time.time()
+        settings = self.settings
+        if error is None:
+            values: dict[str, object] = {"status": "delivered", "delivered_at": now, "last_error": None}
+        elif claimed.attempts >= settings.outbox_max_attempts:
+            values = {"status": "failed", "last_error": error}
+        else:
+            delay = backoff_delay(claimed.attempts, settings.outbox_backoff_base_s, settings.outbox_backoff_max_s)
+            values = {"status": "pending", "next_attempt_at": now + delay, "last_error": error}
+        with self._transaction() as session:
+            session.execute(
+                update(Delivery)
+                .where(Delivery.id == claimed.id, Delivery.claim_token == claimed.token)
+                .values(response_status=status, claim_token=None, claimed_until=None, **values)
+                .execution_options(synchronize_session=False)
+            )
+        if error is not None:
+            logger.warning("gradwatch: webhook delivery %d attempt %d failed: %s", claimed.id, claimed.attempts, error)

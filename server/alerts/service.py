@@ -1,0 +1,274 @@
+"""Alert rules, alerts, webhooks and deliveries for the API: each method one transaction, plain
+dicts out (the routers turn them into schemas), GradwatchServerError subclasses for bad input."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..errors import InvalidRequest, NotFound
+from ..models import Alert, AlertRule, AlertRuleState, Delivery, Run, Webhook
+from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
+from ..settings import Settings
+from .engine import AlertEngine, alert_document
+from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
+from .webhooks import render, validate_url
+
+__all__ = ["AlertService"]
+
+
+def _iso(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+class AlertService:
+    def __init__(self, engine: Engine, alert_engine: AlertEngine, settings: Settings) -> None:
+        self.engine = engine
+        self.alert_engine = alert_engine
+        self.settings = settings
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    # -- rule types and rules ---------------------------------------------------------------------
+
+    @staticmethod
+    def rule_types() -> list[dict[str, Any]]:
+        return [
+            {
+                "type": name,
+                "severity": cls.severity,
+                "description": cls.description,
+                "params": {
+                    p: {"default": spec.default, "minimum": spec.minimum, "maximum": spec.maximum, "doc": spec.doc}
+                    for p, spec in cls.params.items()
+                },
+                "default_rule": name in DEFAULT_RULES,
+            }
+            for name, cls in RULE_TYPES.items()
+        ]
+
+    @staticmethod
+    def _rule(row: AlertRule) -> dict[str, Any]:
+        cls = RULE_TYPES[row.type]
+        return {
+            "id": row.id, "project": row.project, "run_id": row.run_id, "type": row.type, "name": row.name,
+            "params": json.loads(row.params_json), "enabled": row.enabled, "cooldown_steps": row.cooldown_steps,
+            "severity": cls.severity, "description": cls.description,
+        }
+
+    @staticmethod
+    def _validated(rule_type: str, params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return make_rule(rule_type, params).values
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def list_rules(self, project: str | None, run_id: str | None) -> list[dict[str, Any]]:
+        """Rules of a project (its defaults installed on first sight), or those applying to one run."""
+        with self._transaction() as session:
+            query = select(AlertRule)
+            if run_id is not None:
+                run = session.get(Run, run_id)
+                if run is None:
+                    raise NotFound(f"run {run_id!r} does not exist")
+                project = run.project
+                query = query.where((AlertRule.run_id.is_(None)) | (AlertRule.run_id == run_id))
+            if project is not None:
+                self.alert_engine.ensure_defaults(session, project)
+                query = query.where(AlertRule.project == project)
+            return [self._rule(row) for row in session.scalars(query.order_by(AlertRule.id))]
+
+    def create_rule(self, rule: AlertRuleIn) -> dict[str, Any]:
+        params = self._validated(rule.type, rule.params)
+        now = time.time()
+        with self._transaction() as session:
+            if rule.run_id is not None:
+                run = session.get(Run, rule.run_id)
+                if run is None:
+                    raise InvalidRequest(f"run_id {rule.run_id!r}: no such run")
+                if run.project != rule.project:
+                    raise InvalidRequest(f"run {rule.run_id!r} belongs to project {run.project!r}, not {rule.project!r}")
+            self.alert_engine.ensure_defaults(session, rule.project)
+            row = AlertRule(
+                project=rule.project, run_id=rule.run_id, type=rule.type, name=rule.name or rule.type.replace("_", " "),
+                params_json=json.dumps(params), enabled=rule.enabled,
+                cooldown_steps=RULE_TYPES[rule.type].cooldown_steps if rule.cooldown_steps is None else rule.cooldown_steps,
+                created_at=now, updated_at=now,
+            )
+            session.add(row)
+            session.flush()
+            return self._rule(row)
+
+    def get_rule(self, rule_id: int) -> dict[str, Any]:
+        with self._transaction() as session:
+            return self._rule(self._require(session, AlertRule, rule_id, "alert rule"))
+
+    def update_rule(self, rule_id: int, patch: AlertRulePatch) -> dict[str, Any]:
+        """Edit a rule. New params restart its evaluation: state is dropped and open alerts resolved."""
+        with self._transaction() as session:
+            row = self._require(session, AlertRule, rule_id, "alert rule")
+            if patch.params is not None:
+                row.params_json = json.dumps(self._validated(row.type, patch.params))
+                self._restart(session, rule_id)
+            if patch.enabled is False and row.enabled:
+                self._restart(session, rule_id)
+            for name in ("name", "enabled", "cooldown_steps"):
+                value = getattr(patch, name)
+                if value is not None:
+                    setattr(row, name, value)
+            row.updated_at = time.time()
+            return self._rule(row)
+
+    def delete_rule(self, rule_id: int) -> None:
+        with self._transaction() as session:
+            row = self._require(session, AlertRule, rule_id, "alert rule")
+            self._restart(session, rule_id)
+            session.execute(update(Alert).where(Alert.rule_id == rule_id).values(rule_id=None))
+            session.delete(row)
+
+    @staticmethod
+    def _restart(session: Session, rule_id: int) -> None:
+        now = time.time()
+        session.execute(delete(AlertRuleState).where(AlertRuleState.rule_id == rule_id))
+        session.execute(
+            update(Alert).where(Alert.rule_id == rule_id, Alert.status == "firing")
+            .values(status="resolved", open_key=None, resolved_at=now)
+        )
+
+    # -- alerts -----------------------------------------------------------------------------------
+
+    def list_alerts(
+        self, project: str | None, run_id: str | None, status: str | None, limit: int, offset: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Alerts, newest first, and how many match before limit/offset."""
+        with self._transaction() as session:
+            query = select(Alert, Run.name).join(Run, Run.id == Alert.run_id)
+            if project is not None:
+                query = query.where(Alert.project == project)
+            if run_id is not None:
+                query = query.where(Alert.run_id == run_id)
+            if status is not None:
+                query = query.where(Alert.status == status)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.execute(query.order_by(Alert.id.desc()).limit(limit).offset(offset)).all()
+            return [alert_document(alert, name) for alert, name in rows], total
+
+    def get_alert(self, alert_id: int) -> dict[str, Any]:
+        with self._transaction() as session:
+            alert = self._require(session, Alert, alert_id, "alert")
+            run = session.get(Run, alert.run_id)
+            return alert_document(alert, run.name if run else alert.run_id)
+
+    # -- webhooks and deliveries ------------------------------------------------------------------
+
+    @staticmethod
+    def _webhook(row: Webhook) -> dict[str, Any]:
+        return {
+            "id": row.id, "project": row.project, "url": row.url, "format": row.format,
+            "signed": bool(row.secret), "enabled": row.enabled, "created_at": _iso(row.created_at),
+        }
+
+    def create_webhook(self, webhook: WebhookIn) -> dict[str, Any]:
+        try:
+            validate_url(webhook.url, self.settings.webhook_allowed_hosts)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        with self._transaction() as session:
+            row = Webhook(
+                project=webhook.project, url=webhook.url, format=webhook.format, secret=webhook.secret,
+                enabled=webhook.enabled, created_at=time.time(),
+            )
+            session.add(row)
+            session.flush()
+            return self._webhook(row)
+
+    def list_webhooks(self, project: str | None) -> list[dict[str, Any]]:
+        with self._transaction() as session:
+            query = select(Webhook)
+            if project is not None:
+                query = query.where(Webhook.project == project)
+            return [self._webhook(row) for row in session.scalars(query.order_by(Webhook.id))]
+
+    def get_webhook(self, webhook_id: int) -> dict[str, Any]:
+        with self._transaction() as session:
+            return self._webhook(self._require(session, Webhook, webhook_id, "webhook"))
+
+    def delete_webhook(self, webhook_id: int) -> None:
+        with self._transaction() as session:
+            row = self._require(session, Webhook, webhook_id, "webhook")
+            session.execute(delete(Delivery).where(Delivery.webhook_id == webhook_id))
+            session.delete(row)
+
+    def send_test(self, webhook_id: int) -> dict[str, Any]:
+        """Enqueue a test notification to one webhook; the delivery log shows how it went."""
+        with self._transaction() as session:
+            webhook = self._require(session, Webhook, webhook_id, "webhook")
+            now = time.time()
+            sample = {
+                "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "rule_id": None,
+                "type": "test", "severity": "info", "status": "firing", "step": None, "last_step": None,
+                "resolved_step": None, "occurrences": 0, "title": "gradwatch test notification",
+                "hint": "Nothing to do: this checks that the webhook receives gradwatch alerts.",
+                "evidence": {}, "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
+                "created_at": _iso(now), "resolved_at": None,
+            }
+            delivery = Delivery(
+                webhook_id=webhook.id, alert_id=None, event="test", payload=render(webhook.format, "test", sample),
+                status="pending", attempts=0, next_attempt_at=now, created_at=now,
+            )
+            session.add(delivery)
+            session.flush()
+            self.alert_engine.notify_after_commit(session)
+            return self._delivery(delivery)
+
+    @staticmethod
+    def _delivery(row: Delivery) -> dict[str, Any]:
+        return {
+            "id": row.id, "webhook_id": row.webhook_id, "alert_id": row.alert_id, "event": row.event,
+            "status": row.status, "attempts": row.attempts,
+            "next_attempt_at": _iso(row.next_attempt_at) if row.status == "pending" else None,
+            "response_status": row.response_status, "last_error": row.last_error,
+            "created_at": _iso(row.created_at), "delivered_at": _iso(row.delivered_at),
+        }
+
+    def list_deliveries(
+        self, webhook_id: int | None, alert_id: int | None, status: str | None, limit: int, offset: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The delivery log, newest first."""
+        with self._transaction() as session:
+            query = select(Delivery)
+            if webhook_id is not None:
+                self._require(session, Webhook, webhook_id, "webhook")
+                query = query.where(Delivery.webhook_id == webhook_id)
+            if alert_id is not None:
+                query = query.where(Delivery.alert_id == alert_id)
+            if status is not None:
+                query = query.where(Delivery.status == status)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(query.order_by(Delivery.id.desc()).limit(limit).offset(offset)).all()
+            return [self._delivery(row) for row in rows], total
+
+    @staticmethod
+    def _require(session: Session, model: Any, key: int, what: str) -> Any:
+        row = session.get(model, key)
+        if row is None:
+            raise NotFound(f"{what} {key} does not exist")
+        return row

@@ -1,0 +1,136 @@
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response, status
+
+from ..alerts import AlertService
+from ..schemas import (
+    AlertList,
+    AlertOut,
+    AlertRuleIn,
+    AlertRuleList,
+    AlertRuleOut,
+    AlertRulePatch,
+    DeliveryList,
+    DeliveryOut,
+    RuleTypeList,
+    WebhookIn,
+    WebhookList,
+    WebhookOut,
+)
+
+
+def _alerts(request: Request) -> AlertService:
+    return request.app.state.alerts
+
+
+AlertsDep = Annotated[AlertService, Depends(_alerts)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0)]
+
+router = APIRouter(prefix="/api/v1", tags=["alerts"])
+
+
+@router.get("/alert-rules/types")
+def rule_types(alerts: AlertsDep) -> RuleTypeList:
+    """The rule types, their parameters with defaults and bounds, and which are on for new projects."""
+    return RuleTypeList.model_validate({"data": alerts.rule_types()})
+
+
+@router.get("/alert-rules")
+def list_rules(alerts: AlertsDep, project: str | None = None, run_id: str | None = None) -> AlertRuleList:
+    """Rules of a project (its defaults are installed when a project is first seen), or those that
+    apply to one run (project-wide ones and the run's own)."""
+    rules = alerts.list_rules(project, run_id)
+    return AlertRuleList(data=[AlertRuleOut(**r) for r in rules], count=len(rules))
+
+
+@router.post("/alert-rules", status_code=status.HTTP_201_CREATED)
+def create_rule(rule: AlertRuleIn, alerts: AlertsDep) -> AlertRuleOut:
+    """Create a rule for a project, or for one run of it (run_id)."""
+    return AlertRuleOut(**alerts.create_rule(rule))
+
+
+@router.get("/alert-rules/{rule_id}")
+def get_rule(rule_id: int, alerts: AlertsDep) -> AlertRuleOut:
+    return AlertRuleOut(**alerts.get_rule(rule_id))
+
+
+@router.patch("/alert-rules/{rule_id}")
+def update_rule(rule_id: int, patch: AlertRulePatch, alerts: AlertsDep) -> AlertRuleOut:
+    """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
+    return AlertRuleOut(**alerts.update_rule(rule_id, patch))
+
+
+@router.delete("/alert-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_rule(rule_id: int, alerts: AlertsDep) -> Response:
+    alerts.delete_rule(rule_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/alerts")
+def list_alerts(
+    alerts: AlertsDep,
+    project: str | None = None,
+    run_id: str | None = None,
+    status: Literal["firing", "resolved"] | None = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> AlertList:
+    """Alerts, newest first, with evidence, hint and a link to the run page at the alert's step."""
+    records, total = alerts.list_alerts(project, run_id, status, limit, offset)
+    return AlertList(data=[AlertOut(**a) for a in records], count=total)
+
+
+@router.get("/alerts/{alert_id}")
+def get_alert(alert_id: int, alerts: AlertsDep) -> AlertOut:
+    return AlertOut(**alerts.get_alert(alert_id))
+
+
+@router.post("/webhooks", status_code=status.HTTP_201_CREATED)
+def create_webhook(webhook: WebhookIn, alerts: AlertsDep) -> WebhookOut:
+    """Subscribe a URL to a project's alerts (format json, slack or discord; optional HMAC secret)."""
+    return WebhookOut(**alerts.create_webhook(webhook))
+
+
+@router.get("/webhooks")
+def list_webhooks(alerts: AlertsDep, project: str | None = None) -> WebhookList:
+    hooks = alerts.list_webhooks(project)
+    return WebhookList(data=[WebhookOut(**w) for w in hooks], count=len(hooks))
+
+
+@router.get("/webhooks/{webhook_id}")
+def get_webhook(webhook_id: int, alerts: AlertsDep) -> WebhookOut:
+    return WebhookOut(**alerts.get_webhook(webhook_id))
+
+
+@router.delete("/webhooks/{webhook_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_webhook(webhook_id: int, alerts: AlertsDep) -> Response:
+    alerts.delete_webhook(webhook_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/webhooks/{webhook_id}/test", status_code=status.HTTP_202_ACCEPTED)
+def send_test(webhook_id: int, alerts: AlertsDep) -> DeliveryOut:
+    """Queue a test notification; follow it in GET /api/v1/webhooks/{id}/deliveries."""
+    return DeliveryOut(**alerts.send_test(webhook_id))
+
+
+@router.get("/webhooks/{webhook_id}/deliveries")
+def webhook_deliveries(webhook_id: int, alerts: AlertsDep, limit: Limit = 100, offset: Offset = 0) -> DeliveryList:
+    """One webhook's delivery log, newest first."""
+    records, total = alerts.list_deliveries(webhook_id, None, None, limit, offset)
+    return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)
+
+
+@router.get("/deliveries")
+def list_deliveries(
+    alerts: AlertsDep,
+    webhook_id: int | None = None,
+    alert_id: int | None = None,
+    status: Literal["pending", "sending", "delivered", "failed"] | None = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> DeliveryList:
+    """The delivery log across webhooks, newest first."""
+    records, total = alerts.list_deliveries(webhook_id, alert_id, status, limit, offset)
+    return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)

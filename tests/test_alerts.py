@@ -1,0 +1,370 @@
+"""Alerts end to end: real fp16 GradScaler training loops on CPU → agent → real uvicorn server
+(SQLite file and PostgreSQL) → rules → alerts with evidence → webhooks to a real HTTP receiver."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+
+import gradwatch
+import httpx
+import pytest
+from conftest import free_port
+from gradwatch.server.alerts.webhooks import verify
+from gradwatch.server.serve import BackgroundServer
+from gradwatch.server.settings import Settings
+from training import RecordingTransport, train
+from webhook_receiver import WebhookReceiver
+
+PUBLIC_URL = "http://gradwatch.example:8765"
+
+# Scenario parameters sized for TinyNet's short runs (GradScaler growth_interval=20 in training.py).
+SCENARIO_RULES = [
+    {"type": "skip_storm", "params": {"count": 4, "window": 20, "ignore_first": 5}},
+    {"type": "no_scale_growth", "params": {"growth_interval": 20, "intervals": 2}},
+    {"type": "grad_norm_spike", "params": {"window": 30, "warmup": 10}},
+    {"type": "update_ratio", "params": {"low": 1e-3, "high": 0.5}},
+    {"type": "underflow", "params": {"threshold": 0.1}},
+]
+
+
+@pytest.fixture
+def alert_server(database_url) -> Iterator[BackgroundServer]:
+    """The API with a fast outbox (short polls and backoff) and heartbeat checks."""
+    settings = Settings(
+        database_url=database_url, public_url=PUBLIC_URL, outbox_poll_interval_s=0.1,
+        outbox_backoff_base_s=0.2, outbox_backoff_max_s=1.0, heartbeat_check_interval_s=0.2,
+    )
+    server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api(alert_server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=alert_server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    with WebhookReceiver() as r:
+        yield r
+
+
+def _configure(api: httpx.Client, project: str) -> None:
+    for rule in SCENARIO_RULES:
+        response = api.post("/api/v1/alert-rules", json={"project": project, **rule})
+        assert response.status_code == 201, response.text
+
+
+def _train(server: BackgroundServer, project: str, steps: int, **kwargs) -> str:
+    with gradwatch.init(project=project, server=server.url, flush_interval=0.05) as run:
+        train(steps, run=run, **kwargs)
+    assert run.stats.dropped_points == 0 and run.stats.last_error is None
+    return run.id
+
+
+def _alerts(api: httpx.Client, run_id: str) -> dict[str, dict]:
+    data = api.get("/api/v1/alerts", params={"run_id": run_id}).json()["data"]
+    by_type = {}
+    for alert in data:
+        assert alert["type"] not in by_type, f"two {alert['type']} alerts: {data}"
+        by_type[alert["type"]] = alert
+    return by_type
+
+
+LAYERS = {"inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias"}
+
+
+def test_overflow_burst_fires_scale_drop_and_nan_with_evidence(alert_server, api):
+    _configure(api, "burst")
+    run_id = _train(alert_server, "burst", 60, overflow_steps=(10, 11, 12))
+    alerts = _alerts(api, run_id)
+    assert set(alerts) == {"scale_drop", "non_finite"}
+
+    drop = alerts["scale_drop"]
+    assert drop["step"] == 12 and drop["severity"] == "critical"
+    # 20 clean steps later the scaler doubles the scale: 8192 -> 16384 is a 4x drop, below the factor 8.
+    assert drop["status"] == "resolved" and drop["resolved_step"] == 32
+    assert drop["occurrences"] == 20 and drop["last_step"] == 31  # one alert while the condition held
+    assert drop["evidence"]["steps"] == [9, 12] and drop["evidence"]["values"] == [65536.0, 8192.0]
+    assert drop["evidence"]["skip_steps"] == [10, 11, 12]
+    assert drop["evidence"]["layers"] and set(drop["evidence"]["layers"]) <= LAYERS
+    assert drop["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=12"
+    assert "bf16" in drop["hint"]
+
+    nan = alerts["non_finite"]
+    assert nan["step"] == 12 and nan["evidence"]["steps"] == [10, 11, 12]
+    assert nan["evidence"]["values"][0]["loss"] == "NaN"
+    assert nan["status"] == "resolved" and nan["resolved_step"] == 13  # the loss is finite again
+    assert nan["evidence"]["layers"][0] in nan["title"]
+
+
+def test_healthy_run_of_the_same_length_fires_nothing(alert_server, api):
+    _configure(api, "healthy")
+    run_id = _train(alert_server, "healthy", 60, watch_options={"update_ratio_every": 1, "histograms_every": 1})
+    assert api.get("/api/v1/alerts", params={"run_id": run_id}).json() == {"data": [], "count": 0}
+
+
+def test_skip_storm_after_calibration(alert_server, api):
+    _configure(api, "storm")
+    run_id = _train(alert_server, "storm", 30, overflow_steps=(2, 10, 12, 14, 16))
+    storm = _alerts(api, run_id)["skip_storm"]
+    assert storm["step"] == 16 and storm["evidence"]["steps"] == [10, 12, 14, 16]  # step 2: calibration
+    assert storm["evidence"]["count"] == 4 and set(storm["evidence"]["layers"]) <= LAYERS
+
+
+def test_scale_below_floor_and_below_one_then_recovered(alert_server, api):
+    run_id = _train(alert_server, "floor", 40, overflow_steps=(5, 6, 7), init_scale=4.0)
+    floor = _alerts(api, run_id)["scale_floor"]
+    assert floor["step"] == 7 and floor["evidence"]["values"] == [0.5]
+    assert "below 1" in floor["title"]
+    assert floor["status"] == "resolved" and floor["resolved_step"] == 27  # 20 clean steps: 0.5 -> 1
+
+
+def test_no_scale_growth_for_two_growth_intervals(alert_server, api):
+    _configure(api, "stuck")
+    run_id = _train(alert_server, "stuck", 50, overflow_steps=(14, 29, 44))
+    stuck = _alerts(api, run_id)["no_scale_growth"]
+    assert stuck["step"] == 40 and stuck["evidence"]["since_step"] == 0 and stuck["status"] == "firing"
+
+
+def test_gradient_norm_spike_in_bf16(alert_server, api):
+    _configure(api, "spike")
+    run_id = _train(alert_server, "spike", 50, precision="bf16", overflow_steps=(40,))
+    spike = _alerts(api, run_id)["grad_norm_spike"]
+    assert spike["step"] == 40 and spike["evidence"]["ratio"] > 1000
+    assert spike["status"] == "resolved" and spike["resolved_step"] == 41
+    assert "learning rate" in spike["hint"]
+
+
+def test_underflow_and_stalled_layers_at_a_tiny_init_scale(alert_server, api):
+    _configure(api, "underflow")
+    run_id = _train(
+        alert_server, "underflow", 20, init_scale=2.0**-20,
+        watch_options={"update_ratio_every": 1, "histograms_every": 1},
+    )
+    alerts = _alerts(api, run_id)
+    under = alerts["underflow"]
+    assert under["step"] == 0 and "inp.weight" in under["evidence"]["layers"]
+    assert "out.weight" not in under["evidence"]["layers"]
+    assert "init_scale" in under["hint"]
+    ratio = alerts["update_ratio"]
+    assert ratio["step"] == 0 and "inp.weight" in ratio["evidence"]["layers"]
+    assert all(v < 1e-3 for v in ratio["evidence"]["values"])
+    assert alerts["scale_floor"]["step"] == 0
+
+
+def test_rank_disagreement_on_a_skip(alert_server, api):
+    run_id = "ddp-job"
+    with gradwatch.init(project="ddp", server=alert_server.url, run_id=run_id, rank=0, flush_interval=0.05) as r0:
+        train(30, run=r0, overflow_steps=(10,))
+    with gradwatch.init(project="ddp", server=alert_server.url, run_id=run_id, rank=1, flush_interval=0.05) as r1:
+        train(30, run=r1)
+    alert = _alerts(api, run_id)["rank_disagreement"]
+    assert alert["step"] == 10
+    assert alert["evidence"]["skipped_ranks"] == [0] and alert["evidence"]["applied_ranks"] == [1]
+    assert alert["status"] == "resolved" and alert["resolved_step"] == 11
+
+
+def test_heartbeat_fires_when_a_run_goes_silent_and_resolves_when_it_reports(alert_server, api):
+    run = api.post("/api/v1/runs", json={"project": "quiet"}).json()
+    rule = api.post("/api/v1/alert-rules", json={"project": "quiet", "type": "heartbeat", "run_id": run["id"],
+                                                  "params": {"timeout_s": 1}}).json()
+    batch = {"seq": 0, "scalars": [{"key": "loss", "steps": [0, 1], "values": [1.0, 0.9]}]}
+    api.post(f"/api/v1/runs/{run['id']}/batches", json=batch)
+    deadline = time.monotonic() + 10
+    while not (alerts := api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["data"]):
+        assert time.monotonic() < deadline, "no heartbeat alert"
+        time.sleep(0.1)
+    [alert] = [a for a in alerts if a["rule_id"] == rule["id"]]
+    assert alert["type"] == "heartbeat" and alert["step"] == 1
+    api.post(f"/api/v1/runs/{run['id']}/batches", json={"seq": 1, "scalars": [{"key": "loss", "steps": [2], "values": [0.8]}]})
+    resolved = api.get(f"/api/v1/alerts/{alert['id']}").json()
+    assert resolved["status"] == "resolved" and resolved["resolved_step"] == 2
+
+    while not api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["count"]:
+        assert time.monotonic() < deadline + 10, "no second heartbeat alert"
+        time.sleep(0.1)
+    api.post(f"/api/v1/runs/{run['id']}/batches", json={"seq": 2, "status": "finished"})  # no points, just the end
+    assert api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["count"] == 0
+
+
+def test_the_hint_names_the_misuse_the_agent_reported(alert_server, api):
+    run_id = _train(alert_server, "misuse", 20, overflow_steps=(10, 11, 12), clip="before_unscale")
+    hint = _alerts(api, run_id)["scale_drop"]["hint"]
+    assert hint.startswith("Likely cause (clip before unscale): clip_grad_norm_ was called on SCALED gradients")
+
+
+def _record(steps: int, **kwargs) -> tuple[list[str], dict]:
+    """A real training run's wire data, merged per key and step."""
+    transport = RecordingTransport()
+    run = gradwatch.init(project="rec", transport=transport, flush_interval=0.05)
+    train(steps, run=run, **kwargs)
+    run.finish()
+    scalars: dict[str, dict[int, object]] = {}
+    vectors: dict[str, dict[int, list]] = {}
+    for batch in transport.batches:
+        for series in batch["scalars"]:
+            scalars.setdefault(series["key"], {}).update(zip(series["steps"], series["values"]))
+        for vector in batch.get("vectors", []):
+            vectors.setdefault(vector["key"], {}).update(zip(vector["steps"], vector["values"]))
+    events = [e for b in transport.batches for e in b["events"]]
+    return transport.layers(), {"scalars": scalars, "vectors": vectors, "events": events}
+
+
+def _batches(layers: list[str], data: dict, steps: int, count: int) -> list[dict]:
+    bounds = [steps * i // count for i in range(count + 1)]
+    batches = []
+    for seq, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        def within(points: dict, lo: int = lo, hi: int = hi) -> tuple[list, list]:
+            kept = sorted((s, v) for s, v in points.items() if lo <= s < hi)
+            return [s for s, _ in kept], [v for _, v in kept]
+
+        batch = {
+            "seq": seq, "layers": layers,
+            "scalars": [{"key": k, "steps": s, "values": v} for k, p in data["scalars"].items() for s, v in [within(p)] if s],
+            "vectors": [{"key": k, "steps": s, "values": v} for k, p in data["vectors"].items() for s, v in [within(p)] if s],
+            "events": [e for e in data["events"] if lo <= e["step"] < hi],
+        }
+        batches.append(batch)
+    return batches
+
+
+def test_same_alerts_however_the_points_are_batched(api):
+    _configure(api, "batching")
+    steps = 100
+    layers, data = _record(steps, overflow_steps=(10, 11, 12, 30, 32, 34, 36), watch_options={"update_ratio_every": 1})
+    results = []
+    for count in (1, 7, 50):
+        run = api.post("/api/v1/runs", json={"project": "batching"}).json()
+        for batch in _batches(layers, data, steps, count):
+            response = api.post(f"/api/v1/runs/{run['id']}/batches", json=batch)
+            assert response.status_code == 200, response.text
+        alerts = api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["data"]
+        results.append(sorted(
+            (a["type"], a["status"], a["step"], a["last_step"], a["resolved_step"], a["occurrences"], a["title"],
+             json.dumps({k: v for k, v in a["evidence"].items() if k != "link"}, sort_keys=True))
+            for a in alerts
+        ))
+    assert {r[0] for r in results[0]} >= {"scale_drop", "non_finite", "skip_storm", "no_scale_growth"}
+    assert results[0] == results[1] == results[2]
+
+
+def test_rules_api_defaults_scoping_and_validation(api):
+    rules = api.get("/api/v1/alert-rules", params={"project": "fresh"}).json()
+    assert {"scale_drop", "skip_storm", "non_finite"} <= {r["type"] for r in rules["data"]}
+
+    bad = api.post("/api/v1/alert-rules", json={"project": "fresh", "type": "scale_drop", "params": {"factor": 0.5}})
+    assert bad.status_code == 422 and "factor must be greater than 1" in bad.json()["detail"]
+    bad = api.post("/api/v1/alert-rules", json={"project": "fresh", "type": "sclae_drop"})
+    assert bad.status_code == 422 and "unknown rule type 'sclae_drop'" in bad.json()["detail"]
+    bad = api.post("/api/v1/alert-rules", json={"project": "fresh", "type": "scale_drop", "run_id": "nope"})
+    assert bad.status_code == 422 and "no such run" in bad.json()["detail"]
+
+    run = api.post("/api/v1/runs", json={"project": "fresh"}).json()
+    created = api.post("/api/v1/alert-rules", json={
+        "project": "fresh", "run_id": run["id"], "type": "scale_drop", "params": {"factor": 4}, "cooldown_steps": 0,
+    })
+    assert created.status_code == 201, created.text
+    rule = created.json()
+    assert rule["params"] == {"factor": 4.0, "window": 100} and rule["run_id"] == run["id"]
+    edited = api.patch(f"/api/v1/alert-rules/{rule['id']}", json={"params": {"factor": 16}, "enabled": False}).json()
+    assert edited["params"]["factor"] == 16.0 and edited["enabled"] is False
+    other_run = api.post("/api/v1/runs", json={"project": "fresh"}).json()
+    ids_for_other = {r["id"] for r in api.get("/api/v1/alert-rules", params={"run_id": other_run["id"]}).json()["data"]}
+    assert rule["id"] not in ids_for_other
+    assert api.delete(f"/api/v1/alert-rules/{rule['id']}").status_code == 204
+    assert api.get(f"/api/v1/alert-rules/{rule['id']}").status_code == 404
+    types = api.get("/api/v1/alert-rules/types").json()["data"]
+    assert {t["type"] for t in types} >= {"heartbeat", "rank_disagreement", "underflow", "update_ratio"}
+
+
+def test_webhook_validation(api):
+    for body, message in [
+        ({"url": "ftp://example.com/hook", "project": "p"}, "http:// or https://"),
+        ({"url": "http:///nohost", "project": "p"}, "has no host"),
+    ]:
+        response = api.post("/api/v1/webhooks", json=body)
+        assert response.status_code == 422 and message in response.json()["detail"], response.text
+    response = api.post("/api/v1/webhooks", json={"url": "http://x/y", "project": "p", "format": "teams"})
+    assert response.status_code == 422 and "format" in response.text
+    assert api.post("/api/v1/webhooks/999/test").status_code == 404
+
+
+def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_server, api, receiver):
+    hooks = {}
+    for fmt in ("json", "slack", "discord"):
+        body = {"url": f"{receiver.url}/{fmt}", "format": fmt, "project": "hooked"}
+        if fmt == "json":
+            body["secret"] = "s3cret"
+        response = api.post("/api/v1/webhooks", json=body)
+        assert response.status_code == 201, response.text
+        hooks[fmt] = response.json()
+    assert hooks["json"]["signed"] is True and "secret" not in hooks["json"]
+
+    test = api.post(f"/api/v1/webhooks/{hooks['slack']['id']}/test")
+    assert test.status_code == 202
+    [received] = receiver.wait_for(1)
+    assert received.path.endswith("/slack") and "test" in received.json["text"]
+
+    run_id = _train(alert_server, "hooked", 30, overflow_steps=(10, 11, 12))
+    requests = receiver.wait_for(1 + 3 * 3)  # scale_drop firing, non_finite firing and resolved, x3 formats
+    time.sleep(0.5)
+    assert len(receiver.received) == 10
+    by_format: dict[str, list] = {}
+    for r in requests[1:]:
+        by_format.setdefault(r.path.rsplit("/", 1)[1], []).append(r)
+
+    generic = by_format["json"]
+    assert sorted((r.json["event"], r.json["alert"]["type"]) for r in generic) == [
+        ("alert.firing", "non_finite"), ("alert.firing", "scale_drop"), ("alert.resolved", "non_finite")]
+    for r in generic:
+        assert verify("s3cret", r.headers, r.body, now=time.time())
+        assert r.json["alert"]["run_id"] == run_id and r.json["alert"]["link"].startswith(PUBLIC_URL)
+    assert all("X-Gradwatch-Signature" not in r.headers for r in by_format["slack"])
+    assert all("blocks" in r.json and r.json["text"] for r in by_format["slack"])
+    assert all(r.json["content"] and r.json["embeds"][0]["url"].startswith(PUBLIC_URL) for r in by_format["discord"])
+
+    log = api.get(f"/api/v1/webhooks/{hooks['json']['id']}/deliveries").json()
+    assert log["count"] == 3 and {d["status"] for d in log["data"]} == {"delivered"}
+    assert all(d["response_status"] == 200 and d["attempts"] == 1 for d in log["data"])
+
+
+def test_failed_deliveries_are_retried_with_backoff(alert_server, api, receiver):
+    receiver.status = 500
+    hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "flaky"}).json()
+    api.post(f"/api/v1/webhooks/{hook['id']}/test")
+    receiver.wait_for(2)  # the first attempt and one retry after 0.2 s
+    receiver.status = 200
+    deadline = time.monotonic() + 10
+    while (d := api.get("/api/v1/deliveries", params={"webhook_id": hook["id"]}).json()["data"][0])["status"] != "delivered":
+        assert time.monotonic() < deadline, d
+        time.sleep(0.05)
+    assert d["attempts"] >= 3 and d["response_status"] == 200
+    assert len({r.headers["X-Gradwatch-Delivery"] for r in receiver.received}) == 1
+
+
+def test_cooldown_reopens_silently_and_a_later_trigger_notifies_again(alert_server, api, receiver):
+    hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "cool"}).json()
+    run = api.post("/api/v1/runs", json={"project": "cool"}).json()
+    scales = {0: 0.5, 1: 2.0, 2: 0.5, 3: 2.0, 200: 0.5}  # floor 1: fire, clear, again within cooldown, …
+    for seq, (step, scale) in enumerate(scales.items()):
+        batch = {"seq": seq, "scalars": [{"key": "amp/scale", "steps": [step], "values": [scale]}]}
+        assert api.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
+    alerts = api.get("/api/v1/alerts", params={"run_id": run["id"], "limit": 10}).json()["data"]
+    assert [(a["type"], a["step"], a["status"], a["occurrences"]) for a in alerts] == [
+        ("scale_floor", 200, "firing", 1), ("scale_floor", 0, "resolved", 2)]
+    assert alerts[1]["resolved_step"] == 3
+    receiver.wait_for(3)
+    time.sleep(0.3)
+    assert [(r.json["event"], r.json["alert"]["step"]) for r in receiver.received] == [
+        ("alert.firing", 0), ("alert.resolved", 0), ("alert.firing", 200)]
+    assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 3
+
+    assert api.delete(f"/api/v1/runs/{run['id']}").status_code == 204  # its alerts and deliveries go too
+    assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["count"] == 0
+    assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 0

@@ -1,0 +1,106 @@
+"""Webhook deliveries across server processes: `gradwatch server` subprocesses on one database, a
+real HTTP receiver, real fp16 training runs. A delivery pending at shutdown is sent after a restart,
+exactly once; two servers on one PostgreSQL deliver each notification once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import gradwatch
+import httpx
+from conftest import free_port
+from training import train
+from webhook_receiver import WebhookReceiver
+
+
+@contextlib.contextmanager
+def server_process(database_url: str, tmp_path) -> Iterator[str]:
+    """`python -m gradwatch.cli server` on a free port; yields its URL; SIGINT (graceful) on exit."""
+    port = free_port()
+    log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port), "--database-url", database_url],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (tmp_path / f"server-{port}.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _deliveries(url: str) -> list[dict]:
+    return httpx.get(f"{url}/api/v1/deliveries", params={"limit": 1000}).json()["data"]
+
+
+def test_a_delivery_pending_at_shutdown_is_sent_after_restart_exactly_once(database_url, tmp_path):
+    receiver = WebhookReceiver(port=free_port())  # not started yet: the receiver is down
+    with server_process(database_url, tmp_path) as url:
+        httpx.post(f"{url}/api/v1/webhooks", json={"url": receiver.url, "project": "restart"}).raise_for_status()
+        with gradwatch.init(project="restart", server=url, flush_interval=0.05) as run:
+            train(20, run=run, overflow_steps=(10, 11, 12))
+        deadline = time.monotonic() + 10
+        while not (pending := _deliveries(url)) or any(d["attempts"] == 0 for d in pending):
+            assert time.monotonic() < deadline, pending
+            time.sleep(0.05)
+        assert len(pending) == 3 and {d["status"] for d in pending} == {"pending"}
+        assert all("ConnectError" in d["last_error"] for d in pending)
+
+    with receiver, server_process(database_url, tmp_path) as url:
+        received = receiver.wait_for(3, timeout=20)  # after the 5 s backoff of the first failure
+        time.sleep(1.5)
+        assert len(receiver.received) == 3
+        assert len({r.headers["X-Gradwatch-Delivery"] for r in received}) == 3
+        assert sorted((r.json["event"], r.json["alert"]["type"]) for r in received) == [
+            ("alert.firing", "non_finite"), ("alert.firing", "scale_drop"), ("alert.resolved", "non_finite")]
+        assert all(r.json["alert"]["run_id"] == run.id for r in received)
+        log = _deliveries(url)
+        assert {d["status"] for d in log} == {"delivered"} and {d["attempts"] for d in log} == {2}
+
+
+def test_two_servers_on_one_postgres_deliver_each_notification_once(postgres_url, tmp_path):
+    with WebhookReceiver() as receiver, server_process(postgres_url, tmp_path) as first, \
+            server_process(postgres_url, tmp_path) as second:
+        for name in ("a", "b", "c"):
+            body = {"url": f"{receiver.url}/{name}", "project": "pair"}
+            httpx.post(f"{first}/api/v1/webhooks", json=body).raise_for_status()
+        hooks = [h["id"] for h in httpx.get(f"{second}/api/v1/webhooks").json()["data"]]
+        for _ in range(5):  # test notifications queued on both servers: both workers compete for them
+            for url in (first, second):
+                for hook in hooks:
+                    httpx.post(f"{url}/api/v1/webhooks/{hook}/test").raise_for_status()
+        run_ids = []
+        for url in (first, second):
+            with gradwatch.init(project="pair", server=url, flush_interval=0.05) as run:
+                train(16, run=run, overflow_steps=(10, 11, 12))
+            run_ids.append(run.id)
+        expected = 5 * 2 * 3 + 2 * 3 * 3  # tests + (2 runs x 3 notifications x 3 webhooks)
+        receiver.wait_for(expected, timeout=25)
+        time.sleep(1.5)
+        ids = [r.headers["X-Gradwatch-Delivery"] for r in receiver.received]
+        assert len(ids) == expected and len(set(ids)) == expected
+        log = _deliveries(first)
+        assert len(log) == expected
+        assert {d["status"] for d in log} == {"delivered"} and {d["attempts"] for d in log} == {1}
+        alerts = httpx.get(f"{second}/api/v1/alerts", params={"project": "pair"}).json()["data"]
+        assert sorted(a["run_id"] for a in alerts) == sorted(run_ids * 2)

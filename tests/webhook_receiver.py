@@ -1,0 +1,89 @@
+"""A real HTTP receiver on 127.0.0.1 for webhook tests: records every POST it gets."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class WebhookReceiver:
+    """start() on a port (0: any free one), stop(); `status` is what it answers (e.g. 500 to fail)."""
+
+    def __init__(self, port: int = 0, status: int = 200) -> None:
+        self.port = port
+        self.status = status
+        self.received: list[Received] = []
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def start(self) -> WebhookReceiver:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with receiver._lock:
+                    receiver.received.append(Received(self.path, dict(self.headers.items()), body))
+                self.send_response(receiver.status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook-receiver", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            assert self._thread is not None
+            self._thread.join(5)
+            self._server = None
+
+    def __enter__(self) -> WebhookReceiver:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def bodies(self) -> list[Any]:
+        with self._lock:
+            return [r.json for r in self.received]
+
+    def wait_for(self, count: int, timeout: float = 15.0) -> list[Received]:
+        """Wait until at least `count` requests arrived; returns them all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if len(self.received) >= count:
+                    return list(self.received)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected {count} webhook requests within {timeout} s, got {len(self.received)}")
+            time.sleep(0.02)
