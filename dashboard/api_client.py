@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = [
+    "MAX_HISTOGRAM_STEPS",
     "MAX_SERIES_POINTS",
+    "MAX_VECTOR_STEPS",
     "ApiClient",
     "ApiError",
     "ApiUnavailable",
@@ -31,6 +33,10 @@ __all__ = [
 
 # The most points the dashboard asks for per series; the server downsamples larger ranges (min/max kept).
 MAX_SERIES_POINTS = 2000
+# The most steps asked for per heatmap (rows of one value per layer) and per layer histogram view.
+MAX_VECTOR_STEPS = 500
+MAX_HISTOGRAM_STEPS = 200
+KEY_KINDS = ("scalar", "vector", "histogram")
 DEFAULT_TIMEOUT_S = 5.0
 
 Json = dict[str, Any]
@@ -57,7 +63,7 @@ class RunNotFound(ApiError):
 
 
 class ApiClient:
-    """Reads runs, series and events from a gradwatch server.
+    """Reads runs, series, per-layer vectors, histograms and events from a gradwatch server.
 
     base_url: the server root, e.g. "http://127.0.0.1:8765" (without /api/v1).
     token: a read-scope token sent as `Authorization: Bearer <token>`, or None.
@@ -105,9 +111,13 @@ class ApiClient:
         """One run: id, project, name, status, created_at, last_step, summary… (GET /api/v1/runs/{id})."""
         return self._get(_run_path(run_id), run_id=run_id)
 
-    def keys(self, run_id: str) -> list[str]:
-        """The scalar series keys the run has, e.g. "amp/scale", "loss"."""
-        return list(self._get(_run_path(run_id, "keys"), run_id=run_id).get("data", []))
+    def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
+        """The keys the run has of one kind: "scalar" (e.g. "amp/scale", "loss"), "vector" (per-layer,
+        e.g. "grad/norm") or "histogram" (e.g. "grad/hist")."""
+        if kind not in KEY_KINDS:
+            raise ValueError(f"kind must be one of {KEY_KINDS}, got {kind!r}")
+        params = None if kind == "scalar" else {"kind": kind}
+        return list(self._get(_run_path(run_id, "keys"), params, run_id=run_id).get("data", []))
 
     def series(
         self,
@@ -130,6 +140,42 @@ class ApiClient:
         if end is not None:
             params["end"] = end
         return self._get(_run_path(run_id, "series"), params, run_id=run_id)
+
+    def vectors(
+        self,
+        run_id: str,
+        key: str,
+        *,
+        max_steps: int = MAX_VECTOR_STEPS,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> Json:
+        """A per-layer quantity as a step × layer matrix: {"key", "layers" (model order), "steps",
+        "values" (one row of one value per layer per step), "downsampled"}.
+
+        max_steps: at most MAX_VECTOR_STEPS (500) rows; the server merges more steps into buckets.
+        """
+        if not 1 <= max_steps <= MAX_VECTOR_STEPS:
+            raise ValueError(f"max_steps must be between 1 and {MAX_VECTOR_STEPS}, got {max_steps!r}")
+        params: dict[str, Any] = {"key": key, "max_steps": max_steps}
+        if start is not None:
+            params["start"] = start
+        if end is not None:
+            params["end"] = end
+        return self._get(_run_path(run_id, "vectors"), params, run_id=run_id)
+
+    def histograms(
+        self, run_id: str, layer: str, *, key: str = "grad/hist", max_steps: int = MAX_HISTOGRAM_STEPS
+    ) -> Json:
+        """One layer's log2 |g| histograms: {"layer", "exponents", "steps", "counts" (one row per
+        step, one count per exponent), "zeros", "non_finite"}. Bin e counts |g| in [2^(e-1), 2^e).
+
+        An unknown layer (or run) is an ApiError with status_code 404 and the server's message.
+        """
+        if not 1 <= max_steps <= MAX_HISTOGRAM_STEPS:
+            raise ValueError(f"max_steps must be between 1 and {MAX_HISTOGRAM_STEPS}, got {max_steps!r}")
+        params = {"layer": layer, "key": key, "max_steps": max_steps}
+        return self._get(_run_path(run_id, "histograms"), params)
 
     def events(self, run_id: str, kind: str | None = None, *, limit: int = 10_000) -> tuple[list[Json], int]:
         """Events in step order ({"step", "kind", "rank", "data"}) and how many exist in all."""

@@ -1,7 +1,9 @@
 """Regenerate the README's screenshots: `make screenshots` (or .venv/bin/python docs/make_screenshots.py).
 
-Runs the demo training into a fresh SQLite file behind a real server, opens the dashboard in headless
-Chromium (/usr/bin/chromium or GRADWATCH_TEST_CHROMIUM) and saves docs/run-page.png and docs/runs-list.png.
+Runs a small fp16 training (two runs) into a fresh SQLite file behind a real server (watched often enough for the
+per-layer heatmaps and histograms to have many columns), opens the dashboard in headless Chromium
+(/usr/bin/chromium or GRADWATCH_TEST_CHROMIUM) and saves docs/run-page.png, docs/runs-list.png and
+docs/compare.png.
 """
 
 from __future__ import annotations
@@ -16,6 +18,40 @@ DOCS = Path(__file__).resolve().parent
 CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
+# Denser than the defaults (10/100/100 steps) so a 400-step demo fills the per-layer views.
+WATCH_OPTIONS = {"layer_norms_every": 5, "histograms_every": 20, "update_ratio_every": 20}
+RUN_PAGE_GRAPHS = ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph", "grad-norm-heatmap",
+                   "update-ratio-heatmap", "underflow-heatmap", "hist-graph", "hist-time-graph")
+
+
+def train_mlp(run, *, steps: int = 400, lr: float = 3e-3, overflow_at: int | None = 150, seed: int = 0) -> None:
+    """A small fp16 (autocast on CPU) + GradScaler + AdamW + clipping loop over a 6-block MLP (26 parameter
+    tensors: enough rows for the heatmaps), fast enough for a shared CPU; a burst of blown-up
+    activations at overflow_at makes four skipped steps."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()) for _ in range(6)]
+    model = nn.Sequential(nn.Linear(32, 64), *blocks, nn.Linear(64, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=100)
+    run.watch(model, optimizer, scaler=scaler, **WATCH_OPTIONS)
+    generator = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(32, 10, generator=generator)
+    for step in range(steps):
+        x = torch.randn(64, 32, generator=generator)
+        y = (x @ teacher).argmax(dim=1)
+        blowup = 1e5 if overflow_at is not None and overflow_at <= step < overflow_at + 4 else 1.0
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x * blowup).float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        run.log({"loss": loss, "lr": lr})
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
 
 
 def _free_port() -> int:
@@ -25,20 +61,21 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    from playwright.sync_api import sync_playwright
-
     import gradwatch
-    from gradwatch.demo import DemoConfig, train
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
+    from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(database_url=f"sqlite:///{home}/gradwatch.db")
         server = BackgroundServer(settings, "127.0.0.1", _free_port()).start()
         try:
-            cfg = DemoConfig(steps=400)
-            with gradwatch.init(project="demo", name="tiny-lm-fp16", server=server.url, config=vars(cfg)) as run:
-                train(run, cfg, log=lambda line: None)
+            config = {"model": "mlp-6x64", "steps": 400, "lr": 3e-3, "precision": "fp16"}
+            with gradwatch.init(project="demo", name="mlp-fp16", server=server.url, config=config) as run:
+                train_mlp(run)
+            with gradwatch.init(project="demo", name="mlp-fp16-lr1e-3", server=server.url,
+                                config={**config, "lr": 1e-3}) as other:
+                train_mlp(other, lr=1e-3, overflow_at=None)
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -48,15 +85,33 @@ def main() -> int:
                     " return g && g.data && g.data.some(t => t.name === 'skipped step'); }",
                     timeout=30_000,
                 )
+                for graph_id in RUN_PAGE_GRAPHS:  # every graph drawn with data, not a placeholder
+                    page.wait_for_function(
+                        f"() => {{ const g = document.querySelector('#{graph_id} .js-plotly-plot');"
+                        " return g && g.data && g.data.length > 0; }",
+                        timeout=30_000,
+                    )
                 page.wait_for_timeout(500)  # let Plotly finish its transition
                 page.screenshot(path=str(DOCS / "run-page.png"), full_page=True)
                 page.goto(f"{server.url}/dashboard/")
-                page.get_by_text("tiny-lm-fp16").first.wait_for(timeout=30_000)
+                page.get_by_text("mlp-fp16").first.wait_for(timeout=30_000)
+                for name in ("mlp-fp16", "mlp-fp16-lr1e-3"):
+                    row = page.locator("tr").filter(has=page.get_by_role("link", name=name, exact=True))
+                    row.locator("input[type=checkbox]").check()
+                page.locator("#compare-link").wait_for(timeout=30_000)
                 page.screenshot(path=str(DOCS / "runs-list.png"))
+                page.locator("#compare-link").click()
+                page.wait_for_function(
+                    "() => { const g = document.querySelector('#compare-graph .js-plotly-plot');"
+                    " return g && g.data && g.data.length === 2; }",
+                    timeout=30_000,
+                )
+                page.wait_for_timeout(500)
+                page.screenshot(path=str(DOCS / "compare.png"))
                 browser.close()
         finally:
             server.stop()
-    print(f"wrote {DOCS / 'run-page.png'} and {DOCS / 'runs-list.png'}")
+    print(f"wrote {DOCS / 'run-page.png'}, {DOCS / 'runs-list.png'} and {DOCS / 'compare.png'}")
     return 0
 
 

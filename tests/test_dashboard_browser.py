@@ -1,9 +1,10 @@
 """The dashboard in real headless Chromium, with real data from a real server and training loop."""
 
-import pytest
-from training import train
+import re
 
 import gradwatch
+import pytest
+from training import train
 
 pytestmark = pytest.mark.browser
 
@@ -86,3 +87,76 @@ def test_unknown_run_page_says_so(full_server, browser_page):
     page = browser_page
     page.goto(f"{full_server.url}/dashboard/runs/does-not-exist")
     page.get_by_text("not found", exact=False).first.wait_for(timeout=20_000)
+
+
+def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(full_server, browser_page):
+    options = {"layer_norms_every": 5, "histograms_every": 10, "update_ratio_every": 10}
+    with gradwatch.init(project="browser", name="layers", server=full_server.url, flush_interval=0.05,
+                        config={"lr": 0.01, "note": "<b>text</b>"}) as run:
+        train(30, run=run, overflow_steps=(12,), watch_options=options)
+    page = browser_page
+    page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
+
+    # TinyNet has 6 parameter tensors: one heatmap row each, in model order, first at the top.
+    layers = ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.type === 'heatmap' && t.y.length === 6)")
+    heatmap = page.evaluate("() => document.querySelector('#grad-norm-heatmap .js-plotly-plot').data[0]")
+    assert heatmap["y"] == layers
+    assert 12 in heatmap["x"]  # the skipped step is recorded, and drawn as a red non-finite cell
+    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.name === 'non-finite')")
+    _graph_has(page, "underflow-heatmap", "data.some(t => t.type === 'heatmap' && t.y.length === 6)")
+    _graph_has(page, "update-ratio-heatmap", "data.some(t => t.type === 'heatmap')")
+    _graph_has(page, "scale-graph", "data.some(t => t.name === 'fp16 safe band')")
+
+    # The first layer is chosen by default; pick another and see its histogram at the latest step.
+    _graph_has(page, "hist-graph", "data.some(t => t.type === 'bar')")
+    page.locator("#hist-layer").click()
+    page.get_by_role("option", name="hidden.weight", exact=True).click()
+    page.wait_for_function(
+        "() => document.querySelector('#hist-graph .js-plotly-plot').layout.title.text.includes('hidden.weight')",
+        timeout=20_000,
+    )
+    _graph_has(page, "hist-time-graph", "data.some(t => t.type === 'heatmap' && t.x.length === 3)")
+    bar, title = page.evaluate(
+        "() => { const g = document.querySelector('#hist-graph .js-plotly-plot'); return [g.data[0], g.layout.title.text]; }"
+    )
+    zeros = int(re.search(r"zeros ([\d,]+)", title).group(1).replace(",", ""))
+    assert sum(bar["y"]) + zeros == 32 * 32  # every element of hidden.weight's gradient is counted once
+
+    # Clicking an event's step marks it on the charts and moves the histogram to the nearest step.
+    page.locator("#events-table").get_by_role("button", name="12", exact=True).click()
+    page.wait_for_function(
+        "() => (document.querySelector('#loss-graph .js-plotly-plot').layout.shapes || [])"
+        ".some(s => s.x0 === 12)",
+        timeout=20_000,
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#hist-graph .js-plotly-plot').layout.title.text.includes('step 10')",
+        timeout=20_000,
+    )
+    page.get_by_text("Config (2 keys)", exact=False).click()
+    page.get_by_text("<b>text</b>", exact=False).wait_for(timeout=5_000)  # config is shown as text
+    assert page.problems == []
+
+
+def test_runs_list_search_and_compare_two_runs(full_server, browser_page):
+    for name, lr in (("cmp-a", 1.0), ("cmp-b <i>x</i>", 2.0), ("other", 3.0)):
+        with gradwatch.init(project="browser", name=name, server=full_server.url, flush_interval=0.05) as run:
+            for step in range(20):
+                run.log({"loss": lr / (step + 1)}, step=step)
+    page = browser_page
+    page.goto(f"{full_server.url}/dashboard/")
+    page.get_by_role("link", name="other", exact=True).wait_for(timeout=20_000)
+
+    page.locator("#runs-search").fill("cmp-")
+    page.get_by_role("link", name="other", exact=True).wait_for(state="detached", timeout=20_000)
+    for name in ("cmp-a", "cmp-b <i>x</i>"):
+        row = page.locator("tr").filter(has=page.get_by_role("link", name=name, exact=True))
+        row.locator("input[type=checkbox]").check()
+    page.locator("#compare-link").click()
+    page.wait_for_url("**/dashboard/compare?runs=*")
+    _graph_has(page, "compare-graph", "data.length === 2 && data.every(t => t.x.length === 20)")
+    names = page.evaluate("() => document.querySelector('#compare-graph .js-plotly-plot').data.map(t => t.name)")
+    assert sorted(names) == ["cmp-a", "cmp-b &lt;i&gt;x&lt;/i&gt;"]  # escaped for plotly: shown as text
+    assert page.locator("#compare-graph i").count() == 0
+    assert page.problems == []
