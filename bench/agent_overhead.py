@@ -312,8 +312,8 @@ def free_port() -> int:
 # call on the training thread; they do not nest in one another, so their sum is gradwatch's time there.
 INSTRUMENTED = [
     ("watch.Watcher", "_after_unscale", "Watcher._after_unscale (after scaler.unscale_)", True),
-    ("watch.Watcher", "before_clip", "Watcher.before_clip", True),
-    ("watch.Watcher", "after_clip", "Watcher.after_clip", True),
+    ("watch.Watcher", "_before_clip", "Watcher._before_clip", True),
+    ("watch.Watcher", "_after_clip", "Watcher._after_clip", True),
     ("watch.Watcher", "_pre_step_hook", "Watcher._pre_step_hook (optimizer pre-step)", True),
     ("watch.Watcher", "_post_step_hook", "Watcher._post_step_hook (optimizer post-step)", True),
     ("watch.Watcher", "_before_scaler_step", "Watcher._before_scaler_step", True),
@@ -364,8 +364,8 @@ def clip_wrapper_cost(trainer: Trainer, repeats: int = 500) -> float:
     import torch
     from gradwatch import _clip, _watch
 
-    before_clip = getattr(_watch.Watcher.before_clip, "__wrapped__", _watch.Watcher.before_clip)
-    after_clip = getattr(_watch.Watcher.after_clip, "__wrapped__", _watch.Watcher.after_clip)
+    before_clip = getattr(_watch.Watcher._before_clip, "__wrapped__", _watch.Watcher._before_clip)
+    after_clip = getattr(_watch.Watcher._after_clip, "__wrapped__", _watch.Watcher._after_clip)
     other = build_model(trainer.size)
     for p in other.parameters():
         p.grad = torch.zeros_like(p)
