@@ -138,7 +138,7 @@ class Run:
     def watch(self, model: Any, optimizer: Any, scaler: Any = None, **options: Any) -> Run:
         """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`.
 
-        options (see WatchOptions): layer_norms_every=10, histograms_every=100, update_ratio_every=100
+        options (see WatchOptions): layer_norms_every=20, histograms_every=100, update_ratio_every=100
         param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput.
         """
         from ._watch import Watcher, WatchOptions

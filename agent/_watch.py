@@ -39,10 +39,10 @@ class WatchOptions:
     """Sampling schedules (every N optimizer steps; 0 turns a quantity off) and throughput hints.
 
     Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
-    gradient norms every 10 steps; parameter norms, histograms and update ratios every 100.
+    gradient norms every 20 steps; parameter norms, histograms and update ratios every 100.
     """
 
-    layer_norms_every: int = 10
+    layer_norms_every: int = 20
     param_norms_every: int = 100
     histograms_every: int = 100
     update_ratio_every: int = 100
