@@ -17,11 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from .downsample import min_max_indices
 from .errors import Conflict, InvalidRequest, NotFound
 from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
 from .schemas import BatchIn, RunIn, json_float
@@ -127,6 +126,61 @@ def _worst(values: tuple[float, ...]) -> float:
         if not math.isfinite(value):
             return value
     return max(values)
+
+
+def _bucket_width(first: int, last: int, max_points: int) -> int:
+    return (last - first) // max(max_points // 2, 1) + 1
+
+
+def _min_max_per_bucket_sqlite(session: Session, points: Any, first: int, last: int, max_points: int) -> list[Any]:
+    """The same selection as _min_max_per_bucket in three single-pass GROUP BY queries: SQLite returns
+    the other columns of the row that holds a bare MIN()/MAX() (documented behaviour), which avoids
+    the window functions' per-bucket sort."""
+    bucket = (points.c.step - first) // _bucket_width(first, last, max_points)
+    finite = points.c.flag == Flag.FINITE
+    lows = session.execute(
+        select(bucket, points.c.step, func.min(points.c.value), points.c.flag).where(finite).group_by(bucket)
+    ).all()
+    highs = session.execute(
+        select(bucket, points.c.step, func.max(points.c.value), points.c.flag).where(finite).group_by(bucket)
+    ).all()
+    non_finite = session.execute(
+        select(bucket, func.min(points.c.step), points.c.value, points.c.flag).where(~finite).group_by(bucket)
+    ).all()
+    chosen = {b: (step, value, flag) for b, step, value, flag in lows}
+    chosen.update({b: (step, value, flag) for b, step, value, flag in non_finite})  # NaN/Inf over the minimum
+    kept = set(chosen.values()) | {(step, value, flag) for _, step, value, flag in highs}
+    return [_Row(step, value, flag) for step, value, flag in sorted(kept, key=lambda row: row[0])]
+
+
+@dataclass(frozen=True)
+class _Row:
+    step: int
+    value: float | None
+    flag: int
+
+
+def _min_max_per_bucket(points: Any, first: int, last: int, max_points: int) -> Any:
+    """SELECT of each step bucket's minimum and maximum point (window functions: SQLite and
+    PostgreSQL), in step order. Non-finite points (flag != 0) rank first for the minimum's place."""
+    bucket = ((points.c.step - first) // _bucket_width(first, last, max_points)).label("bucket")
+    non_finite_first = case((points.c.flag != Flag.FINITE, 0), else_=1)
+    ranked = select(
+        points.c.step,
+        points.c.value,
+        points.c.flag,
+        func.row_number()
+        .over(partition_by=bucket, order_by=(non_finite_first, points.c.value.asc(), points.c.step))
+        .label("low_rank"),
+        func.row_number()
+        .over(partition_by=bucket, order_by=(points.c.flag != Flag.FINITE, points.c.value.desc(), points.c.step))
+        .label("high_rank"),
+    ).subquery()
+    return (
+        select(ranked.c.step, ranked.c.value, ranked.c.flag)
+        .where(or_(ranked.c.low_rank == 1, ranked.c.high_rank == 1))
+        .order_by(ranked.c.step)
+    )
 
 
 def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
@@ -438,22 +492,33 @@ class Store:
     def series(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
     ) -> SeriesResult:
-        """Points of one key with start <= step < end; more than max_points are downsampled."""
+        """Points of one key with start <= step < end; more than max_points are downsampled in the
+        database: max_points // 2 equal step buckets keep their minimum and maximum (a non-finite
+        point takes the minimum's place), so a one-step spike survives any zoom."""
         with self._transaction() as session:
             self._require_run(session, run_id)
-            query = (
-                select(Point.step, Point.value, Point.flag)
-                .join(Series, Series.id == Point.series_id)
-                .where(Series.run_id == run_id, Series.key == key, Point.rank == rank)
-            )
-            query = _step_range(query, Point.step, start, end)
-            rows = session.execute(query.order_by(Point.step)).all()
-        steps = [row.step for row in rows]
-        values = [decode_float(row.value, row.flag) for row in rows]
-        if len(rows) <= max_points:
-            return SeriesResult(steps, values, downsampled=False)
-        kept = min_max_indices(values, max_points)
-        return SeriesResult([steps[i] for i in kept], [values[i] for i in kept], downsampled=True)
+            series_id = session.scalar(select(Series.id).where(Series.run_id == run_id, Series.key == key))
+            if series_id is None:
+                return SeriesResult([], [], downsampled=False)
+            in_range = _step_range(
+                select(Point.step, Point.value, Point.flag).where(Point.series_id == series_id, Point.rank == rank),
+                Point.step, start, end,
+            ).subquery()
+            count, first, last = session.execute(
+                select(func.count(), func.min(in_range.c.step), func.max(in_range.c.step))
+            ).one()
+            if count <= max_points:
+                rows = session.execute(select(in_range).order_by(in_range.c.step)).all()
+                downsampled = False
+            else:
+                if session.get_bind().dialect.name == "sqlite":
+                    rows = _min_max_per_bucket_sqlite(session, in_range, first, last, max_points)
+                else:
+                    rows = session.execute(_min_max_per_bucket(in_range, first, last, max_points)).all()
+                downsampled = True
+        return SeriesResult(
+            [row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], downsampled
+        )
 
     def events(
         self, run_id: str, kind: str | None, start: int | None, end: int | None, limit: int

@@ -211,3 +211,19 @@ def test_layer_data_that_does_not_fit_the_run_is_refused_whole(client):
     bad_hist["histograms"][0]["counts"][0] = [1, 2]
     response = client.post(f"{url}/batches", json=bad_hist)
     assert response.status_code == 422 and "expected 123" in response.text
+
+
+def test_downsampling_keeps_non_finite_points_and_bucket_extremes(client):
+    run = _create(client)
+    n = 10_000
+    values = [float(i % 7) for i in range(n)]
+    values[1_234] = "NaN"
+    values[8_765] = "Infinity"
+    values[5_000] = -50.0
+    client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, steps=range(n), values=values))
+    sampled = client.get(f"/api/v1/runs/{run['id']}/series", params={"key": "loss", "max_points": 50}).json()
+    assert sampled["downsampled"] is True and len(sampled["steps"]) <= 50
+    kept = dict(zip(sampled["steps"], sampled["values"]))
+    assert kept[1_234] == "NaN" and kept[8_765] == "Infinity" and kept[5_000] == -50.0
+    assert sampled["steps"] == sorted(sampled["steps"])
+    assert 6.0 in sampled["values"]  # each bucket's maximum is kept
