@@ -6,16 +6,38 @@ that upgrades it (mlflow's rule: never change a user's existing schema implicitl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import gradwatch.migrations
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
 
-import gradwatch.migrations
+
+class Transactions:
+    """One session per transaction: commit on success, roll back on any error, always close.
+    Shared by everything that writes (the store, the alert service, the outbox worker)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def __call__(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
 
 
 class SchemaError(RuntimeError):

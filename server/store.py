@@ -9,18 +9,18 @@ from __future__ import annotations
 import json
 import math
 import sys
-from array import array
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from .database import Transactions
 from .errors import Conflict, InvalidRequest, NotFound
 from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
 from .schemas import BatchIn, RunIn, json_float
@@ -204,24 +204,12 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._transaction = Transactions(engine)  # commit on success, roll back on any error
         dialect = engine.dialect.name
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
-
-    @contextmanager
-    def _transaction(self) -> Iterator[Session]:
-        session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
 
     # -- runs -------------------------------------------------------------------------------------
 

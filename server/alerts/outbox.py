@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 from sqlalchemy import Engine, and_, or_, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from ..database import Transactions
 from ..models import Delivery, Webhook
 from ..settings import Settings
 from .webhooks import signature_headers
@@ -60,25 +60,13 @@ class OutboxWorker:
     ) -> None:
         self.engine = engine
         self.settings = settings
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._transaction = Transactions(engine)  # commit on success, roll back on any error
         self._client = client
         self._own_client = client is None
         self._periodic = [[interval, task, 0.0] for interval, task in periodic]
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def _transaction(self) -> Iterator[Session]:
-        session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
 
     # -- lifecycle --------------------------------------------------------------------------------
 

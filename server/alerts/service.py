@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from ..database import Transactions
 from ..errors import InvalidRequest, NotFound
 from ..models import Alert, AlertRule, AlertRuleState, Delivery, Run, Webhook
 from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
@@ -33,19 +32,7 @@ class AlertService:
         self.engine = engine
         self.alert_engine = alert_engine
         self.settings = settings
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[Session]:
-        session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+        self._transaction = Transactions(engine)  # commit on success, roll back on any error
 
     # -- rule types and rules ---------------------------------------------------------------------
 
