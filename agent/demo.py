@@ -95,6 +95,8 @@ def train(run: Any, cfg: DemoConfig, log: Any = print) -> None:
         scaler.step(optimizer)
         scaler.update()
         if step % 50 == 0 or step == cfg.steps - 1:
+            # The demo's own progress line, as a user's loop would print it (a sync every 50 steps,
+            # in user code: gradwatch itself never reads device values on the training thread).
             log(f"step {step:5d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}")
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
