@@ -210,6 +210,9 @@ class Store:
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
+        # Called with (run_id, batch) after a newly stored batch has committed (live streams):
+        # must be quick and must not raise; the data is already durable.
+        self.after_commit: list[Callable[[str, BatchIn], None]] = []
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -332,7 +335,10 @@ class Store:
             session.execute(update(Run).where(Run.id == run_id).values(**values))
             for hook in self.after_ingest:
                 hook(session, run_id, batch)
-            return IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
+            result = IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
+        for notify in self.after_commit:
+            notify(run_id, batch)
+        return result
 
     def _ingest_layer_data(self, session: Session, run_id: str, batch: BatchIn) -> int:
         """Store the batch's per-layer vectors and histograms; returns the largest step (or -1)."""
