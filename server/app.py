@@ -110,7 +110,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_STATUS.get(type(exc), 400))
 
-    for router in (health.router, runs.router, series.router, alerts_router.router):
+    for router in (health.router, runs.router, series.router, series.compare_router, alerts_router.router):
         app.include_router(router)
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

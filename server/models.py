@@ -144,6 +144,60 @@ class AgentBatch(Base):
     received_at: Mapped[float] = mapped_column(Float)
 
 
+
+# -- rollups and tags (migration 0004) --------------------------------------------------------------
+
+
+class PointRollup(Base):
+    """One bucket of a scalar series' pyramid (gradwatch.server.rollups): steps
+    [bucket * 32**level, (bucket + 1) * 32**level) summarised by their lowest and highest point (a
+    non-finite point counts as the lowest; high_* repeats low_* when the bucket has no finite point)."""
+
+    __tablename__ = "point_rollups"
+
+    series_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    count: Mapped[int] = mapped_column(Integer)
+    low_step: Mapped[int] = mapped_column(BigInteger)
+    low_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    low_flag: Mapped[int] = mapped_column(SmallInteger)
+    high_step: Mapped[int] = mapped_column(BigInteger)
+    high_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    high_flag: Mapped[int] = mapped_column(SmallInteger)
+
+
+class VectorRollup(Base):
+    """One bucket of a per-layer vector's pyramid: per layer the first non-finite value, else the
+    largest (what a heatmap cell shows), as little-endian float64 bytes; first_step is the bucket's
+    earliest stored step."""
+
+    __tablename__ = "vector_rollups"
+
+    series_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    count: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class RunTag(Base):
+    """A free-form label of a run ("baseline", "lora-r16"); runs are filtered by them."""
+
+    __tablename__ = "run_tags"
+    __table_args__ = (Index(None, "tag"),)
+
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(100), primary_key=True)
+
+
 # -- alerts (migration 0003) ------------------------------------------------------------------------
 
 

@@ -16,6 +16,8 @@ Name = Annotated[str, Field(min_length=1, max_length=200)]
 MetricKey = Annotated[str, Field(min_length=1, max_length=250)]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 RunStatus = Literal["running", "finished", "crashed"]
+Tag = Annotated[str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"')]
+MAX_TAGS = 50
 JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
 # Per batch: an agent flushes about once a second, so these are generous.
@@ -30,8 +32,18 @@ class RunIn(BaseModel):
     id: RunId | None = None
     project: Name
     name: Name | None = None
+    tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
     config: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunPatch(BaseModel):
+    """Rename a run or replace its tags; fields left out are unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name | None = None
+    tags: list[Tag] | None = Field(default=None, max_length=MAX_TAGS)
 
 
 class RunSummary(BaseModel):
@@ -47,6 +59,7 @@ class RunOut(BaseModel):
     created_at: str
     updated_at: str
     last_step: int | None
+    tags: list[str]
     config: dict[str, Any]
     metadata: dict[str, Any]
     summary: RunSummary
@@ -55,6 +68,21 @@ class RunOut(BaseModel):
 class RunList(BaseModel):
     data: list[RunOut]
     count: int = Field(description="runs matching the filter, before limit/offset")
+
+
+class CompareSeries(BaseModel):
+    run_id: str
+    name: str
+    project: str
+    steps: list[int]
+    values: list[JsonFloat]
+    downsampled: bool
+
+
+class CompareOut(BaseModel):
+    key: str
+    rank: int
+    data: list[CompareSeries] = Field(description="one series per requested run, in the order asked")
 
 
 class ScalarSeriesIn(BaseModel):

@@ -14,15 +14,29 @@ import uuid
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Engine, case, delete, func, or_, select, update
+from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from . import bulk, rollups
 from .database import Transactions
 from .errors import Conflict, InvalidRequest, NotFound
-from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
+from .models import (
+    AgentBatch,
+    Event,
+    Flag,
+    HistogramPoint,
+    Point,
+    PointRollup,
+    Run,
+    RunTag,
+    Series,
+    VectorPoint,
+    VectorRollup,
+)
 from .schemas import BatchIn, RunIn, json_float
 
 _FLAG_VALUES = {Flag.NAN: math.nan, Flag.POS_INF: math.inf, Flag.NEG_INF: -math.inf}
@@ -84,10 +98,28 @@ class RunRecord:
     created_at: float
     updated_at: float
     last_step: int | None
+    tags: list[str]
     config: dict[str, Any]
     metadata: dict[str, Any]
     skips: int
     scale: float | None
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    project: str | None = None
+    tags: tuple[str, ...] = ()
+    statuses: tuple[str, ...] = ()
+    created_after: float | None = None  # seconds since the epoch
+    created_before: float | None = None
+    name_contains: str | None = None
+    sort: str = "created"  # a key of _SORT_COLUMNS
+    ascending: bool = False
+
+
+_SORT_COLUMNS = {
+    "created": Run.created_at, "updated": Run.updated_at, "name": func.lower(Run.name), "last_step": Run.last_step,
+}
 
 
 @dataclass(frozen=True)
@@ -121,74 +153,33 @@ class HistogramsResult:
     non_finite: list[int]
 
 
-def _worst(values: tuple[float, ...]) -> float:
-    for value in values:
-        if not math.isfinite(value):
-            return value
-    return max(values)
-
-
-def _bucket_width(first: int, last: int, max_points: int) -> int:
-    return (last - first) // max(max_points // 2, 1) + 1
-
-
-def _min_max_per_bucket_sqlite(session: Session, points: Any, first: int, last: int, max_points: int) -> list[Any]:
-    """The same selection as _min_max_per_bucket in three single-pass GROUP BY queries: SQLite returns
-    the other columns of the row that holds a bare MIN()/MAX() (documented behaviour), which avoids
-    the window functions' per-bucket sort."""
-    bucket = (points.c.step - first) // _bucket_width(first, last, max_points)
-    finite = points.c.flag == Flag.FINITE
-    lows = session.execute(
-        select(bucket, points.c.step, func.min(points.c.value), points.c.flag).where(finite).group_by(bucket)
-    ).all()
-    highs = session.execute(
-        select(bucket, points.c.step, func.max(points.c.value), points.c.flag).where(finite).group_by(bucket)
-    ).all()
-    non_finite = session.execute(
-        select(bucket, func.min(points.c.step), points.c.value, points.c.flag).where(~finite).group_by(bucket)
-    ).all()
-    chosen = {b: (step, value, flag) for b, step, value, flag in lows}
-    chosen.update({b: (step, value, flag) for b, step, value, flag in non_finite})  # NaN/Inf over the minimum
-    kept = set(chosen.values()) | {(step, value, flag) for _, step, value, flag in highs}
-    return [_Row(step, value, flag) for step, value, flag in sorted(kept, key=lambda row: row[0])]
-
-
-@dataclass(frozen=True)
-class _Row:
-    step: int
-    value: float | None
-    flag: int
-
-
-def _min_max_per_bucket(points: Any, first: int, last: int, max_points: int) -> Any:
-    """SELECT of each step bucket's minimum and maximum point (window functions: SQLite and
-    PostgreSQL), in step order. Non-finite points (flag != 0) rank first for the minimum's place."""
-    bucket = ((points.c.step - first) // _bucket_width(first, last, max_points)).label("bucket")
-    non_finite_first = case((points.c.flag != Flag.FINITE, 0), else_=1)
-    ranked = select(
-        points.c.step,
-        points.c.value,
-        points.c.flag,
-        func.row_number()
-        .over(partition_by=bucket, order_by=(non_finite_first, points.c.value.asc(), points.c.step))
-        .label("low_rank"),
-        func.row_number()
-        .over(partition_by=bucket, order_by=(points.c.flag != Flag.FINITE, points.c.value.desc(), points.c.step))
-        .label("high_rank"),
-    ).subquery()
-    return (
-        select(ranked.c.step, ranked.c.value, ranked.c.flag)
-        .where(or_(ranked.c.low_rank == 1, ranked.c.high_rank == 1))
-        .order_by(ranked.c.step)
-    )
-
-
 def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
     if start is not None:
         query = query.where(column >= start)
     if end is not None:
         query = query.where(column < end)
     return query
+
+
+def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, int, int, float | None, int]]:
+    """(series_id, rank, step, value, flag) rows of a batch's scalars. A step repeated for a key within
+    the batch keeps its last value (one row per key for the database's upsert)."""
+    rows: list[tuple[int, int, int, float | None, int]] = []
+    seen_keys: set[str] = set()
+    repeated = False
+    for series in batch.scalars:
+        series_id = series_ids[series.key]
+        repeated = repeated or series.key in seen_keys or len(set(series.steps)) != len(series.steps)
+        seen_keys.add(series.key)
+        if all(map(math.isfinite, series.values)):  # the common case, at C speed
+            rows.extend(zip(repeat(series_id), repeat(batch.rank), series.steps, series.values, repeat(Flag.FINITE)))
+        else:
+            rows.extend(
+                (series_id, batch.rank, step, *encode_float(value)) for step, value in zip(series.steps, series.values)
+            )
+    if repeated:
+        rows = list({(row[0], row[2]): row for row in rows}.values())
+    return rows
 
 
 @dataclass(frozen=True)
@@ -243,31 +234,60 @@ class Store:
                     f"run {run_id!r} already exists in project {existing.project!r}, "
                     f"not {run.project!r}"
                 )
+            if run.tags:  # a retried create (or another rank) adds its tags to the run's
+                bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
+                            [(run_id, tag) for tag in sorted(set(run.tags))])
             return self._run_record(session, existing)
+
+    def update_run(self, run_id: str, name: str | None, tags: list[str] | None) -> RunRecord:
+        with self._transaction() as session:
+            run = self._require_run(session, run_id)
+            if name is not None:
+                run.name = name
+            if tags is not None:
+                session.execute(delete(RunTag).where(RunTag.run_id == run_id))
+                bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
+                            [(run_id, tag) for tag in sorted(set(tags))])
+            run.updated_at = time.time()
+            session.flush()
+            return self._run_record(session, run)
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction() as session:
             return self._run_record(session, self._require_run(session, run_id))
 
-    def list_runs(self, project: str | None, limit: int, offset: int) -> tuple[list[RunRecord], int]:
-        """Runs, newest first, and how many match before limit/offset."""
+    def list_runs(self, filters: RunFilter, limit: int, offset: int) -> tuple[list[RunRecord], int]:
+        """Runs matching every given filter, in the requested order, and how many match before
+        limit/offset."""
         with self._transaction() as session:
             query = select(Run)
-            if project is not None:
-                query = query.where(Run.project == project)
+            if filters.project is not None:
+                query = query.where(Run.project == filters.project)
+            for tag in filters.tags:  # every tag must be present
+                query = query.where(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
+            if filters.statuses:
+                query = query.where(Run.status.in_(filters.statuses))
+            if filters.created_after is not None:
+                query = query.where(Run.created_at >= filters.created_after)
+            if filters.created_before is not None:
+                query = query.where(Run.created_at < filters.created_before)
+            if filters.name_contains:
+                query = query.where(
+                    func.lower(Run.name).contains(filters.name_contains.lower(), autoescape=True)
+                )
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.scalars(
-                query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)
-            ).all()
+            column = _SORT_COLUMNS[filters.sort]
+            order = (column.asc() if filters.ascending else column.desc()).nulls_last()
+            rows = session.scalars(query.order_by(order, Run.id).limit(limit).offset(offset)).all()
             return [self._run_record(session, run) for run in rows], total
 
     def delete_run(self, run_id: str) -> None:
         with self._transaction() as session:
             self._require_run(session, run_id)
             series_ids = select(Series.id).where(Series.run_id == run_id)
-            for table in (Point, VectorPoint, HistogramPoint):
+            for table in (Point, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
-            for table in (Series, Event, AgentBatch):
+            for table in (Series, Event, AgentBatch, RunTag):
                 session.execute(delete(table).where(table.run_id == run_id))
             session.execute(delete(Run).where(Run.id == run_id))
 
@@ -288,23 +308,17 @@ class Store:
                 return IngestResult(duplicate=True, points=0, events=0)
 
             series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
-            point_rows = []
-            last_step = -1
+            point_rows = _point_rows(batch, series_ids)
+            steps_by_series: dict[int, list[int]] = {}
             for series in batch.scalars:
-                series_id = series_ids[series.key]
-                for step, value in zip(series.steps, series.values):
-                    stored, flag = encode_float(value)
-                    point_rows.append(
-                        {"series_id": series_id, "rank": batch.rank, "step": step, "value": stored, "flag": flag}
-                    )
-                    last_step = max(last_step, step)
+                steps_by_series.setdefault(series_ids[series.key], []).extend(series.steps)
+            last_step = max((max(steps) for steps in steps_by_series.values() if steps), default=-1)
             if point_rows:
-                upsert = self._insert(Point)
-                upsert = upsert.on_conflict_do_update(
-                    index_elements=["series_id", "rank", "step"],
-                    set_={"value": upsert.excluded.value, "flag": upsert.excluded.flag},
+                bulk.upsert(
+                    session, Point.__table__, ("series_id", "rank", "step", "value", "flag"),
+                    ("series_id", "rank", "step"), point_rows,
                 )
-                session.execute(upsert, point_rows)
+                rollups.refresh_points(session, batch.rank, steps_by_series)
             if batch.events:
                 session.execute(
                     Event.__table__.insert(),
@@ -361,39 +375,29 @@ class Store:
                     f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} layers"
                 )
         vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
-        rows = [
-            {"series_id": vector_ids[v.key], "rank": batch.rank, "step": step, "data": pack(row, "d")}
-            for v in batch.vectors
-            for step, row in zip(v.steps, v.values)
-        ]
-        if rows:
-            upsert = self._insert(VectorPoint)
-            session.execute(
-                upsert.on_conflict_do_update(
-                    index_elements=["series_id", "rank", "step"], set_={"data": upsert.excluded.data}
-                ),
-                rows,
+        vector_rows = {(vector_ids[v.key], step): row for v in batch.vectors for step, row in zip(v.steps, v.values)}
+        if vector_rows:
+            bulk.upsert(
+                session, VectorPoint.__table__, ("series_id", "rank", "step", "data"), ("series_id", "rank", "step"),
+                [(sid, batch.rank, step, pack(row, "d")) for (sid, step), row in vector_rows.items()],
             )
-            last_step = max(row["step"] for row in rows)
+            steps_by_series: dict[int, list[int]] = {}
+            for sid, step in vector_rows:
+                steps_by_series.setdefault(sid, []).append(step)
+            rollups.refresh_vectors(session, batch.rank, steps_by_series)
+            last_step = max(step for _, step in vector_rows)
         histogram_ids = self._series_ids(session, run_id, [h.key for h in batch.histograms], "histogram")
-        rows = [
-            {
-                "series_id": histogram_ids[h.key], "rank": batch.rank, "step": h.step,
-                "exponent_min": h.exponent_min, "exponent_max": h.exponent_max,
-                "counts": pack([c for row in h.counts for c in row], "q"),
-            }
+        histogram_rows = {
+            (histogram_ids[h.key], h.step): (h.exponent_min, h.exponent_max, pack([c for row in h.counts for c in row], "q"))
             for h in batch.histograms
-        ]
-        if rows:
-            upsert = self._insert(HistogramPoint)
-            session.execute(
-                upsert.on_conflict_do_update(
-                    index_elements=["series_id", "rank", "step"],
-                    set_={name: getattr(upsert.excluded, name) for name in ("exponent_min", "exponent_max", "counts")},
-                ),
-                rows,
+        }
+        if histogram_rows:
+            bulk.upsert(
+                session, HistogramPoint.__table__,
+                ("series_id", "rank", "step", "exponent_min", "exponent_max", "counts"), ("series_id", "rank", "step"),
+                [(sid, batch.rank, step, *fields) for (sid, step), fields in histogram_rows.items()],
             )
-            last_step = max([last_step] + [row["step"] for row in rows])
+            last_step = max([last_step] + [step for _, step in histogram_rows])
         return last_step
 
     def _series_ids(self, session: Session, run_id: str, keys: list[str], kind: str) -> dict[str, int]:
@@ -426,93 +430,116 @@ class Store:
     def vectors(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_steps: int
     ) -> VectorsResult:
-        """Per-layer rows of one key with start <= step < end; more than max_steps steps are merged
-        into buckets keeping, per layer, the first non-finite value or else the largest."""
+        """Per-layer rows of one key with start <= step < end. With more than max_steps rows, steps
+        are grouped into at most max_steps equal buckets keeping, per layer, the first non-finite
+        value or else the largest (read from the rollups: cost independent of the run's length)."""
         with self._transaction() as session:
             run = self._require_run(session, run_id)
-            query = (
-                select(VectorPoint.step, VectorPoint.data)
-                .join(Series, Series.id == VectorPoint.series_id)
-                .where(Series.run_id == run_id, Series.key == key, VectorPoint.rank == rank)
-            )
-            query = _step_range(query, VectorPoint.step, start, end)
-            rows = session.execute(query.order_by(VectorPoint.step)).all()
             layers = json.loads(run.layers_json)
-        steps = [row.step for row in rows]
-        matrix = [unpack(row.data, "d") for row in rows]
-        if len(rows) <= max_steps:
-            return VectorsResult(layers, steps, matrix, downsampled=False)
-        merged_steps, merged = [], []
-        n = len(rows)
-        for b in range(max_steps):
-            lo, hi = b * n // max_steps, (b + 1) * n // max_steps
-            if lo == hi:
-                continue
-            merged_steps.append(steps[lo])
-            merged.append([_worst(column) for column in zip(*matrix[lo:hi])])
-        return VectorsResult(layers, merged_steps, merged, downsampled=True)
+            series_id = self._series_id(session, run_id, key)
+            extent = None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
+            if extent is None:
+                return VectorsResult(layers, [], [], downsampled=False)
+            first, last = extent
+            if last - first + 1 > max_steps:
+                level, bucket_width = rollups.plan(first, last, max_steps)
+                summaries = rollups.vector_summaries(session, series_id, rank, first, last + 1, level, bucket_width)
+                if sum(s.count for s in summaries) > max_steps:
+                    steps, matrix = rollups.downsample_vectors(summaries, bucket_width)
+                    return VectorsResult(layers, steps, matrix.tolist(), downsampled=True)
+            rows = session.execute(
+                select(VectorPoint.step, VectorPoint.data)
+                .where(VectorPoint.series_id == series_id, VectorPoint.rank == rank,
+                       VectorPoint.step >= first, VectorPoint.step <= last)
+                .order_by(VectorPoint.step)
+            ).all()
+        return VectorsResult(layers, [row.step for row in rows], [unpack(row.data, "d") for row in rows], False)
 
     def histograms(
         self, run_id: str, key: str, layer: str, rank: int, start: int | None, end: int | None, max_steps: int
     ) -> HistogramsResult:
-        """One layer's log2 histograms over steps (evenly thinned to at most max_steps snapshots)."""
+        """One layer's log2 histograms over steps (evenly thinned to at most max_steps snapshots).
+        Only the chosen snapshots are read, and of each only the layer's slice of the counts."""
         with self._transaction() as session:
             run = self._require_run(session, run_id)
             layers = json.loads(run.layers_json)
             if layer not in layers:
                 raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
             index = layers.index(layer)
-            query = (
-                select(HistogramPoint)
-                .join(Series, Series.id == HistogramPoint.series_id)
-                .where(Series.run_id == run_id, Series.key == key, HistogramPoint.rank == rank)
-            )
-            query = _step_range(query, HistogramPoint.step, start, end)
-            points = session.scalars(query.order_by(HistogramPoint.step)).all()
-            if len(points) > max_steps:
-                points = [points[i * len(points) // max_steps] for i in range(max_steps)]
-            exponent_min = points[0].exponent_min if points else 0
-            exponent_max = points[0].exponent_max if points else -1
-            steps, counts, zeros, non_finite = [], [], [], []
-            for point in points:
-                width = point.exponent_max - point.exponent_min + 3
-                row = unpack(point.counts, "q")[index * width : (index + 1) * width]
-                steps.append(point.step)
-                counts.append(row[:-2])
-                zeros.append(row[-2])
-                non_finite.append(row[-1])
-        return HistogramsResult(list(range(exponent_min, exponent_max + 1)), steps, counts, zeros, non_finite)
+            series_id = self._series_id(session, run_id, key)
+            in_series = (HistogramPoint.series_id == series_id, HistogramPoint.rank == rank)
+            steps = session.scalars(
+                _step_range(select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end)
+                .order_by(HistogramPoint.step)
+            ).all()
+            if len(steps) > max_steps:
+                steps = [steps[i * len(steps) // max_steps] for i in range(max_steps)]
+            width = HistogramPoint.exponent_max - HistogramPoint.exponent_min + 3  # bins, zeros, NaN/Inf
+            points = session.execute(
+                select(
+                    HistogramPoint.step, HistogramPoint.exponent_min, HistogramPoint.exponent_max,
+                    func.substr(HistogramPoint.counts, index * width * 8 + 1, width * 8).label("row"),
+                )
+                .where(*in_series, HistogramPoint.step.in_(steps))
+                .order_by(HistogramPoint.step)
+            ).all() if steps else []
+        exponent_min = points[0].exponent_min if points else 0
+        exponent_max = points[0].exponent_max if points else -1
+        counts, zeros, non_finite = [], [], []
+        for point in points:
+            row = unpack(bytes(point.row), "q")
+            counts.append(row[:-2])
+            zeros.append(row[-2])
+            non_finite.append(row[-1])
+        return HistogramsResult(
+            list(range(exponent_min, exponent_max + 1)), [p.step for p in points], counts, zeros, non_finite
+        )
 
     def series(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
     ) -> SeriesResult:
-        """Points of one key with start <= step < end; more than max_points are downsampled in the
-        database: max_points // 2 equal step buckets keep their minimum and maximum (a non-finite
-        point takes the minimum's place), so a one-step spike survives any zoom."""
+        """Points of one key with start <= step < end. Beyond max_points, max_points // 2 equal step
+        buckets keep their lowest and highest point (a non-finite point counts as the lowest), so a
+        one-step spike survives any zoom; read from the rollups, so a 10M-point series costs about
+        as much as a 10k-point one."""
         with self._transaction() as session:
             self._require_run(session, run_id)
-            series_id = session.scalar(select(Series.id).where(Series.run_id == run_id, Series.key == key))
-            if series_id is None:
+            series_id = self._series_id(session, run_id, key)
+            extent = None if series_id is None else self._extent(session, Point, series_id, rank, start, end)
+            if extent is None:
                 return SeriesResult([], [], downsampled=False)
-            in_range = _step_range(
-                select(Point.step, Point.value, Point.flag).where(Point.series_id == series_id, Point.rank == rank),
-                Point.step, start, end,
-            ).subquery()
-            count, first, last = session.execute(
-                select(func.count(), func.min(in_range.c.step), func.max(in_range.c.step))
-            ).one()
-            if count <= max_points:
-                rows = session.execute(select(in_range).order_by(in_range.c.step)).all()
-                downsampled = False
-            else:
-                if session.get_bind().dialect.name == "sqlite":
-                    rows = _min_max_per_bucket_sqlite(session, in_range, first, last, max_points)
-                else:
-                    rows = session.execute(_min_max_per_bucket(in_range, first, last, max_points)).all()
-                downsampled = True
-        return SeriesResult(
-            [row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], downsampled
+            first, last = extent
+            if last - first + 1 > max_points:
+                level, bucket_width = rollups.plan(first, last, max_points // 2)
+                summaries = rollups.point_summaries(session, series_id, rank, first, last + 1, level, bucket_width)
+                kept, total = rollups.downsample(summaries, bucket_width)
+                if total > max_points:
+                    return SeriesResult(
+                        [step for step, _, _ in kept], [decode_float(v, f) for _, v, f in kept], downsampled=True
+                    )
+            rows = session.execute(
+                select(Point.step, Point.value, Point.flag)
+                .where(Point.series_id == series_id, Point.rank == rank, Point.step >= first, Point.step <= last)
+                .order_by(Point.step)
+            ).all()
+        return SeriesResult([row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], False)
+
+    @staticmethod
+    def _series_id(session: Session, run_id: str, key: str) -> int | None:
+        return session.scalar(select(Series.id).where(Series.run_id == run_id, Series.key == key))
+
+    @staticmethod
+    def _extent(
+        session: Session, model: Any, series_id: int, rank: int, start: int | None, end: int | None
+    ) -> tuple[int, int] | None:
+        """First and last stored step of a series in [start, end): two index seeks, no scan."""
+        query = _step_range(
+            select(model.step).where(model.series_id == series_id, model.rank == rank), model.step, start, end
         )
+        first = session.scalar(query.order_by(model.step).limit(1))
+        if first is None:
+            return None
+        return first, session.scalar(query.order_by(model.step.desc()).limit(1))
 
     def events(
         self, run_id: str, kind: str | None, start: int | None, end: int | None, limit: int
@@ -556,6 +583,7 @@ class Store:
             created_at=run.created_at,
             updated_at=run.updated_at,
             last_step=run.last_step,
+            tags=list(session.scalars(select(RunTag.tag).where(RunTag.run_id == run.id).order_by(RunTag.tag))),
             config=json.loads(run.config_json),
             metadata=json.loads(run.metadata_json),
             skips=skips,

@@ -227,3 +227,60 @@ def test_downsampling_keeps_non_finite_points_and_bucket_extremes(client):
     assert kept[1_234] == "NaN" and kept[8_765] == "Infinity" and kept[5_000] == -50.0
     assert sampled["steps"] == sorted(sampled["steps"])
     assert 6.0 in sampled["values"]  # each bucket's maximum is kept
+
+
+def test_runs_are_filtered_by_tags_status_time_and_name_and_paged(client):
+    import time
+    from datetime import datetime, timezone
+
+    a = _create(client, name="baseline-fp16", tags=["baseline", "fp16"])
+    b = _create(client, name="LoRA r16", tags=["lora", "fp16"])
+    c = _create(client, name="other", project="q", tags=["fp16"])
+    client.post(f"/api/v1/runs/{b['id']}/batches", json=_batch(0, status="finished"))
+
+    def ids(**params):
+        response = client.get("/api/v1/runs", params=params)
+        assert response.status_code == 200, response.text
+        return [run["id"] for run in response.json()["data"]]
+
+    assert ids(tag="fp16") == [c["id"], b["id"], a["id"]]  # newest first
+    assert ids(tag=["fp16", "lora"]) == [b["id"]]  # every tag must match
+    assert ids(tag="fp16", project="p") == [b["id"], a["id"]]
+    assert ids(status="finished") == [b["id"]]
+    assert ids(status=["finished", "running"], sort="name", order="asc") == [a["id"], b["id"], c["id"]]
+    assert ids(name="lora") == [b["id"]]  # any case
+    assert ids(name="%") == []  # LIKE wildcards are data
+    moment = datetime.fromtimestamp(time.time() + 60, tz=timezone.utc).isoformat()
+    assert ids(created_before=moment) == [c["id"], b["id"], a["id"]] and ids(created_after=moment) == []
+    page = client.get("/api/v1/runs", params={"tag": "fp16", "limit": 1, "offset": 1}).json()
+    assert page["count"] == 3 and [r["id"] for r in page["data"]] == [b["id"]]
+    assert client.get(f"/api/v1/runs/{a['id']}").json()["tags"] == ["baseline", "fp16"]
+    bad = client.get("/api/v1/runs", params={"status": "exploded"})
+    assert bad.status_code == 422 and "status" in bad.text
+
+
+def test_runs_can_be_renamed_and_retagged(client):
+    run = _create(client, tags=["a"])
+    response = client.patch(f"/api/v1/runs/{run['id']}", json={"name": "renamed", "tags": ["b", "c"]})
+    assert response.status_code == 200, response.text
+    assert response.json()["name"] == "renamed" and response.json()["tags"] == ["b", "c"]
+    assert client.patch(f"/api/v1/runs/{run['id']}", json={"tags": []}).json()["tags"] == []
+    assert client.patch("/api/v1/runs/nope", json={"name": "x"}).status_code == 404
+    assert client.patch(f"/api/v1/runs/{run['id']}", json={"colour": "red"}).status_code == 422
+
+
+def test_compare_returns_one_key_of_several_runs_in_one_call(client):
+    first = _create(client, name="first")
+    second = _create(client, name="<b>second</b>")
+    client.post(f"/api/v1/runs/{first['id']}/batches", json=_batch(0, values=(1.0, 2.0, 3.0)))
+    client.post(f"/api/v1/runs/{second['id']}/batches", json=_batch(0, steps=range(5000), values=[0.5] * 5000))
+    response = client.get("/api/v1/compare", params={"run": [second["id"], first["id"]], "key": "loss",
+                                                     "max_points": 100})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [d["name"] for d in data] == ["<b>second</b>", "first"]
+    assert data[1]["values"] == [1.0, 2.0, 3.0] and data[1]["downsampled"] is False
+    assert data[0]["downsampled"] is True and len(data[0]["steps"]) <= 100
+    missing = client.get("/api/v1/compare", params={"run": [first["id"], "ghost"], "key": "loss"})
+    assert missing.status_code == 404 and "ghost" in missing.json()["detail"]
+    assert client.get("/api/v1/compare", params={"key": "loss"}).status_code == 422

@@ -1,10 +1,23 @@
+from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response, status
 
 from ..deps import StoreDep
-from ..schemas import BatchAck, BatchIn, KeyList, RunIn, RunList, RunOut, RunSummary, json_float
-from ..store import RunRecord
+from ..schemas import (
+    BatchAck,
+    BatchIn,
+    KeyList,
+    RunIn,
+    RunList,
+    RunOut,
+    RunPatch,
+    RunStatus,
+    RunSummary,
+    Tag,
+    json_float,
+)
+from ..store import RunFilter, RunRecord
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -24,6 +37,7 @@ def run_out(record: RunRecord) -> RunOut:
         created_at=_iso(record.created_at),
         updated_at=_iso(record.updated_at),
         last_step=record.last_step,
+        tags=record.tags,
         config=record.config,
         metadata=record.metadata,
         summary=RunSummary(
@@ -42,17 +56,51 @@ def create_run(run: RunIn, store: StoreDep) -> RunOut:
 def list_runs(
     store: StoreDep,
     project: str | None = None,
+    tag: Annotated[list[Tag], Query(description="runs with every one of these tags (repeat the parameter)")] = [],  # noqa: B006
+    run_status: Annotated[
+        list[RunStatus], Query(alias="status", description="runs in any of these states (repeatable)")
+    ] = [],  # noqa: B006
+    created_after: Annotated[datetime | None, Query(description="ISO 8601, e.g. 2026-11-29T08:00:00Z")] = None,
+    created_before: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
+    name: Annotated[str | None, Query(max_length=200, description="part of the run's name, any case")] = None,
+    sort: Literal["created", "updated", "name", "last_step"] = "created",
+    order: Literal["asc", "desc"] = "desc",
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> RunList:
-    """Runs, newest first."""
-    records, total = store.list_runs(project, limit, offset)
+    """Runs matching every given filter; newest first unless sort/order say otherwise."""
+    filters = RunFilter(
+        project=project,
+        tags=tuple(tag),
+        statuses=tuple(run_status),
+        created_after=None if created_after is None else _epoch(created_after),
+        created_before=None if created_before is None else _epoch(created_before),
+        name_contains=name,
+        sort=sort,
+        ascending=order == "asc",
+    )
+    records, total = store.list_runs(filters, limit, offset)
     return RunList(data=[run_out(r) for r in records], count=total)
+
+
+def _epoch(moment: datetime) -> float:
+    """Seconds since the epoch; a time without a zone is taken as UTC (what the API returns)."""
+    if moment.tzinfo is None:
+        from datetime import timezone
+
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
 
 
 @router.get("/{run_id}")
 def get_run(run_id: str, store: StoreDep) -> RunOut:
     return run_out(store.get_run(run_id))
+
+
+@router.patch("/{run_id}")
+def update_run(run_id: str, patch: RunPatch, store: StoreDep) -> RunOut:
+    """Rename a run or replace its tags."""
+    return run_out(store.update_run(run_id, patch.name, patch.tags))
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)

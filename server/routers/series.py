@@ -3,9 +3,45 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ..deps import StoreDep
-from ..schemas import EventList, EventOut, HistogramsOut, SeriesOut, VectorsOut, json_float
+from ..errors import InvalidRequest
+from ..schemas import (
+    CompareOut,
+    CompareSeries,
+    EventList,
+    EventOut,
+    HistogramsOut,
+    SeriesOut,
+    VectorsOut,
+    json_float,
+)
 
 router = APIRouter(prefix="/api/v1/runs", tags=["series"])
+compare_router = APIRouter(prefix="/api/v1/compare", tags=["series"])
+MAX_COMPARED_RUNS = 50
+
+
+@compare_router.get("")
+def compare_runs(
+    store: StoreDep,
+    run: Annotated[list[str], Query(min_length=1, description="run ids (repeat the parameter), in display order")],
+    key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. loss, amp/scale")],
+    max_points: Annotated[int, Query(ge=2, le=100_000, description="per run")] = 2000,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    end: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int, Query(ge=0)] = 0,
+) -> CompareOut:
+    """One key of several runs in one call, each downsampled like /series, aligned by step."""
+    if len(run) > MAX_COMPARED_RUNS:
+        raise InvalidRequest(f"at most {MAX_COMPARED_RUNS} runs per comparison, got {len(run)}")
+    data = []
+    for run_id in dict.fromkeys(run):  # each run once, first occurrence's order
+        record = store.get_run(run_id)  # 404 names the unknown run
+        result = store.series(run_id, key, rank, start, end, max_points)
+        data.append(CompareSeries(
+            run_id=run_id, name=record.name, project=record.project, steps=result.steps,
+            values=[json_float(v) for v in result.values], downsampled=result.downsampled,
+        ))
+    return CompareOut(key=key, rank=rank, data=data)
 
 
 @router.get("/{run_id}/series")

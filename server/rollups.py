@@ -1,0 +1,376 @@
+"""Rollups: pre-aggregated pyramids of scalar series and per-layer vectors, so that a query over any
+step range reads at most a few tens of thousands of rows, however long the run.
+
+Level L (1..LEVELS) summarises steps [b * W, (b + 1) * W) with W = BASE ** L:
+- a scalar series keeps the bucket's lowest and highest point with their steps (a NaN/±Inf point
+  counts as the lowest, so a non-finite value is never hidden) and how many points it holds;
+- a per-layer vector keeps, per layer, the first non-finite value or else the largest (what a heatmap
+  cell shows) and the bucket's first step.
+Level 0 is the stored data itself.
+
+Maintenance runs inside the ingest transaction: the buckets a batch touches are recomputed from the
+level below rather than merged into, so a step written again (a run resumed from a checkpoint re-logs
+old steps) leaves no stale extreme behind. Queries take whole buckets of the coarsest level that fits
+and the finer levels only at the range's two edges; with query buckets that are multiples of that
+level's width every summary falls inside one query bucket, so the result equals a min/max
+downsampling of the raw points.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, select
+from sqlalchemy.orm import Session
+
+from . import bulk
+from .models import Point, PointRollup, VectorPoint, VectorRollup
+
+BASE = 32
+LEVELS = 3
+# Buckets further apart than this are refreshed with separate range reads; closer ones with one read.
+_MAX_GAP_BUCKETS = 64
+
+Executor = Session | Connection
+_ROLLUP_KEY = ("series_id", "rank", "level", "bucket")
+_POINT_ROLLUP_COLUMNS = (
+    *_ROLLUP_KEY, "count", "low_step", "low_value", "low_flag", "high_step", "high_value", "high_flag"
+)
+_VECTOR_ROLLUP_COLUMNS = (*_ROLLUP_KEY, "count", "first_step", "data")
+
+
+def width(level: int) -> int:
+    return BASE**level
+
+
+def _intervals(buckets: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted bucket indices grouped into [first, last] runs, merging gaps of up to _MAX_GAP_BUCKETS."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(set(buckets)):
+        if runs and b - runs[-1][1] <= _MAX_GAP_BUCKETS:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((b, b))
+    return runs
+
+
+# -- scalar series ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """The lowest and highest point of a span of steps, as stored (value NULL + flag if non-finite).
+    Ties: the lowest is the earliest such point, the highest the latest."""
+
+    low_step: int
+    low_value: float | None
+    low_flag: int
+    high_step: int
+    high_value: float | None
+    high_flag: int
+    count: int
+
+    @classmethod
+    def of_point(cls, step: int, value: float | None, flag: int) -> Summary:
+        return cls(step, value, flag, step, value, flag, 1)
+
+
+def _low_key(s: Summary) -> tuple[Any, ...]:
+    # Non-finite first (earliest step), then the smallest value (earliest step on ties).
+    return (0, s.low_step, 0.0) if s.low_flag else (1, s.low_value, s.low_step)
+
+
+def combine(parts: list[Summary]) -> Summary:
+    """One summary of adjacent spans' summaries."""
+    if len(parts) == 1:
+        return parts[0]
+    low = min(parts, key=_low_key)
+    finite_highs = [p for p in parts if not p.high_flag]
+    if finite_highs:
+        high = max(finite_highs, key=lambda p: (p.high_value, p.high_step))
+        high_fields = (high.high_step, high.high_value, high.high_flag)
+    else:  # nothing finite anywhere: the "highest" point is the first non-finite one
+        high_fields = (low.low_step, low.low_value, low.low_flag)
+    return Summary(low.low_step, low.low_value, low.low_flag, *high_fields, sum(p.count for p in parts))
+
+
+def _read_points(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> Iterable[Any]:
+    return executor.execute(
+        select(Point.series_id, Point.step, Point.value, Point.flag).where(
+            Point.series_id.in_(series_ids), Point.rank == rank, Point.step >= lo, Point.step < hi
+        )
+    )
+
+
+def _read_point_rollups(
+    executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+) -> Iterable[Any]:
+    """Rows of `level` whose bucket lies in [lo, hi) (bucket units)."""
+    return executor.execute(
+        select(*PointRollup.__table__.columns).where(
+            PointRollup.series_id.in_(series_ids), PointRollup.rank == rank, PointRollup.level == level,
+            PointRollup.bucket >= lo, PointRollup.bucket < hi,
+        )
+    )
+
+
+def _as_summary(row: Any) -> Summary:
+    return Summary(row.low_step, row.low_value, row.low_flag, row.high_step, row.high_value, row.high_flag, row.count)
+
+
+def _group_points(groups: dict[tuple[int, int], list[Summary]], rows: Iterable[Any], bucket_width: int) -> None:
+    """Summaries per (series, bucket of steps) straight from raw rows: tuples compare as (value, step),
+    so min() and max() give the lowest point (earliest on ties) and the highest (latest) at C speed."""
+    raw: dict[tuple[int, int], list[tuple[Any, int, int]]] = defaultdict(list)
+    non_finite: set[tuple[int, int]] = set()
+    for sid, step, value, flag in rows:
+        bucket = (sid, step // bucket_width)
+        raw[bucket].append((value, step, flag))
+        if flag:
+            non_finite.add(bucket)
+    for bucket, members in raw.items():
+        if bucket in non_finite:
+            groups[bucket].append(combine([Summary.of_point(step, value, flag) for value, step, flag in members]))
+        else:
+            low, high = min(members), max(members)
+            groups[bucket].append(Summary(low[1], low[0], 0, high[1], high[0], 0, len(members)))
+
+
+def refresh_points(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+    """Recompute every rollup bucket (all levels) holding one of the given steps, from the data."""
+    touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
+    touched = {sid: buckets for sid, buckets in touched.items() if buckets}
+    for level in range(1, LEVELS + 1):
+        if not touched:
+            return
+        series_ids = sorted(touched)
+        groups: dict[tuple[int, int], list[Summary]] = defaultdict(list)
+        for first, last in _intervals(b for buckets in touched.values() for b in buckets):
+            if level == 1:
+                _group_points(groups, _read_points(executor, series_ids, rank, first * BASE, (last + 1) * BASE), BASE)
+            else:
+                for row in _read_point_rollups(executor, series_ids, rank, level - 1, first * BASE, (last + 1) * BASE):
+                    groups[row.series_id, row.bucket // BASE].append(_as_summary(row))
+        rows = []
+        for sid, buckets in touched.items():
+            for bucket in buckets:
+                parts = groups.get((sid, bucket))
+                if parts:
+                    s = combine(parts)
+                    rows.append((sid, rank, level, bucket, s.count, s.low_step, s.low_value, s.low_flag,
+                                 s.high_step, s.high_value, s.high_flag))
+        bulk.upsert(executor, PointRollup.__table__, _POINT_ROLLUP_COLUMNS, _ROLLUP_KEY, rows)
+        touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
+
+
+def point_summaries(
+    executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
+) -> list[Summary]:
+    """Summaries covering exactly the steps [lo, hi), none straddling a multiple of bucket_width (a
+    multiple of level's width): whole buckets of `level`, finer ones at the edges, and raw points
+    summarised per bucket_width at level 0."""
+    if hi <= lo:
+        return []
+    if level == 0:
+        groups: dict[tuple[int, int], list[Summary]] = defaultdict(list)
+        _group_points(groups, _read_points(executor, [series_id], rank, lo, hi), bucket_width)
+        return [parts[0] for parts in groups.values()]
+    w = width(level)
+    first, last = -(-lo // w), hi // w  # whole buckets [first, last)
+    if first >= last:
+        return point_summaries(executor, series_id, rank, lo, hi, level - 1, bucket_width)
+    return [
+        *point_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
+        *(_as_summary(row) for row in _read_point_rollups(executor, [series_id], rank, level, first, last)),
+        *point_summaries(executor, series_id, rank, last * w, hi, level - 1, bucket_width),
+    ]
+
+
+def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
+    """(level, bucket width) to summarise steps [first, last] into at most `buckets` buckets aligned
+    to multiples of the width: the coarsest level not wider than the ideal bucket, and the smallest
+    multiple of that level's width whose aligned buckets fit."""
+    buckets = max(buckets, 1)
+    ideal = -(-(last - first + 1) // buckets)
+    level = 0
+    while level < LEVELS and width(level + 1) <= ideal:
+        level += 1
+    w = width(level)
+    bucket_width = -(-ideal // w) * w
+    while last // bucket_width - first // bucket_width + 1 > buckets:
+        bucket_width += w
+    return level, bucket_width
+
+
+def downsample(summaries: list[Summary], bucket_width: int) -> tuple[list[tuple[int, float | None, int]], int]:
+    """The lowest and highest point of each bucket of steps (at most two per bucket, in step order)
+    and the number of points summarised."""
+    groups: dict[int, list[Summary]] = defaultdict(list)
+    for s in summaries:
+        groups[s.low_step // bucket_width].append(s)
+    kept: dict[int, tuple[int, float | None, int]] = {}
+    total = 0
+    for parts in groups.values():
+        s = combine(parts)
+        total += s.count
+        kept[s.low_step] = (s.low_step, s.low_value, s.low_flag)
+        kept.setdefault(s.high_step, (s.high_step, s.high_value, s.high_flag))
+    return [kept[step] for step in sorted(kept)], total
+
+
+# -- per-layer vectors ------------------------------------------------------------------------------
+
+
+def to_array(data: bytes) -> np.ndarray:
+    array = np.frombuffer(data, dtype="<f8")
+    return array if sys.byteorder == "little" else array.astype(np.float64)
+
+
+def to_bytes(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array, dtype="<f8").tobytes()
+
+
+def worst_per_bucket(matrix: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Rows of `matrix` (in step order) grouped at `starts`: per column, the group's first non-finite
+    value, else its largest. One vectorised pass; the rare non-finite cells are fixed up one by one."""
+    bad = ~np.isfinite(matrix)
+    merged = np.maximum.reduceat(np.where(bad, -np.inf, matrix), starts, axis=0)
+    if bad.any():
+        ends = np.append(starts[1:], len(matrix))
+        for group, column in zip(*np.nonzero(np.logical_or.reduceat(bad, starts, axis=0))):
+            rows = starts[group] + np.flatnonzero(bad[starts[group] : ends[group], column])
+            merged[group, column] = matrix[rows[0], column]
+    return merged
+
+
+@dataclass(frozen=True, slots=True)
+class VectorSummary:
+    first_step: int
+    count: int
+    values: np.ndarray
+
+
+def _read_vector_rows(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> Iterable[Any]:
+    return executor.execute(
+        select(VectorPoint.series_id, VectorPoint.step, VectorPoint.data).where(
+            VectorPoint.series_id.in_(series_ids), VectorPoint.rank == rank,
+            VectorPoint.step >= lo, VectorPoint.step < hi,
+        )
+    )
+
+
+def _read_vector_rollups(
+    executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+) -> Iterable[Any]:
+    return executor.execute(
+        select(VectorRollup.series_id, VectorRollup.bucket, VectorRollup.first_step, VectorRollup.count,
+               VectorRollup.data).where(
+            VectorRollup.series_id.in_(series_ids), VectorRollup.rank == rank, VectorRollup.level == level,
+            VectorRollup.bucket >= lo, VectorRollup.bucket < hi,
+        )
+    )
+
+
+def _merge(parts: list[VectorSummary]) -> VectorSummary:
+    parts.sort(key=lambda p: p.first_step)
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.values.shape for p in parts}) != 1:  # the run's layer list changed: keep the latest rows
+        shape = parts[-1].values.shape
+        parts = [p for p in parts if p.values.shape == shape]
+    matrix = np.vstack([p.values for p in parts])
+    values = worst_per_bucket(matrix, np.array([0]))[0]
+    return VectorSummary(parts[0].first_step, sum(p.count for p in parts), values)
+
+
+def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+    """Recompute every vector rollup bucket (all levels) holding one of the given steps."""
+    touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
+    touched = {sid: buckets for sid, buckets in touched.items() if buckets}
+    for level in range(1, LEVELS + 1):
+        if not touched:
+            return
+        series_ids = sorted(touched)
+        groups: dict[tuple[int, int], list[VectorSummary]] = defaultdict(list)
+        for first, last in _intervals(b for buckets in touched.values() for b in buckets):
+            if level == 1:
+                for sid, step, data in _read_vector_rows(executor, series_ids, rank, first * BASE, (last + 1) * BASE):
+                    groups[sid, step // BASE].append(VectorSummary(step, 1, to_array(data)))
+            else:
+                for sid, bucket, first_step, count, data in _read_vector_rollups(
+                    executor, series_ids, rank, level - 1, first * BASE, (last + 1) * BASE
+                ):
+                    groups[sid, bucket // BASE].append(VectorSummary(first_step, count, to_array(data)))
+        rows = []
+        for sid, buckets in touched.items():
+            for bucket in buckets:
+                parts = groups.get((sid, bucket))
+                if parts:
+                    merged = _merge(parts)
+                    rows.append((sid, rank, level, bucket, merged.count, merged.first_step, to_bytes(merged.values)))
+        bulk.upsert(executor, VectorRollup.__table__, _VECTOR_ROLLUP_COLUMNS, _ROLLUP_KEY, rows)
+        touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
+
+
+def vector_summaries(
+    executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
+) -> list[VectorSummary]:
+    """Summaries covering exactly the steps [lo, hi), none straddling a multiple of bucket_width, in
+    step order; raw rows are merged per bucket_width at level 0."""
+    if hi <= lo:
+        return []
+    if level == 0:
+        rows = sorted(_read_vector_rows(executor, [series_id], rank, lo, hi), key=lambda row: row[1])
+        rows = [row for row in rows if len(row[2]) == len(rows[-1][2])]  # the latest layer count
+        if not rows:
+            return []
+        buckets = np.array([step // bucket_width for _, step, _ in rows])
+        starts = np.flatnonzero(np.diff(buckets, prepend=buckets[0] - 1))
+        counts = np.diff(np.append(starts, len(rows)))
+        merged = worst_per_bucket(np.vstack([to_array(data) for _, _, data in rows]), starts)
+        return [VectorSummary(rows[i][1], int(n), merged[k]) for k, (i, n) in enumerate(zip(starts, counts))]
+    w = width(level)
+    first, last = -(-lo // w), hi // w
+    if first >= last:
+        return vector_summaries(executor, series_id, rank, lo, hi, level - 1, bucket_width)
+    middle = [
+        VectorSummary(first_step, count, to_array(data))
+        for _, _, first_step, count, data in _read_vector_rollups(executor, [series_id], rank, level, first, last)
+    ]
+    return [
+        *vector_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
+        *sorted(middle, key=lambda s: s.first_step),
+        *vector_summaries(executor, series_id, rank, last * w, hi, level - 1, bucket_width),
+    ]
+
+
+def downsample_vectors(summaries: list[VectorSummary], bucket_width: int) -> tuple[list[int], np.ndarray]:
+    """(first step, worst row) per bucket of steps; summaries in step order, all of one width."""
+    width_ = summaries[-1].values.shape[0]
+    summaries = [s for s in sorted(summaries, key=lambda s: s.first_step) if s.values.shape[0] == width_]
+    buckets = np.array([s.first_step // bucket_width for s in summaries])
+    starts = np.flatnonzero(np.diff(buckets, prepend=buckets[0] - 1))
+    matrix = np.vstack([s.values for s in summaries])
+    return [summaries[i].first_step for i in starts], worst_per_bucket(matrix, starts)
+
+
+# -- backfill ---------------------------------------------------------------------------------------
+
+_REBUILD_CHUNK = 65_536  # steps per refresh: bounded memory for any series length
+
+
+def rebuild_all(connection: Connection) -> None:
+    """Roll up every stored series (the migration that introduced rollups; repairs)."""
+    for model, refresh in ((Point, refresh_points), (VectorPoint, refresh_vectors)):
+        pairs = connection.execute(select(model.series_id, model.rank).distinct()).all()
+        for series_id, rank in pairs:
+            steps = connection.execute(
+                select(model.step).where(model.series_id == series_id, model.rank == rank).order_by(model.step)
+            ).scalars().all()
+            for start in range(0, len(steps), _REBUILD_CHUNK):
+                refresh(connection, rank, {series_id: steps[start : start + _REBUILD_CHUNK]})
