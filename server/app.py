@@ -12,13 +12,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .alerts import AlertEngine, AlertService, OutboxWorker
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
-from .errors import Conflict, GradwatchServerError, InvalidRequest, NotFound
+from .auth import Tokens
+from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
 from .routers import alerts as alerts_router
 from .routers import health, runs, series
 from .settings import Settings
 from .store import Store
 
-_STATUS = {NotFound: 404, Conflict: 409, InvalidRequest: 422}
+_STATUS = {Unauthenticated: 401, Forbidden: 403, NotFound: 404, Conflict: 409, InvalidRequest: 422}
 
 
 class BodySizeLimit:
@@ -105,10 +106,13 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.state.store = store
     app.state.on_shutdown = []  # callables run at shutdown, e.g. by the composition root
     app.state.alerts = alerts
+    app.state.tokens = Tokens(store.engine)
 
     @app.exception_handler(GradwatchServerError)
     async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=_STATUS.get(type(exc), 400))
+        status = _STATUS.get(type(exc), 400)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
     for router in (health.router, runs.router, series.router, series.compare_router, alerts_router.router):
         app.include_router(router)

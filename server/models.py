@@ -272,6 +272,7 @@ class Alert(Base):
     resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     resolution_notified: Mapped[bool] = mapped_column(Boolean, default=False)
+    acknowledged_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # migration 0005
 
 
 class Webhook(Base):
@@ -313,3 +314,23 @@ class Delivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+# -- access tokens (migration 0005) -----------------------------------------------------------------
+
+
+class ApiToken(Base):
+    """A bearer token for one project ("*": every project) with read or write scope. Only the SHA-256
+    of the token is stored; prefix (its first characters) lets people tell tokens apart in listings."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(String(200))
+    scope: Mapped[str] = mapped_column(String(16))  # read | write
+    name: Mapped[str] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -328,6 +328,7 @@ class AlertOut(BaseModel):
     link: str = Field(description="the run page at the alert's step")
     created_at: str | None
     resolved_at: str | None
+    acknowledged_at: str | None = Field(default=None, description="when someone acknowledged it, if anyone did")
 
 
 class AlertList(BaseModel):

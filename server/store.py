@@ -252,6 +252,14 @@ class Store:
             session.flush()
             return self._run_record(session, run)
 
+    def run_project(self, run_id: str) -> str:
+        """The run's project (access checks); NotFound for an unknown run."""
+        with self._transaction() as session:
+            project = session.scalar(select(Run.project).where(Run.id == run_id))
+        if project is None:
+            raise NotFound(f"run {run_id!r} does not exist")
+        return project
+
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction() as session:
             return self._run_record(session, self._require_run(session, run_id))

@@ -87,6 +87,7 @@ def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
         "link": alert.link,
         "created_at": _iso(alert.created_at),
         "resolved_at": _iso(alert.resolved_at),
+        "acknowledged_at": _iso(alert.acknowledged_at),
     }
 
 

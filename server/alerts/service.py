@@ -143,7 +143,8 @@ class AlertService:
     # -- alerts -----------------------------------------------------------------------------------
 
     def list_alerts(
-        self, project: str | None, run_id: str | None, status: str | None, limit: int, offset: int
+        self, project: str | None, run_id: str | None, status: str | None, limit: int, offset: int,
+        acknowledged: bool | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
         """Alerts, newest first, and how many match before limit/offset."""
         with self._transaction() as session:
@@ -154,6 +155,10 @@ class AlertService:
                 query = query.where(Alert.run_id == run_id)
             if status is not None:
                 query = query.where(Alert.status == status)
+            if acknowledged is not None:
+                query = query.where(
+                    Alert.acknowledged_at.is_not(None) if acknowledged else Alert.acknowledged_at.is_(None)
+                )
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             rows = session.execute(query.order_by(Alert.id.desc()).limit(limit).offset(offset)).all()
             return [alert_document(alert, name) for alert, name in rows], total
@@ -161,6 +166,15 @@ class AlertService:
     def get_alert(self, alert_id: int) -> dict[str, Any]:
         with self._transaction() as session:
             alert = self._require(session, Alert, alert_id, "alert")
+            run = session.get(Run, alert.run_id)
+            return alert_document(alert, run.name if run else alert.run_id)
+
+    def acknowledge(self, alert_id: int) -> dict[str, Any]:
+        """Mark an alert as seen (it stays firing until its condition clears); repeating it is harmless."""
+        with self._transaction() as session:
+            alert = self._require(session, Alert, alert_id, "alert")
+            if alert.acknowledged_at is None:
+                alert.acknowledged_at = time.time()
             run = session.get(Run, alert.run_id)
             return alert_document(alert, run.name if run else alert.run_id)
 
@@ -237,11 +251,14 @@ class AlertService:
         }
 
     def list_deliveries(
-        self, webhook_id: int | None, alert_id: int | None, status: str | None, limit: int, offset: int
+        self, webhook_id: int | None, alert_id: int | None, status: str | None, limit: int, offset: int,
+        project: str | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
-        """The delivery log, newest first."""
+        """The delivery log, newest first (of one project's webhooks if project is given)."""
         with self._transaction() as session:
             query = select(Delivery)
+            if project is not None:
+                query = query.join(Webhook, Webhook.id == Delivery.webhook_id).where(Webhook.project == project)
             if webhook_id is not None:
                 self._require(session, Webhook, webhook_id, "webhook")
                 query = query.where(Delivery.webhook_id == webhook_id)

@@ -3,6 +3,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from ..alerts import AlertService
+from ..auth import Scope
+from ..deps import PrincipalDep, StoreDep, authorize_run
 from ..schemas import (
     AlertList,
     AlertOut,
@@ -31,38 +33,51 @@ router = APIRouter(prefix="/api/v1", tags=["alerts"])
 
 
 @router.get("/alert-rules/types")
-def rule_types(alerts: AlertsDep) -> RuleTypeList:
+def rule_types(alerts: AlertsDep, _principal: PrincipalDep) -> RuleTypeList:
     """The rule types, their parameters with defaults and bounds, and which are on for new projects."""
     return RuleTypeList.model_validate({"data": alerts.rule_types()})
 
 
 @router.get("/alert-rules")
-def list_rules(alerts: AlertsDep, project: str | None = None, run_id: str | None = None) -> AlertRuleList:
+def list_rules(
+    alerts: AlertsDep, store: StoreDep, principal: PrincipalDep, project: str | None = None, run_id: str | None = None
+) -> AlertRuleList:
     """Rules of a project (its defaults are installed when a project is first seen), or those that
     apply to one run (project-wide ones and the run's own)."""
-    rules = alerts.list_rules(project, run_id)
+    if run_id is not None:
+        authorize_run(store, principal, run_id, "read")
+    rules = alerts.list_rules(principal.only_project(project) if run_id is None else project, run_id)
     return AlertRuleList(data=[AlertRuleOut(**r) for r in rules], count=len(rules))
 
 
 @router.post("/alert-rules", status_code=status.HTTP_201_CREATED)
-def create_rule(rule: AlertRuleIn, alerts: AlertsDep) -> AlertRuleOut:
+def create_rule(rule: AlertRuleIn, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     """Create a rule for a project, or for one run of it (run_id)."""
+    principal.require(rule.project, "write", f"project {rule.project!r}")
     return AlertRuleOut(**alerts.create_rule(rule))
 
 
+def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: int, scope: Scope) -> dict:
+    rule = alerts.get_rule(rule_id)
+    principal.require(rule["project"], scope, f"alert rule {rule_id}")
+    return rule
+
+
 @router.get("/alert-rules/{rule_id}")
-def get_rule(rule_id: int, alerts: AlertsDep) -> AlertRuleOut:
-    return AlertRuleOut(**alerts.get_rule(rule_id))
+def get_rule(rule_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
+    return AlertRuleOut(**_rule(alerts, principal, rule_id, "read"))
 
 
 @router.patch("/alert-rules/{rule_id}")
-def update_rule(rule_id: int, patch: AlertRulePatch, alerts: AlertsDep) -> AlertRuleOut:
+def update_rule(rule_id: int, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
+    _rule(alerts, principal, rule_id, "write")
     return AlertRuleOut(**alerts.update_rule(rule_id, patch))
 
 
 @router.delete("/alert-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_rule(rule_id: int, alerts: AlertsDep) -> Response:
+def delete_rule(rule_id: int, alerts: AlertsDep, principal: PrincipalDep) -> Response:
+    _rule(alerts, principal, rule_id, "write")
     alerts.delete_rule(rule_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -70,54 +85,82 @@ def delete_rule(rule_id: int, alerts: AlertsDep) -> Response:
 @router.get("/alerts")
 def list_alerts(
     alerts: AlertsDep,
+    store: StoreDep,
+    principal: PrincipalDep,
     project: str | None = None,
     run_id: str | None = None,
     status: Literal["firing", "resolved"] | None = None,
+    acknowledged: bool | None = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> AlertList:
     """Alerts, newest first, with evidence, hint and a link to the run page at the alert's step."""
-    records, total = alerts.list_alerts(project, run_id, status, limit, offset)
+    if run_id is not None:
+        authorize_run(store, principal, run_id, "read")
+    else:
+        project = principal.only_project(project)
+    records, total = alerts.list_alerts(project, run_id, status, limit, offset, acknowledged)
     return AlertList(data=[AlertOut(**a) for a in records], count=total)
 
 
 @router.get("/alerts/{alert_id}")
-def get_alert(alert_id: int, alerts: AlertsDep) -> AlertOut:
-    return AlertOut(**alerts.get_alert(alert_id))
+def get_alert(alert_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+    alert = alerts.get_alert(alert_id)
+    principal.require(alert["project"], "read", f"alert {alert_id}")
+    return AlertOut(**alert)
+
+
+@router.post("/alerts/{alert_id}/acknowledge")
+def acknowledge_alert(alert_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+    """Mark an alert as seen; it stays firing until its condition clears."""
+    principal.require(alerts.get_alert(alert_id)["project"], "write", f"alert {alert_id}")
+    return AlertOut(**alerts.acknowledge(alert_id))
+
+
+def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: int, scope: Scope) -> dict:
+    hook = alerts.get_webhook(webhook_id)
+    principal.require(hook["project"], scope, f"webhook {webhook_id}")
+    return hook
 
 
 @router.post("/webhooks", status_code=status.HTTP_201_CREATED)
-def create_webhook(webhook: WebhookIn, alerts: AlertsDep) -> WebhookOut:
+def create_webhook(webhook: WebhookIn, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
     """Subscribe a URL to a project's alerts (format json, slack or discord; optional HMAC secret)."""
+    principal.require(webhook.project, "write", f"project {webhook.project!r}")
     return WebhookOut(**alerts.create_webhook(webhook))
 
 
 @router.get("/webhooks")
-def list_webhooks(alerts: AlertsDep, project: str | None = None) -> WebhookList:
-    hooks = alerts.list_webhooks(project)
+def list_webhooks(alerts: AlertsDep, principal: PrincipalDep, project: str | None = None) -> WebhookList:
+    hooks = alerts.list_webhooks(principal.only_project(project))
     return WebhookList(data=[WebhookOut(**w) for w in hooks], count=len(hooks))
 
 
 @router.get("/webhooks/{webhook_id}")
-def get_webhook(webhook_id: int, alerts: AlertsDep) -> WebhookOut:
-    return WebhookOut(**alerts.get_webhook(webhook_id))
+def get_webhook(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
+    return WebhookOut(**_webhook(alerts, principal, webhook_id, "read"))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_webhook(webhook_id: int, alerts: AlertsDep) -> Response:
+def delete_webhook(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> Response:
+    _webhook(alerts, principal, webhook_id, "write")
     alerts.delete_webhook(webhook_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/webhooks/{webhook_id}/test", status_code=status.HTTP_202_ACCEPTED)
-def send_test(webhook_id: int, alerts: AlertsDep) -> DeliveryOut:
+def send_test(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> DeliveryOut:
     """Queue a test notification; follow it in GET /api/v1/webhooks/{id}/deliveries."""
+    _webhook(alerts, principal, webhook_id, "write")
     return DeliveryOut(**alerts.send_test(webhook_id))
 
 
 @router.get("/webhooks/{webhook_id}/deliveries")
-def webhook_deliveries(webhook_id: int, alerts: AlertsDep, limit: Limit = 100, offset: Offset = 0) -> DeliveryList:
+def webhook_deliveries(
+    webhook_id: int, alerts: AlertsDep, principal: PrincipalDep, limit: Limit = 100, offset: Offset = 0
+) -> DeliveryList:
     """One webhook's delivery log, newest first."""
+    _webhook(alerts, principal, webhook_id, "read")
     records, total = alerts.list_deliveries(webhook_id, None, None, limit, offset)
     return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)
 
@@ -125,12 +168,16 @@ def webhook_deliveries(webhook_id: int, alerts: AlertsDep, limit: Limit = 100, o
 @router.get("/deliveries")
 def list_deliveries(
     alerts: AlertsDep,
+    principal: PrincipalDep,
     webhook_id: int | None = None,
     alert_id: int | None = None,
     status: Literal["pending", "sending", "delivered", "failed"] | None = None,
+    project: str | None = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> DeliveryList:
     """The delivery log across webhooks, newest first."""
-    records, total = alerts.list_deliveries(webhook_id, alert_id, status, limit, offset)
+    records, total = alerts.list_deliveries(
+        webhook_id, alert_id, status, limit, offset, project=principal.only_project(project)
+    )
     return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)

@@ -3,7 +3,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response, status
 
-from ..deps import StoreDep
+from ..deps import PrincipalDep, StoreDep, authorize_run
 from ..schemas import (
     BatchAck,
     BatchIn,
@@ -47,14 +47,16 @@ def run_out(record: RunRecord) -> RunOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_run(run: RunIn, store: StoreDep) -> RunOut:
+def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunOut:
     """Create a run. With an `id` that already exists in the same project, returns that run."""
+    principal.require(run.project, "write", f"project {run.project!r}")
     return run_out(store.create_run(run))
 
 
 @router.get("")
 def list_runs(
     store: StoreDep,
+    principal: PrincipalDep,
     project: str | None = None,
     tag: Annotated[list[Tag], Query(description="runs with every one of these tags (repeat the parameter)")] = [],  # noqa: B006
     run_status: Annotated[
@@ -70,7 +72,7 @@ def list_runs(
 ) -> RunList:
     """Runs matching every given filter; newest first unless sort/order say otherwise."""
     filters = RunFilter(
-        project=project,
+        project=principal.only_project(project),
         tags=tuple(tag),
         statuses=tuple(run_status),
         created_after=None if created_after is None else _epoch(created_after),
@@ -93,33 +95,38 @@ def _epoch(moment: datetime) -> float:
 
 
 @router.get("/{run_id}")
-def get_run(run_id: str, store: StoreDep) -> RunOut:
+def get_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> RunOut:
+    authorize_run(store, principal, run_id, "read")
     return run_out(store.get_run(run_id))
 
 
 @router.patch("/{run_id}")
-def update_run(run_id: str, patch: RunPatch, store: StoreDep) -> RunOut:
+def update_run(run_id: str, patch: RunPatch, store: StoreDep, principal: PrincipalDep) -> RunOut:
     """Rename a run or replace its tags."""
+    authorize_run(store, principal, run_id, "write")
     return run_out(store.update_run(run_id, patch.name, patch.tags))
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_run(run_id: str, store: StoreDep) -> Response:
+def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Response:
     """Delete a run and all of its data."""
+    authorize_run(store, principal, run_id, "write")
     store.delete_run(run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{run_id}/batches")
-def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep) -> BatchAck:
+def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> BatchAck:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
+    authorize_run(store, principal, run_id, "write")
     result = store.ingest(run_id, batch)
     return BatchAck(duplicate=result.duplicate, points=result.points, events=result.events)
 
 
 @router.get("/{run_id}/keys")
 def list_keys(
-    run_id: str, store: StoreDep, kind: Literal["scalar", "vector", "histogram"] = "scalar"
+    run_id: str, store: StoreDep, principal: PrincipalDep, kind: Literal["scalar", "vector", "histogram"] = "scalar"
 ) -> KeyList:
     """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
+    authorize_run(store, principal, run_id, "read")
     return KeyList(data=store.keys(run_id, kind), kind=kind)

@@ -2,7 +2,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import StoreDep
+from ..deps import PrincipalDep, StoreDep, authorize_run
 from ..errors import InvalidRequest
 from ..schemas import (
     CompareOut,
@@ -23,6 +23,7 @@ MAX_COMPARED_RUNS = 50
 @compare_router.get("")
 def compare_runs(
     store: StoreDep,
+    principal: PrincipalDep,
     run: Annotated[list[str], Query(min_length=1, description="run ids (repeat the parameter), in display order")],
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. loss, amp/scale")],
     max_points: Annotated[int, Query(ge=2, le=100_000, description="per run")] = 2000,
@@ -36,6 +37,7 @@ def compare_runs(
     data = []
     for run_id in dict.fromkeys(run):  # each run once, first occurrence's order
         record = store.get_run(run_id)  # 404 names the unknown run
+        principal.require(record.project, "read", f"run {run_id!r}")
         result = store.series(run_id, key, rank, start, end, max_points)
         data.append(CompareSeries(
             run_id=run_id, name=record.name, project=record.project, steps=result.steps,
@@ -48,6 +50,7 @@ def compare_runs(
 def get_series(
     run_id: str,
     store: StoreDep,
+    principal: PrincipalDep,
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. amp/scale, loss")],
     max_points: Annotated[int, Query(ge=2, le=100_000)] = 2000,
     start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
@@ -55,6 +58,7 @@ def get_series(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> SeriesOut:
     """One scalar series over [start, end); exact up to max_points points, min/max-downsampled beyond."""
+    authorize_run(store, principal, run_id, "read")
     result = store.series(run_id, key, rank, start, end, max_points)
     return SeriesOut(
         key=key,
@@ -69,6 +73,7 @@ def get_series(
 def get_vectors(
     run_id: str,
     store: StoreDep,
+    principal: PrincipalDep,
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. grad/norm, update/ratio")],
     max_steps: Annotated[int, Query(ge=1, le=20_000)] = 500,
     start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
@@ -76,6 +81,7 @@ def get_vectors(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> VectorsOut:
     """A per-layer quantity as a step x layer matrix (for heatmaps), in the model's layer order."""
+    authorize_run(store, principal, run_id, "read")
     result = store.vectors(run_id, key, rank, start, end, max_steps)
     return VectorsOut(
         key=key,
@@ -91,6 +97,7 @@ def get_vectors(
 def get_histograms(
     run_id: str,
     store: StoreDep,
+    principal: PrincipalDep,
     layer: Annotated[str, Query(min_length=1, max_length=500, description="a layer name")],
     key: Annotated[str, Query(min_length=1, max_length=250)] = "grad/hist",
     max_steps: Annotated[int, Query(ge=1, le=10_000)] = 200,
@@ -99,6 +106,7 @@ def get_histograms(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> HistogramsOut:
     """One layer's log2|g| histograms over steps: counts per power of two, zeros, NaN/Inf."""
+    authorize_run(store, principal, run_id, "read")
     result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
     return HistogramsOut(
         key=key, rank=rank, layer=layer, exponents=result.exponents, steps=result.steps,
@@ -110,12 +118,14 @@ def get_histograms(
 def list_events(
     run_id: str,
     store: StoreDep,
+    principal: PrincipalDep,
     kind: str | None = None,
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> EventList:
     """Events in step order (e.g. kind=skip for skipped optimizer steps)."""
+    authorize_run(store, principal, run_id, "read")
     records, total = store.events(run_id, kind, start, end, limit)
     return EventList(
         data=[EventOut(step=e.step, kind=e.kind, rank=e.rank, data=e.data) for e in records], count=total
