@@ -9,13 +9,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import http_errors
 from .alerts import AlertEngine, AlertService, OutboxWorker
+from .auth import Tokens
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
-from .auth import Tokens
 from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
+from .live import LiveHub
 from .routers import alerts as alerts_router
 from .routers import health, runs, series
+from .routers import live as live_router
 from .settings import Settings
 from .store import Store
 
@@ -39,7 +42,7 @@ class BodySizeLimit:
             return
         received = 0
 
-        async def limited_receive():  # noqa: ANN202
+        async def limited_receive():
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -85,12 +88,16 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         prepare_schema(engine, settings.database_url)
         store = Store(engine)
     worker, alerts = _alerts(settings, store)
+    live = LiveHub(store.engine)  # live streams; on PostgreSQL across processes (LISTEN/NOTIFY)
+    store.after_commit.append(live.after_commit)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if worker is not None:
             worker.start()
             app.state.on_shutdown.insert(0, worker.stop)
+        live.start()
+        app.state.on_shutdown.insert(0, live.stop)
         yield
         for close in app.state.on_shutdown:
             close()
@@ -101,12 +108,16 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         title="gradwatch",
         version="1",
         summary="Training-health monitoring for PyTorch: ingest, query and stream training signals.",
+        responses=http_errors.ERROR_RESPONSES,
     )
     app.state.settings = settings
     app.state.store = store
     app.state.on_shutdown = []  # callables run at shutdown, e.g. by the composition root
     app.state.alerts = alerts
     app.state.tokens = Tokens(store.engine)
+    app.state.live = live
+
+    http_errors.install(app)
 
     @app.exception_handler(GradwatchServerError)
     async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
@@ -116,6 +127,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
 
     for router in (health.router, runs.router, series.router, series.compare_router, alerts_router.router):
         app.include_router(router)
+    app.include_router(live_router.router)
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

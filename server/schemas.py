@@ -9,14 +9,55 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_DOCUMENT_DEPTH = 32
+
+
+def _plain_text(value: str) -> str:
+    """Names and keys are stored as text: no NUL characters (PostgreSQL refuses them) and no lone
+    UTF-16 surrogates (not encodable as UTF-8)."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters (\\u0000)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+    return value
+
+
+def _shallow(document: dict[str, Any]) -> dict[str, Any]:
+    """A free-form JSON document nested at most MAX_DOCUMENT_DEPTH levels, with plain-text keys."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DOCUMENT_DEPTH:
+            raise ValueError(f"is nested deeper than {MAX_DOCUMENT_DEPTH} levels")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _plain_text(str(key))
+                stack.append((value, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((value, depth + 1) for value in node)
+    return document
+
+
+Document = Annotated[dict[str, Any], AfterValidator(_shallow)]
+
+
+def _no_booleans(values: Any) -> Any:
+    """JSON true/false would pass as 1.0/0.0; a metric that is a boolean is a client bug."""
+    if isinstance(values, list) and any(type(v) is bool for v in values):
+        raise ValueError('values must be numbers (or "NaN", "Infinity", "-Infinity"), not true/false')
+    return values
+Text = AfterValidator(_plain_text)
 
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Client- or server-chosen id")]
-Name = Annotated[str, Field(min_length=1, max_length=200)]
-MetricKey = Annotated[str, Field(min_length=1, max_length=250)]
+Name = Annotated[str, Field(min_length=1, max_length=200), Text]
+MetricKey = Annotated[str, Field(min_length=1, max_length=250), Text]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 RunStatus = Literal["running", "finished", "crashed"]
-Tag = Annotated[str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"')]
+Tag = Annotated[str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text]
 MAX_TAGS = 50
 JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
@@ -33,8 +74,8 @@ class RunIn(BaseModel):
     project: Name
     name: Name | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
-    config: dict[str, Any] = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    config: Document = Field(default_factory=dict)
+    metadata: Document = Field(default_factory=dict)
 
 
 class RunPatch(BaseModel):
@@ -92,6 +133,11 @@ class ScalarSeriesIn(BaseModel):
     steps: list[Step] = Field(max_length=MAX_POINTS_PER_SERIES)
     values: list[float] = Field(max_length=MAX_POINTS_PER_SERIES)
 
+    @field_validator("values", mode="before")
+    @classmethod
+    def _numbers(cls, values: Any) -> Any:
+        return _no_booleans(values)
+
     @model_validator(mode="after")
     def _same_length(self) -> ScalarSeriesIn:
         if len(self.steps) != len(self.values):
@@ -103,7 +149,7 @@ class ScalarSeriesIn(BaseModel):
 
 
 MAX_LAYERS = 100_000
-LayerName = Annotated[str, Field(min_length=1, max_length=500)]
+LayerName = Annotated[str, Field(min_length=1, max_length=500), Text]
 
 
 class VectorSeriesIn(BaseModel):
@@ -114,6 +160,14 @@ class VectorSeriesIn(BaseModel):
     key: MetricKey
     steps: list[Step] = Field(max_length=100_000)
     values: list[list[float]] = Field(max_length=100_000)
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _numbers(cls, rows: Any) -> Any:
+        if isinstance(rows, list):
+            for row in rows:
+                _no_booleans(row)
+        return rows
 
     @model_validator(mode="after")
     def _rows_pair_with_steps(self) -> VectorSeriesIn:
@@ -139,7 +193,7 @@ class HistogramIn(BaseModel):
     step: Step
     exponent_min: Annotated[int, Field(ge=-2000, le=2000)]
     exponent_max: Annotated[int, Field(ge=-2000, le=2000)]
-    counts: list[list[Annotated[int, Field(ge=0)]]] = Field(max_length=MAX_LAYERS)
+    counts: list[list[Annotated[int, Field(ge=0, le=2**63 - 1)]]] = Field(max_length=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _row_width(self) -> HistogramIn:
@@ -159,8 +213,8 @@ class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     step: Step
-    kind: Annotated[str, Field(min_length=1, max_length=64)]
-    data: dict[str, Any] = Field(default_factory=dict)
+    kind: Annotated[str, Field(min_length=1, max_length=64), Text]
+    data: Document = Field(default_factory=dict)
 
 
 class BatchIn(BaseModel):
@@ -169,7 +223,7 @@ class BatchIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rank: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    seq: Annotated[int, Field(ge=0)]
+    seq: Annotated[int, Field(ge=0, le=2**63 - 1)]
     scalars: list[ScalarSeriesIn] = Field(default_factory=list, max_length=MAX_SERIES_PER_BATCH)
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BATCH)
     vectors: list[VectorSeriesIn] = Field(default_factory=list, max_length=MAX_SERIES_PER_BATCH)
@@ -254,7 +308,7 @@ class AlertRuleIn(BaseModel):
     run_id: RunId | None = Field(default=None, description="limit the rule to one run of the project")
     type: Annotated[str, Field(min_length=1, max_length=64)]
     name: Name | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Document = Field(default_factory=dict)
     enabled: bool = True
     cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = Field(
         default=None,

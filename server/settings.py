@@ -25,6 +25,14 @@ def default_database_url() -> str:
     return f"sqlite:///{gradwatch_home() / 'gradwatch.db'}"
 
 
+def allowed_hosts_from_env() -> tuple[str, ...] | None:
+    """GRADWATCH_WEBHOOK_ALLOWED_HOSTS as a tuple of host names (None when unset)."""
+    value = os.environ.get("GRADWATCH_WEBHOOK_ALLOWED_HOSTS")
+    if value is None:
+        return None
+    return tuple(host.strip().lower() for host in value.split(",") if host.strip())
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the server needs to know; nothing is read from the environment after this is built."""
@@ -36,7 +44,8 @@ class Settings:
     # Alerts and webhooks (see gradwatch.server.alerts).
     alert_worker: bool = True  # run the outbox/heartbeat worker thread in this process
     webhook_timeout_s: float = 10.0  # per POST
-    webhook_allowed_hosts: tuple[str, ...] | None = None  # None: any http(s) host
+    # None: any http(s) host. GRADWATCH_WEBHOOK_ALLOWED_HOSTS="hooks.slack.com,discord.com" limits them.
+    webhook_allowed_hosts: tuple[str, ...] | None = field(default_factory=lambda: allowed_hosts_from_env())
     outbox_poll_interval_s: float = 1.0  # idle wait between outbox scans (an enqueue wakes it at once)
     outbox_lease_s: float = 60.0  # a claimed delivery not finished by then is claimable again
     outbox_max_attempts: int = 10  # then the delivery is marked failed

@@ -334,6 +334,36 @@ def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_s
     assert all(d["response_status"] == 200 and d["attempts"] == 1 for d in log["data"])
 
 
+def test_redirects_are_not_followed(alert_server, api, receiver):
+    with WebhookReceiver() as elsewhere:
+        receiver.redirect_to = elsewhere.url
+        hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "moved"}).json()
+        api.post(f"/api/v1/webhooks/{hook['id']}/test")
+        receiver.wait_for(1)
+        deadline = time.monotonic() + 10
+        while (d := api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["data"][0])["last_error"] is None:
+            assert time.monotonic() < deadline, d
+            time.sleep(0.05)
+        assert d["response_status"] == 307 and "not followed" in d["last_error"] and elsewhere.url in d["last_error"]
+        time.sleep(0.3)
+        assert elsewhere.received == []
+
+
+def test_webhook_hosts_outside_the_allow_list_are_refused(database_url, receiver, monkeypatch):
+    monkeypatch.setenv("GRADWATCH_WEBHOOK_ALLOWED_HOSTS", "hooks.slack.com, Discord.com")
+    settings = Settings(database_url=database_url, outbox_poll_interval_s=0.1)
+    assert settings.webhook_allowed_hosts == ("hooks.slack.com", "discord.com")
+    server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as api:
+            response = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "p"})
+            assert response.status_code == 422 and "'127.0.0.1' is not allowed" in response.json()["detail"]
+            ok = api.post("/api/v1/webhooks", json={"url": "https://hooks.slack.com/services/x", "project": "p"})
+            assert ok.status_code == 201
+    finally:
+        server.stop()
+
+
 def test_failed_deliveries_are_retried_with_backoff(alert_server, api, receiver):
     receiver.status = 500
     hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "flaky"}).json()

@@ -27,6 +27,7 @@ class WebhookReceiver:
     def __init__(self, port: int = 0, status: int = 200) -> None:
         self.port = port
         self.status = status
+        self.redirect_to: str | None = None  # answer 307 with this Location instead
         self.received: list[Received] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -44,7 +45,9 @@ class WebhookReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with receiver._lock:
                     receiver.received.append(Received(self.path, dict(self.headers.items()), body))
-                self.send_response(receiver.status)
+                self.send_response(307 if receiver.redirect_to else receiver.status)
+                if receiver.redirect_to:
+                    self.send_header("Location", receiver.redirect_to)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")

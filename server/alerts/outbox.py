@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from ..database import Transactions
 from ..models import Delivery, Webhook
 from ..settings import Settings
-from .webhooks import signature_headers
+from .webhooks import signature_headers, validate_url
 
 __all__ = ["OutboxWorker", "backoff_delay"]
 
@@ -166,21 +166,29 @@ class OutboxWorker:
         status: int | None = None
         error: str | None = None
         assert self._client is not None
+        try:  # the allow-list may have changed since the webhook was created
+            validate_url(claimed.url, self.settings.webhook_allowed_hosts)
+        except ValueError as exc:
+            self._finish(claimed, None, str(exc), final=True)
+            return
         try:
             response = self._client.post(claimed.url, content=body, headers=headers)
             status = response.status_code
-            if not 200 <= status < 300:
+            if response.is_redirect:  # never followed: a redirect could lead anywhere, e.g. inside the network
+                error = (f"HTTP {status} redirect to {response.headers.get('location', '?')!r} not followed; "
+                         "point the webhook at the final URL")
+            elif not 200 <= status < 300:
                 error = f"HTTP {status}: {response.text[:200]}"
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
         self._finish(claimed, status, error)
 
-    def _finish(self, claimed: Claimed, status: int | None, error: str | None) -> None:
+    def _finish(self, claimed: Claimed, status: int | None, error: str | None, final: bool = False) -> None:
         now = time.time()
         settings = self.settings
         if error is None:
             values: dict[str, object] = {"status": "delivered", "delivered_at": now, "last_error": None}
-        elif claimed.attempts >= settings.outbox_max_attempts:
+        elif final or claimed.attempts >= settings.outbox_max_attempts:
             values = {"status": "failed", "last_error": error}
         else:
             delay = backoff_delay(claimed.attempts, settings.outbox_backoff_base_s, settings.outbox_backoff_max_s)

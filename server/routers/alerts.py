@@ -1,6 +1,6 @@
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from ..alerts import AlertService
 from ..auth import Scope
@@ -27,6 +27,9 @@ def _alerts(request: Request) -> AlertService:
 
 AlertsDep = Annotated[AlertService, Depends(_alerts)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
+# Row ids are 32-bit integers in the database; larger values cannot name anything.
+RowId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+QueryRowId = Annotated[int | None, Query(ge=1, le=2**31 - 1)]
 Offset = Annotated[int, Query(ge=0)]
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
@@ -57,26 +60,26 @@ def create_rule(rule: AlertRuleIn, alerts: AlertsDep, principal: PrincipalDep) -
     return AlertRuleOut(**alerts.create_rule(rule))
 
 
-def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: int, scope: Scope) -> dict:
+def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: Scope) -> dict:
     rule = alerts.get_rule(rule_id)
     principal.require(rule["project"], scope, f"alert rule {rule_id}")
     return rule
 
 
 @router.get("/alert-rules/{rule_id}")
-def get_rule(rule_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
+def get_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     return AlertRuleOut(**_rule(alerts, principal, rule_id, "read"))
 
 
 @router.patch("/alert-rules/{rule_id}")
-def update_rule(rule_id: int, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
+def update_rule(rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
     _rule(alerts, principal, rule_id, "write")
     return AlertRuleOut(**alerts.update_rule(rule_id, patch))
 
 
 @router.delete("/alert-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_rule(rule_id: int, alerts: AlertsDep, principal: PrincipalDep) -> Response:
+def delete_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Response:
     _rule(alerts, principal, rule_id, "write")
     alerts.delete_rule(rule_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -104,20 +107,20 @@ def list_alerts(
 
 
 @router.get("/alerts/{alert_id}")
-def get_alert(alert_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+def get_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
     alert = alerts.get_alert(alert_id)
     principal.require(alert["project"], "read", f"alert {alert_id}")
     return AlertOut(**alert)
 
 
 @router.post("/alerts/{alert_id}/acknowledge")
-def acknowledge_alert(alert_id: int, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+def acknowledge_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
     """Mark an alert as seen; it stays firing until its condition clears."""
     principal.require(alerts.get_alert(alert_id)["project"], "write", f"alert {alert_id}")
     return AlertOut(**alerts.acknowledge(alert_id))
 
 
-def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: int, scope: Scope) -> dict:
+def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: RowId, scope: Scope) -> dict:
     hook = alerts.get_webhook(webhook_id)
     principal.require(hook["project"], scope, f"webhook {webhook_id}")
     return hook
@@ -137,19 +140,19 @@ def list_webhooks(alerts: AlertsDep, principal: PrincipalDep, project: str | Non
 
 
 @router.get("/webhooks/{webhook_id}")
-def get_webhook(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
+def get_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
     return WebhookOut(**_webhook(alerts, principal, webhook_id, "read"))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_webhook(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> Response:
+def delete_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Response:
     _webhook(alerts, principal, webhook_id, "write")
     alerts.delete_webhook(webhook_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/webhooks/{webhook_id}/test", status_code=status.HTTP_202_ACCEPTED)
-def send_test(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> DeliveryOut:
+def send_test(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> DeliveryOut:
     """Queue a test notification; follow it in GET /api/v1/webhooks/{id}/deliveries."""
     _webhook(alerts, principal, webhook_id, "write")
     return DeliveryOut(**alerts.send_test(webhook_id))
@@ -157,7 +160,7 @@ def send_test(webhook_id: int, alerts: AlertsDep, principal: PrincipalDep) -> De
 
 @router.get("/webhooks/{webhook_id}/deliveries")
 def webhook_deliveries(
-    webhook_id: int, alerts: AlertsDep, principal: PrincipalDep, limit: Limit = 100, offset: Offset = 0
+    webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep, limit: Limit = 100, offset: Offset = 0
 ) -> DeliveryList:
     """One webhook's delivery log, newest first."""
     _webhook(alerts, principal, webhook_id, "read")
@@ -169,8 +172,8 @@ def webhook_deliveries(
 def list_deliveries(
     alerts: AlertsDep,
     principal: PrincipalDep,
-    webhook_id: int | None = None,
-    alert_id: int | None = None,
+    webhook_id: QueryRowId = None,
+    alert_id: QueryRowId = None,
     status: Literal["pending", "sending", "delivered", "failed"] | None = None,
     project: str | None = None,
     limit: Limit = 100,

@@ -1,0 +1,190 @@
+"""WebSocket /api/v1/runs/{run_id}/live: a run's new points, events and status as they are stored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, WebSocket
+from starlette.datastructures import QueryParams
+from starlette.websockets import WebSocketDisconnect
+
+from ..auth import Tokens, bearer
+from ..deps import authorize_run
+from ..errors import Forbidden, NotFound, Unauthenticated
+from ..live import LiveCursor, LiveHub, open_cursor, read_new, status_message
+from ..store import Store
+
+router = APIRouter(prefix="/api/v1/runs", tags=["live"])
+logger = logging.getLogger("gradwatch.live")
+
+CLOSE_BAD_REQUEST = 4400  # the HTTP status + 4000, as WebSocket close codes 4000-4999 are the application's
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404
+CLOSE_INTERNAL_ERROR = 1011
+_MAX_REASON_BYTES = 123  # a close frame's reason fits in 125 bytes with the 2-byte code
+_PARAMETERS = ("key", "rank", "since", "token")
+
+
+class _BadQuery(ValueError):
+    pass
+
+
+def _query(params: QueryParams) -> tuple[frozenset[str] | None, int | None, int | None]:
+    unknown = sorted(set(params) - set(_PARAMETERS))
+    if unknown:
+        raise _BadQuery(f"unknown query parameter {unknown[0]!r}; expected key, rank, since, token")
+    keys = params.getlist("key")
+    for key in keys:
+        if not 1 <= len(key) <= 250:
+            raise _BadQuery(f"key must have 1 to 250 characters, not {len(key)}")
+    return frozenset(keys) or None, _integer(params, "rank", 0), _integer(params, "since", -1)
+
+
+def _integer(params: QueryParams, name: str, lowest: int) -> int | None:
+    values = params.getlist(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise _BadQuery(f"{name} may be given once, not {len(values)} times")
+    try:
+        value = int(values[0])
+    except ValueError:
+        raise _BadQuery(f"{name} must be an integer, not {values[0][:40]!r}") from None
+    if not lowest <= value <= 2**62:
+        raise _BadQuery(f"{name} must be between {lowest} and 2**62, not {value}")
+    return value
+
+
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    encoded = reason.encode()[:_MAX_REASON_BYTES]
+    await websocket.close(code, encoded.decode(errors="ignore"))
+
+
+def _authorize(websocket: WebSocket, run_id: str) -> None:
+    """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token (header, or
+    ?token= since browsers cannot set headers on a WebSocket) may read the run."""
+    tokens: Tokens = websocket.app.state.tokens
+    store: Store = websocket.app.state.store
+    token = websocket.query_params.get("token") or bearer(websocket.headers.get("authorization"))
+    authorize_run(store, tokens.authenticate(token), run_id, "read")
+
+
+def _dumps(message: dict[str, Any]) -> str:
+    return json.dumps(message, allow_nan=False, separators=(",", ":"))
+
+
+@router.websocket("/{run_id}/live")
+async def live(websocket: WebSocket, run_id: str) -> None:
+    """A run's data as it is stored, pushed within about a second of ingest (from any server process
+    of the same database).
+
+    Query parameters (all optional):
+      key    a scalar key to stream, repeatable (key=loss&key=lr); default every scalar key of the
+             run, keys that first appear later included
+      rank   only this rank; default every rank
+      since  a step: first send what is stored after it (step > since; since=-1: the whole run),
+             then what arrives; default only what arrives after connecting
+      token  a read token of the run's project, when the server has tokens (or send the header
+             Authorization: Bearer <token>)
+
+    Server → client: JSON text frames, one object each, with "type":
+      {"type": "status", "status": "running", "last_step": 12}
+          first, once the subscription is live (from then on nothing is missed), then whenever the
+          run's status or last step changes
+      {"type": "points", "key": "loss", "rank": 0, "steps": [13, 14], "values": [0.5, "NaN"]}
+          new points of one key and rank in step order; NaN/±Inf as "NaN"/"Infinity"/"-Infinity";
+          a large backlog arrives in several messages
+      {"type": "events", "data": [{"step": 13, "kind": "skip", "rank": 0, "data": {...}}]}
+    Each point and event is sent once. Per (key, rank) only steps after the last one sent follow, so
+    a rewritten step is not sent again, nor one that arrives after a newer step of the same key and
+    rank (late data of another rank is sent); events likewise per rank. After a reconnect,
+    since=<the last step received> resumes. Messages the client sends are ignored.
+
+    Close codes, with the reason as text: 4400 bad query parameters, 4401 no valid token, 4403 a
+    token that may not read the run, 4404 unknown (or deleted) run (the HTTP status + 4000); 1011
+    the database could not be read at connect; 1012 the server shuts down.
+    """
+    await websocket.accept()  # first: a close code and reason reach the client only on an open socket
+    try:
+        keys, rank, since = _query(websocket.query_params)
+        await anyio.to_thread.run_sync(_authorize, websocket, run_id)
+    except _BadQuery as exc:
+        await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
+        return
+    except Unauthenticated as exc:
+        await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
+        return
+    except Forbidden as exc:
+        await _close(websocket, CLOSE_FORBIDDEN, str(exc))
+        return
+    except NotFound as exc:
+        await _close(websocket, CLOSE_NOT_FOUND, str(exc))
+        return
+    hub: LiveHub = websocket.app.state.live
+    with hub.subscribe(run_id) as wake:  # before the cursor: nothing stored meanwhile is missed
+        try:
+            cursor = await hub.read(lambda session: open_cursor(session, run_id, keys, rank, since))
+        except NotFound as exc:
+            await _close(websocket, CLOSE_NOT_FOUND, str(exc))
+            return
+        except Exception:
+            logger.exception("gradwatch: could not open a live stream of run %r", run_id)
+            await _close(websocket, CLOSE_INTERNAL_ERROR, "the server could not read the run; try again")
+            return
+        assert cursor.status is not None
+        try:
+            await websocket.send_text(_dumps(status_message(cursor.status)))
+        except WebSocketDisconnect:
+            return
+        wake.set()  # read at once: the backlog after `since`, and whatever was stored since the cursor
+        receiver = asyncio.create_task(_until_disconnect(websocket))
+        pusher = asyncio.create_task(_push(websocket, hub, cursor, wake))
+        try:
+            await asyncio.wait((receiver, pusher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (receiver, pusher):
+                task.cancel()
+            await asyncio.gather(receiver, pusher, return_exceptions=True)
+        failure = None if pusher.cancelled() else pusher.exception()
+        if isinstance(failure, NotFound):
+            await _close(websocket, CLOSE_NOT_FOUND, f"run {run_id!r} was deleted")
+        elif failure is not None and not isinstance(failure, WebSocketDisconnect):
+            raise failure
+
+
+async def _until_disconnect(websocket: WebSocket) -> None:
+    """Read (and ignore) what the client sends, until it disconnects."""
+    while (await websocket.receive())["type"] != "websocket.disconnect":
+        pass
+
+
+async def _push(websocket: WebSocket, hub: LiveHub, cursor: LiveCursor, wake: asyncio.Event) -> None:
+    """Read what is new whenever woken (or every refresh interval) and send it; one read at a time,
+    wake-ups during a read or a slow send merge into the next read."""
+    loop = asyncio.get_running_loop()
+    last_read = loop.time()
+    failures = 0
+    while True:
+        await hub.wait(wake, last_read)
+        last_read = loop.time()
+        try:
+            update = await hub.read(lambda session: read_new(session, cursor))
+        except NotFound:
+            raise
+        except Exception:  # the database may be back by the next read; the cursor did not move
+            failures += 1
+            if failures == 1:
+                logger.exception("gradwatch: live read for run %r failed; retrying", cursor.run_id)
+            await anyio.sleep(min(hub.refresh_interval_s, 0.5 * failures))
+            wake.set()
+            continue
+        failures = 0
+        for message in update.messages():
+            await websocket.send_text(_dumps(message))
+        if update.more:
+            wake.set()
