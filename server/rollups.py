@@ -22,7 +22,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from sqlalchemy import Connection, select
@@ -62,10 +62,10 @@ def _intervals(buckets: Iterable[int]) -> list[tuple[int, int]]:
 # -- scalar series ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Summary:
+class Summary(NamedTuple):
     """The lowest and highest point of a span of steps, as stored (value NULL + flag if non-finite).
-    Ties: the lowest is the earliest such point, the highest the latest."""
+    Ties: the lowest is the earliest such point, the highest the latest. A tuple, so a database row
+    of these columns becomes one without per-field work (queries read tens of thousands)."""
 
     low_step: int
     low_value: float | None
@@ -80,47 +80,71 @@ class Summary:
         return cls(step, value, flag, step, value, flag, 1)
 
 
-def _low_key(s: Summary) -> tuple[Any, ...]:
+# Field positions: summaries are also plain tuples read from the database in this order.
+LOW_STEP, LOW_VALUE, LOW_FLAG, HIGH_STEP, HIGH_VALUE, HIGH_FLAG, COUNT = range(7)
+
+
+def _low_key(s: tuple[Any, ...]) -> tuple[Any, ...]:
     # Non-finite first (earliest step), then the smallest value (earliest step on ties).
-    return (0, s.low_step, 0.0) if s.low_flag else (1, s.low_value, s.low_step)
+    return (0, s[LOW_STEP], 0.0) if s[LOW_FLAG] else (1, s[LOW_VALUE], s[LOW_STEP])
 
 
-def combine(parts: list[Summary]) -> Summary:
-    """One summary of adjacent spans' summaries."""
+def combine(parts: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """One summary (a Summary-shaped tuple) of adjacent spans' summaries."""
     if len(parts) == 1:
         return parts[0]
     low = min(parts, key=_low_key)
-    finite_highs = [p for p in parts if not p.high_flag]
+    finite_highs = [p for p in parts if not p[HIGH_FLAG]]
     if finite_highs:
-        high = max(finite_highs, key=lambda p: (p.high_value, p.high_step))
-        high_fields = (high.high_step, high.high_value, high.high_flag)
+        high = max(finite_highs, key=lambda p: (p[HIGH_VALUE], p[HIGH_STEP]))
+        high_fields = high[HIGH_STEP : HIGH_FLAG + 1]
     else:  # nothing finite anywhere: the "highest" point is the first non-finite one
-        high_fields = (low.low_step, low.low_value, low.low_flag)
-    return Summary(low.low_step, low.low_value, low.low_flag, *high_fields, sum(p.count for p in parts))
+        high_fields = low[LOW_STEP : LOW_FLAG + 1]
+    return (*low[LOW_STEP : LOW_FLAG + 1], *high_fields, sum(p[COUNT] for p in parts))
 
 
-def _read_points(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> Iterable[Any]:
-    return executor.execute(
-        select(Point.series_id, Point.step, Point.value, Point.flag).where(
-            Point.series_id.in_(series_ids), Point.rank == rank, Point.step >= lo, Point.step < hi
-        )
+def _fetch(executor: Executor, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """Plain tuples straight from the driver, skipping SQLAlchemy's Row objects: queries read tens of
+    thousands of rows and per-row wrapping cost more than the database's work. `sql` uses ?
+    placeholders (rewritten for psycopg); it runs in the executor's transaction."""
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    if connection.dialect.name != "sqlite":
+        sql = sql.replace("?", "%s")
+    cursor = connection.connection.driver_connection.cursor()
+    try:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+    finally:
+        cursor.close()
+
+
+def _in(ids: list[int]) -> str:
+    return ", ".join("?" for _ in ids)
+
+
+def _read_points(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> list[tuple[Any, ...]]:
+    """(series_id, step, value, flag) of the points with lo <= step < hi."""
+    return _fetch(
+        executor,
+        f"SELECT series_id, step, value, flag FROM points WHERE series_id IN ({_in(series_ids)})"
+        " AND rank = ? AND step >= ? AND step < ?",
+        [*series_ids, rank, lo, hi],
     )
+
+
+_SUMMARY_COLUMNS = ", ".join(Summary._fields)
 
 
 def _read_point_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
-) -> Iterable[Any]:
-    """Rows of `level` whose bucket lies in [lo, hi) (bucket units)."""
-    return executor.execute(
-        select(*PointRollup.__table__.columns).where(
-            PointRollup.series_id.in_(series_ids), PointRollup.rank == rank, PointRollup.level == level,
-            PointRollup.bucket >= lo, PointRollup.bucket < hi,
-        )
+) -> list[tuple[Any, ...]]:
+    """(series_id, bucket, *Summary fields) rows of `level` whose bucket lies in [lo, hi)."""
+    return _fetch(
+        executor,
+        f"SELECT series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN ({_in(series_ids)})"
+        " AND rank = ? AND level = ? AND bucket >= ? AND bucket < ?",
+        [*series_ids, rank, level, lo, hi],
     )
-
-
-def _as_summary(row: Any) -> Summary:
-    return Summary(row.low_step, row.low_value, row.low_flag, row.high_step, row.high_value, row.high_flag, row.count)
 
 
 def _group_points(groups: dict[tuple[int, int], list[Summary]], rows: Iterable[Any], bucket_width: int) -> None:
@@ -155,15 +179,14 @@ def refresh_points(executor: Executor, rank: int, steps_by_series: dict[int, Ite
                 _group_points(groups, _read_points(executor, series_ids, rank, first * BASE, (last + 1) * BASE), BASE)
             else:
                 for row in _read_point_rollups(executor, series_ids, rank, level - 1, first * BASE, (last + 1) * BASE):
-                    groups[row.series_id, row.bucket // BASE].append(_as_summary(row))
+                    groups[row[0], row[1] // BASE].append(row[2:])
         rows = []
         for sid, buckets in touched.items():
             for bucket in buckets:
                 parts = groups.get((sid, bucket))
                 if parts:
                     s = combine(parts)
-                    rows.append((sid, rank, level, bucket, s.count, s.low_step, s.low_value, s.low_flag,
-                                 s.high_step, s.high_value, s.high_flag))
+                    rows.append((sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT]))
         bulk.upsert(executor, PointRollup.__table__, _POINT_ROLLUP_COLUMNS, _ROLLUP_KEY, rows)
         touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
 
@@ -186,7 +209,7 @@ def point_summaries(
         return point_summaries(executor, series_id, rank, lo, hi, level - 1, bucket_width)
     return [
         *point_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
-        *(_as_summary(row) for row in _read_point_rollups(executor, [series_id], rank, level, first, last)),
+        *(row[2:] for row in _read_point_rollups(executor, [series_id], rank, level, first, last)),
         *point_summaries(executor, series_id, rank, last * w, hi, level - 1, bucket_width),
     ]
 
@@ -210,16 +233,16 @@ def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
 def downsample(summaries: list[Summary], bucket_width: int) -> tuple[list[tuple[int, float | None, int]], int]:
     """The lowest and highest point of each bucket of steps (at most two per bucket, in step order)
     and the number of points summarised."""
-    groups: dict[int, list[Summary]] = defaultdict(list)
+    groups: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
     for s in summaries:
-        groups[s.low_step // bucket_width].append(s)
+        groups[s[LOW_STEP] // bucket_width].append(s)
     kept: dict[int, tuple[int, float | None, int]] = {}
     total = 0
     for parts in groups.values():
         s = combine(parts)
-        total += s.count
-        kept[s.low_step] = (s.low_step, s.low_value, s.low_flag)
-        kept.setdefault(s.high_step, (s.high_step, s.high_value, s.high_flag))
+        total += s[COUNT]
+        kept[s[LOW_STEP]] = s[LOW_STEP : LOW_FLAG + 1]
+        kept.setdefault(s[HIGH_STEP], s[HIGH_STEP : HIGH_FLAG + 1])
     return [kept[step] for step in sorted(kept)], total
 
 
@@ -255,24 +278,27 @@ class VectorSummary:
     values: np.ndarray
 
 
-def _read_vector_rows(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> Iterable[Any]:
-    return executor.execute(
-        select(VectorPoint.series_id, VectorPoint.step, VectorPoint.data).where(
-            VectorPoint.series_id.in_(series_ids), VectorPoint.rank == rank,
-            VectorPoint.step >= lo, VectorPoint.step < hi,
-        )
+def _read_vector_rows(
+    executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
+) -> list[tuple[Any, ...]]:
+    """(series_id, step, data) of the rows with lo <= step < hi."""
+    return _fetch(
+        executor,
+        f"SELECT series_id, step, data FROM vector_points WHERE series_id IN ({_in(series_ids)})"
+        " AND rank = ? AND step >= ? AND step < ?",
+        [*series_ids, rank, lo, hi],
     )
 
 
 def _read_vector_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
-) -> Iterable[Any]:
-    return executor.execute(
-        select(VectorRollup.series_id, VectorRollup.bucket, VectorRollup.first_step, VectorRollup.count,
-               VectorRollup.data).where(
-            VectorRollup.series_id.in_(series_ids), VectorRollup.rank == rank, VectorRollup.level == level,
-            VectorRollup.bucket >= lo, VectorRollup.bucket < hi,
-        )
+) -> list[tuple[Any, ...]]:
+    """(series_id, bucket, first_step, count, data) rows of `level` whose bucket lies in [lo, hi)."""
+    return _fetch(
+        executor,
+        f"SELECT series_id, bucket, first_step, count, data FROM vector_rollups WHERE series_id IN"
+        f" ({_in(series_ids)}) AND rank = ? AND level = ? AND bucket >= ? AND bucket < ?",
+        [*series_ids, rank, level, lo, hi],
     )
 
 
