@@ -1,4 +1,4 @@
-"""The `gradwatch` command: server, db upgrade, demo, sync.
+"""The `gradwatch` command: server, db upgrade, token, demo, sync.
 
 The agent package stays light: server-side modules are imported only by the commands that need them.
 """
@@ -36,13 +36,71 @@ def _add_database_option(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from gradwatch.server.database import SchemaError
-    from gradwatch.server.serve import serve_forever
+    from gradwatch.server.serve import ExposureRefused, serve_forever
 
     try:
-        serve_forever(_server_settings(args), args.host, args.port)
-    except SchemaError as exc:
+        serve_forever(_server_settings(args), args.host, args.port, insecure=args.insecure)
+    except (SchemaError, ExposureRefused) as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _tokens(args: argparse.Namespace):  # noqa: ANN202
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine, prepare_schema
+
+    settings = _server_settings(args)
+    engine = make_engine(settings.database_url)
+    prepare_schema(engine, settings.database_url)
+    return Tokens(engine)
+
+
+def _when(seconds: float | None) -> str:
+    from datetime import datetime, timezone
+
+    if seconds is None:
+        return "never"
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    from gradwatch.server.errors import InvalidRequest
+
+    try:
+        record, token = _tokens(args).create(args.project, args.scope, args.name or "")
+    except InvalidRequest as exc:
+        print(f"gradwatch: {exc}", file=sys.stderr)
+        return 2
+    project = "every project" if record.project == "*" else f"project {record.project!r}"
+    print(f"created {record.scope} token {record.id} ({record.name!r}) for {project}.")
+    print("It is shown only this once; the server keeps only its hash. Agents: GRADWATCH_TOKEN=<token>.")
+    print(token)  # the last word of the output, for scripts: TOKEN=$(gradwatch token create ... | tail -1)
+    return 0
+
+
+def _cmd_token_list(args: argparse.Namespace) -> int:
+    records = _tokens(args).list(args.project, include_revoked=args.all)
+    print(f"{'id':>4}  {'scope':<5}  {'project':<20}  {'name':<24}  {'prefix':<10}  {'created':<20}  "
+          f"{'last used':<20}  revoked")
+    for r in records:
+        print(f"{r.id:>4}  {r.scope:<5}  {r.project:<20.20}  {r.name:<24.24}  {r.prefix:<10}  {_when(r.created_at):<20}  "
+              f"{_when(r.last_used_at):<20}  {_when(r.revoked_at) if r.revoked_at else '-'}")
+    if not records:
+        print("(no tokens: the server runs open, for 127.0.0.1 only)")
+    return 0
+
+
+def _cmd_token_revoke(args: argparse.Namespace) -> int:
+    from gradwatch.server.errors import NotFound
+
+    try:
+        record = _tokens(args).revoke(args.id)
+    except NotFound as exc:
+        print(f"gradwatch: {exc}", file=sys.stderr)
+        return 2
+    print(f"revoked token {record.id} ({record.name!r}, {record.scope}, project {record.project!r}); "
+          "requests with it are refused from now on")
     return 0
 
 
@@ -117,8 +175,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--public-url", default=os.environ.get("GRADWATCH_PUBLIC_URL"),
         help="the URL people open the dashboard at, used in alert links (default http://HOST:PORT)",
     )
+    server.add_argument(
+        "--insecure", action="store_true",
+        help="allow listening on a non-loopback address while no access tokens exist (a warning is printed)",
+    )
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)
+
+    token = commands.add_parser("token", help="access tokens (project-scoped, read or write)")
+    token_commands = token.add_subparsers(dest="token_command", required=True)
+    create = token_commands.add_parser("create", help="create a token; prints it once, as the last line")
+    create.add_argument("--project", required=True, help="the project it may access ('*' for every project)")
+    create.add_argument("--scope", required=True, choices=("read", "write"),
+                        help="read: dashboard and API reads; write: agents (includes read)")
+    create.add_argument("--name", default=None, help="a label, e.g. 'ci agents' or 'alice dashboard'")
+    _add_database_option(create)
+    create.set_defaults(func=_cmd_token_create)
+    listing = token_commands.add_parser("list", help="list tokens (never the tokens themselves)")
+    listing.add_argument("--project", default=None)
+    listing.add_argument("--all", action="store_true", help="include revoked tokens")
+    _add_database_option(listing)
+    listing.set_defaults(func=_cmd_token_list)
+    revoke = token_commands.add_parser("revoke", help="revoke a token by id (see `gradwatch token list`)")
+    revoke.add_argument("id", type=int)
+    _add_database_option(revoke)
+    revoke.set_defaults(func=_cmd_token_revoke)
 
     db = commands.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
     up = db.add_parser("upgrade", help="apply migrations up to this version's schema")

@@ -6,6 +6,10 @@ only through the API's HTTP endpoints (api_base_url).
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import re
+import sys
 import threading
 import time
 
@@ -48,10 +52,14 @@ def local_url(host: str, port: int) -> str:
 class BackgroundServer:
     """A uvicorn server on its own thread (the demo and tests); stop() shuts it down cleanly."""
 
-    def __init__(self, settings: Settings, host: str, port: int, with_dashboard: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, host: str, port: int, with_dashboard: bool = True, insecure: bool = False
+    ) -> None:
         url = local_url(host, port)
         app = create_full_app(settings, url) if with_dashboard else create_app(settings)
+        check_exposure(app, host, insecure)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        redact_tokens_in_logs()
         self.server = uvicorn.Server(config)
         self.url = url
         self._thread = threading.Thread(target=self.server.run, name="gradwatch-server", daemon=True)
@@ -72,7 +80,63 @@ class BackgroundServer:
         self._thread.join(timeout=10)
 
 
-def serve_forever(settings: Settings, host: str, port: int) -> None:
+class ExposureRefused(RuntimeError):
+    """Binding beyond this machine with no tokens configured: anyone on the network could read and write."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
+    """Refuse (or, with insecure, warn about) serving an open server on a non-loopback address."""
+    if is_loopback(host) or app.state.tokens.any_active():
+        return
+    if not insecure:
+        raise ExposureRefused(
+            f"refusing to listen on {host}: no access tokens exist, so anyone who can reach this address "
+            "could read and write every run. Create tokens first (`gradwatch token create --project NAME "
+            "--scope write`, with the same --database-url), or bind to 127.0.0.1, or pass --insecure "
+            "on a network you trust"
+        )
+    print(
+        f"gradwatch: WARNING: listening on {host} with no access tokens (--insecure): anyone who can reach "
+        "this address can read and write every run",
+        file=sys.stderr,
+    )
+
+
+class _RedactTokens(logging.Filter):
+    """Access and WebSocket log lines show the request path; a ?token= in it must not reach the log."""
+
+    _pattern = re.compile(r"(token=)[^&\s\"]+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self._pattern.sub(r"\1[redacted]", arg) if isinstance(arg, str) else arg for arg in record.args
+            )
+        elif isinstance(record.msg, str):
+            record.msg = self._pattern.sub(r"\1[redacted]", record.msg)
+        return True
+
+
+def redact_tokens_in_logs() -> None:
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactTokens) for f in logger.filters):
+            logger.addFilter(_RedactTokens())
+
+
+def serve_forever(settings: Settings, host: str, port: int, insecure: bool = False) -> None:
     """Run the full app in the foreground until Ctrl-C."""
     app = create_full_app(settings, local_url(host, port))
-    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on")
+    check_exposure(app, host, insecure)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")  # configures logging
+    redact_tokens_in_logs()
+    uvicorn.Server(config).run()

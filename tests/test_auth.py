@@ -4,13 +4,17 @@ right token; listings limited to the token's project; a server without tokens st
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
-
 from gradwatch.server.auth import Tokens, hash_token
 from gradwatch.server.database import make_engine
 
 LAYERS = ["l0", "l1"]
+GRADWATCH = str(Path(sys.executable).with_name("gradwatch"))
 
 
 @pytest.fixture
@@ -152,3 +156,57 @@ def test_tokens_are_stored_only_as_hashes_and_revocation_is_immediate(database_u
         assert malformed.status_code == 401 and "Bearer" in malformed.json()["detail"]
     assert [t.name for t in tokens.list(include_revoked=True)] == ["ci"]
     assert tokens.list() == []
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([GRADWATCH, *args], check=False, capture_output=True, text=True, timeout=120)
+
+
+def test_token_cli_create_list_revoke_against_a_real_server(database_url, api_server):
+    created = _cli("token", "create", "--project", "alpha", "--scope", "write", "--name", "ci agents",
+                   "--database-url", database_url)
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.split()[-1]  # the last word of the output is the token
+    assert token.startswith("gw_")
+    listed = _cli("token", "list", "--database-url", database_url)
+    assert "ci agents" in listed.stdout and "write" in listed.stdout and token not in listed.stdout
+    with httpx.Client(base_url=api_server.url, timeout=30) as client:
+        assert client.post("/api/v1/runs", json={"project": "alpha"}, headers=_auth(token)).status_code == 201
+        assert client.post("/api/v1/runs", json={"project": "alpha"}).status_code == 401
+        revoked = _cli("token", "revoke", "1", "--database-url", database_url)
+        assert revoked.returncode == 0 and "revoked token 1" in revoked.stdout
+        assert client.get("/api/v1/runs", headers=_auth(token)).status_code == 401
+    bad = _cli("token", "create", "--project", "alpha", "--scope", "admin", "--database-url", database_url)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    missing = _cli("token", "revoke", "42", "--database-url", database_url)
+    assert missing.returncode == 2 and "token 42 does not exist" in missing.stderr
+
+
+def test_listening_beyond_loopback_needs_tokens_or_insecure(sqlite_url, capsys):
+    from gradwatch.server.app import create_app
+    from gradwatch.server.serve import ExposureRefused, check_exposure
+    from gradwatch.server.settings import Settings
+
+    # The command refuses before binding anything.
+    refused = _cli("server", "--host", "0.0.0.0", "--port", "9", "--database-url", sqlite_url)
+    assert refused.returncode == 2 and "refusing to listen on 0.0.0.0" in refused.stderr
+    app = create_app(Settings(database_url=sqlite_url))
+    check_exposure(app, "127.0.0.1", insecure=False)  # loopback: open is fine
+    with pytest.raises(ExposureRefused, match="--insecure"):
+        check_exposure(app, "192.168.1.20", insecure=False)
+    check_exposure(app, "192.168.1.20", insecure=True)
+    assert "WARNING" in capsys.readouterr().err
+    app.state.tokens.create("p", "read")
+    check_exposure(app, "192.168.1.20", insecure=False)  # tokens exist: allowed
+    app.state.store.engine.dispose()
+
+
+def test_tokens_in_request_paths_never_reach_the_log():
+    import logging
+
+    from gradwatch.server.serve import _RedactTokens
+
+    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, '%s - "WebSocket %s" [accepted]',
+                               ("127.0.0.1:5000", "/api/v1/runs/r/live?key=loss&token=gw_secret123&rank=0"), None)
+    _RedactTokens().filter(record)
+    assert "gw_secret123" not in record.getMessage() and "token=[redacted]&rank=0" in record.getMessage()
