@@ -1,11 +1,14 @@
 """The dashboard's only way to data: a small client over the server's JSON API (/api/v1).
 
 Bodies come back as the API writes them (plain dicts and lists); non-finite floats stay the strings
-"NaN", "Infinity", "-Infinity" and are turned into gaps or markers by the figure builders.
+"NaN", "Infinity", "-Infinity" and are turned into gaps or markers by the figure builders. Besides
+reading runs, the client manages alerts: rules, alerts (and acknowledging them), webhooks and their
+test deliveries.
 
 Errors, one rooted hierarchy:
 
-    ApiError                 any failed request; `status_code` is None when no response came
+    ApiError                 any failed request; `status_code` is None when no response came,
+    │                        `detail` is the server's own message (what to show next to a form)
     ├── ApiUnavailable       no answer: connection refused, timeout, or a 5xx from the server
     └── RunNotFound          404 for a run id the server does not know
 """
@@ -45,9 +48,10 @@ Json = dict[str, Any]
 class ApiError(Exception):
     """A request to the gradwatch API failed."""
 
-    def __init__(self, message: str, status_code: int | None = None) -> None:
+    def __init__(self, message: str, status_code: int | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.detail = detail if detail is not None else message
 
 
 class ApiUnavailable(ApiError):
@@ -58,12 +62,13 @@ class RunNotFound(ApiError):
     """The server has no run with this id."""
 
     def __init__(self, run_id: str, message: str) -> None:
-        super().__init__(message, status_code=404)
+        super().__init__(message, status_code=404, detail=message)
         self.run_id = run_id
 
 
 class ApiClient:
-    """Reads runs, series, per-layer vectors, histograms and events from a gradwatch server.
+    """Reads runs, series, per-layer vectors, histograms and events from a gradwatch server, and
+    manages its alert rules, alerts and webhooks.
 
     base_url: the server root, e.g. "http://127.0.0.1:8765" (without /api/v1).
     token: a read-scope token sent as `Authorization: Bearer <token>`, or None.
@@ -104,12 +109,12 @@ class ApiClient:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if project is not None:
             params["project"] = project
-        body = self._get("/api/v1/runs", params)
+        body = self._request("GET", "/api/v1/runs", params)
         return list(body.get("data", [])), int(body.get("count", 0))
 
     def get_run(self, run_id: str) -> Json:
         """One run: id, project, name, status, created_at, last_step, summary… (GET /api/v1/runs/{id})."""
-        return self._get(_run_path(run_id), run_id=run_id)
+        return self._request("GET", _run_path(run_id), run_id=run_id)
 
     def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
         """The keys the run has of one kind: "scalar" (e.g. "amp/scale", "loss"), "vector" (per-layer,
@@ -117,7 +122,7 @@ class ApiClient:
         if kind not in KEY_KINDS:
             raise ValueError(f"kind must be one of {KEY_KINDS}, got {kind!r}")
         params = None if kind == "scalar" else {"kind": kind}
-        return list(self._get(_run_path(run_id, "keys"), params, run_id=run_id).get("data", []))
+        return list(self._request("GET", _run_path(run_id, "keys"), params, run_id=run_id).get("data", []))
 
     def series(
         self,
@@ -139,7 +144,7 @@ class ApiClient:
             params["start"] = start
         if end is not None:
             params["end"] = end
-        return self._get(_run_path(run_id, "series"), params, run_id=run_id)
+        return self._request("GET", _run_path(run_id, "series"), params, run_id=run_id)
 
     def vectors(
         self,
@@ -162,7 +167,7 @@ class ApiClient:
             params["start"] = start
         if end is not None:
             params["end"] = end
-        return self._get(_run_path(run_id, "vectors"), params, run_id=run_id)
+        return self._request("GET", _run_path(run_id, "vectors"), params, run_id=run_id)
 
     def histograms(
         self, run_id: str, layer: str, *, key: str = "grad/hist", max_steps: int = MAX_HISTOGRAM_STEPS
@@ -175,15 +180,94 @@ class ApiClient:
         if not 1 <= max_steps <= MAX_HISTOGRAM_STEPS:
             raise ValueError(f"max_steps must be between 1 and {MAX_HISTOGRAM_STEPS}, got {max_steps!r}")
         params = {"layer": layer, "key": key, "max_steps": max_steps}
-        return self._get(_run_path(run_id, "histograms"), params)
+        return self._request("GET", _run_path(run_id, "histograms"), params)
 
     def events(self, run_id: str, kind: str | None = None, *, limit: int = 10_000) -> tuple[list[Json], int]:
         """Events in step order ({"step", "kind", "rank", "data"}) and how many exist in all."""
         params: dict[str, Any] = {"limit": limit}
         if kind is not None:
             params["kind"] = kind
-        body = self._get(_run_path(run_id, "events"), params, run_id=run_id)
+        body = self._request("GET", _run_path(run_id, "events"), params, run_id=run_id)
         return list(body.get("data", [])), int(body.get("count", 0))
+
+    # -- alerts ------------------------------------------------------------------------------------
+
+    def alerts(
+        self,
+        *,
+        project: str | None = None,
+        run_id: str | None = None,
+        status: str | None = None,
+        acknowledged: bool | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> tuple[list[Json], int]:
+        """Alerts, newest first, and how many match (GET /api/v1/alerts). status: "firing" or
+        "resolved" (None: both); acknowledged: only those someone has (True) or has not (False)
+        acknowledged. Each has id, project, run_id, run_name, rule_id, type, severity, status, step,
+        title, hint, evidence, created_at, resolved_at, acknowledged_at…"""
+        params = _present(
+            project=project,
+            run_id=run_id,
+            status=status,
+            acknowledged=acknowledged,
+            limit=limit,
+            offset=offset,
+        )
+        body = self._request("GET", "/api/v1/alerts", params)
+        return list(body.get("data", [])), int(body.get("count", 0))
+
+    def acknowledge_alert(self, alert_id: int) -> Json:
+        """Mark an alert as seen (POST /api/v1/alerts/{id}/acknowledge); the updated alert."""
+        return self._request("POST", f"/api/v1/alerts/{_int_id(alert_id)}/acknowledge")
+
+    def rule_types(self) -> list[Json]:
+        """The server's rule types: {"type", "severity", "description", "default_rule", "params":
+        {name: {"default", "minimum", "maximum", "doc"}}} (GET /api/v1/alert-rules/types)."""
+        return list(self._request("GET", "/api/v1/alert-rules/types").get("data", []))
+
+    def alert_rules(self, project: str | None = None) -> list[Json]:
+        """Alert rules (of one project, or all), oldest first (GET /api/v1/alert-rules)."""
+        return list(self._request("GET", "/api/v1/alert-rules", _present(project=project)).get("data", []))
+
+    def alert_rule(self, rule_id: int) -> Json:
+        return self._request("GET", f"/api/v1/alert-rules/{_int_id(rule_id)}")
+
+    def create_alert_rule(self, rule: Json) -> Json:
+        """POST /api/v1/alert-rules with {"project", "type", "params", "name"?, "run_id"?, "enabled"?,
+        "cooldown_steps"?}; bad parameters are an ApiError (422) whose detail says what is wrong."""
+        return self._request("POST", "/api/v1/alert-rules", json=rule)
+
+    def update_alert_rule(self, rule_id: int, changes: Json) -> Json:
+        """PATCH /api/v1/alert-rules/{id} with any of "name", "params" (replaces them all), "enabled",
+        "cooldown_steps"."""
+        return self._request("PATCH", f"/api/v1/alert-rules/{_int_id(rule_id)}", json=changes)
+
+    def delete_alert_rule(self, rule_id: int) -> None:
+        self._request("DELETE", f"/api/v1/alert-rules/{_int_id(rule_id)}")
+
+    def webhooks(self, project: str | None = None) -> list[Json]:
+        """Webhooks (of one project, or all): {"id", "project", "url", "format", "signed", "enabled",
+        "created_at"} (GET /api/v1/webhooks)."""
+        return list(self._request("GET", "/api/v1/webhooks", _present(project=project)).get("data", []))
+
+    def create_webhook(self, webhook: Json) -> Json:
+        """POST /api/v1/webhooks with {"project", "url", "format": "json"|"slack"|"discord", "secret"?}."""
+        return self._request("POST", "/api/v1/webhooks", json=webhook)
+
+    def delete_webhook(self, webhook_id: int) -> None:
+        self._request("DELETE", f"/api/v1/webhooks/{_int_id(webhook_id)}")
+
+    def send_test(self, webhook_id: int) -> Json:
+        """Queue a test notification (POST /api/v1/webhooks/{id}/test): the delivery, still "pending";
+        follow it with `deliveries`."""
+        return self._request("POST", f"/api/v1/webhooks/{_int_id(webhook_id)}/test")
+
+    def deliveries(self, webhook_id: int, *, limit: int = 20) -> list[Json]:
+        """One webhook's delivery log, newest first: {"id", "event", "status" (pending, sending,
+        delivered, failed), "attempts", "response_status", "last_error", "next_attempt_at"…}."""
+        path = f"/api/v1/webhooks/{_int_id(webhook_id)}/deliveries"
+        return list(self._request("GET", path, {"limit": limit}).get("data", []))
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -200,27 +284,42 @@ class ApiClient:
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    def _get(self, path: str, params: dict[str, Any] | None = None, *, run_id: str | None = None) -> Json:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, Any] | None = None,
+        *,
+        json: Json | None = None,
+        run_id: str | None = None,
+    ) -> Json:
+        """One API call; the JSON object it answers ({} for 204 No Content), or an ApiError."""
         url = self.base_url + path
         try:
-            response = self._client.get(url, params=params, headers=self._headers)
+            response = self._client.request(method, url, params=params, json=json, headers=self._headers)
         except httpx.HTTPError as exc:
             raise ApiUnavailable(f"gradwatch API at {self.base_url} did not answer: {exc}") from exc
+        detail = _detail(response) if response.status_code >= 400 else ""
         if response.status_code == 404 and run_id is not None:
-            raise RunNotFound(run_id, _detail(response) or f"run {run_id!r} does not exist")
+            raise RunNotFound(run_id, detail or f"run {run_id!r} does not exist")
         if response.status_code >= 500:
             raise ApiUnavailable(
-                f"GET {path} failed on the server ({response.status_code}): {_detail(response)}",
+                f"{method} {path} failed on the server ({response.status_code}): {detail}",
                 response.status_code,
+                detail,
             )
         if response.status_code >= 400:
-            raise ApiError(f"GET {path} → {response.status_code}: {_detail(response)}", response.status_code)
+            raise ApiError(
+                f"{method} {path} → {response.status_code}: {detail}", response.status_code, detail
+            )
+        if response.status_code == 204 or not response.content:
+            return {}
         try:
             body = response.json()
         except ValueError as exc:
-            raise ApiError(f"GET {path} returned a body that is not JSON", response.status_code) from exc
+            raise ApiError(f"{method} {path} returned a body that is not JSON", response.status_code) from exc
         if not isinstance(body, dict):
-            raise ApiError(f"GET {path} returned {type(body).__name__}, expected an object")
+            raise ApiError(f"{method} {path} returned {type(body).__name__}, expected an object")
         return body
 
 
@@ -234,14 +333,31 @@ def _run_path(run_id: str, *rest: str) -> str:
     return "/".join(["/api/v1/runs", segment, *rest])
 
 
+def _int_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ids of rules, alerts and webhooks are integers, got {value!r}")
+    return value
+
+
+def _present(**params: Any) -> dict[str, Any]:
+    """The query parameters that have a value."""
+    return {name: value for name, value in params.items() if value is not None}
+
+
 def _detail(response: httpx.Response) -> str:
-    """The server's {"detail": ...} message, or the start of the body."""
+    """The server's {"detail": ...} message, or the start of the body. FastAPI's validation errors
+    (a list of {"loc", "msg"}) read as "body.project: Field required; …"."""
     try:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
         detail = None
     if isinstance(detail, str):
         return detail
+    if isinstance(detail, list) and all(isinstance(item, dict) for item in detail):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in item.get('loc') or [])}: {item.get('msg', '')}".lstrip(": ")
+            for item in detail
+        )
     if detail is not None:
         return str(detail)
-    return response.text[:200]
+    return response.text[:200] or response.reason_phrase

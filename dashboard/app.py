@@ -1,11 +1,17 @@
 """The Dash app: a runs list, one page per run and a compare page, reading everything through ApiClient.
 
 Pages (one dcc.Location, routed by a callback on its pathname), with the default prefix:
-    /dashboard/                         runs list: search, sort, pages, health badges, pick runs to compare
-    /dashboard/runs/{run_id}            run page: loss, loss scale with skipped steps and the fp16 safe
+    /dashboard/                         runs list: search, sort, pages, health badges (status, open
+                                        alerts, scale, skips), pick runs to compare
+    /dashboard/runs/{run_id}[?step=N]   run page: loss, loss scale with skipped steps and the fp16 safe
                                         band, grad norm, lr; per-layer heatmaps; a layer's histogram at a
-                                        step and over steps; events; config and metadata; agent health
+                                        step and over steps; events and alerts; config and metadata;
+                                        agent health. ?step=N (alert links) marks step N from the start
     /dashboard/compare?runs=id1,id2     one scalar key of several runs overlaid by step
+    /dashboard/alerts                   alerts, rules and webhooks (see `alerts_page`)
+
+A live run page polls every RUN_REFRESH_MS for the points after the last step shown and appends them
+to the charts (see `live`), redrawing in full only when appending could not draw the same.
 
 Callbacks stay thin: fetch with the ApiClient, draw with `figures`, lay out with the view helpers
 below. User-supplied names are only ever passed as component children, which Dash renders as text
@@ -29,10 +35,19 @@ import httpx
 import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
-from . import figures
-from .api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
+from . import alerts_page, figures, live
+from .api_client import ApiClient, ApiError, RunNotFound
+from .views import (
+    alert_state,
+    error_banner,
+    format_step,
+    format_time,
+    scale_text,
+    status_badge,
+    summarize_fields,
+)
 
-__all__ = ["create_dash_app", "keep_view", "parse_route", "parse_run_ids"]
+__all__ = ["create_dash_app", "keep_view", "parse_route", "parse_run_ids", "parse_step"]
 
 RUN_REFRESH_MS = 2000
 LAYERS_REFRESH_MS = 10_000  # heatmaps and histograms of a live run: heavier, and they change slowly
@@ -43,6 +58,7 @@ SILENT_AFTER_S = 300  # a "running" run with nothing new for this long is shown 
 EVENTS_TABLE_ROWS = 100
 HEALTH_WINDOW_STEPS = 1000
 MAX_COMPARE_RUNS = 8
+MAX_OPEN_ALERTS = 1000  # open alerts read for the runs list's badges (the API's largest page)
 SERIES_KEYS = {
     "loss": "loss",
     "scale": "amp/scale",
@@ -52,6 +68,7 @@ SERIES_KEYS = {
     "grad_norm_post_clip": "grad/global_norm_post_clip",
     "lr": "lr",
 }
+SAFE_BAND_SERIES = ("safe_min", "safe_max")
 AGENT_HEALTH_KEYS = {
     "queued": "agent/queued",
     "sent": "agent/sent",
@@ -98,7 +115,9 @@ def create_dash_app(
     requests_pathname_prefix: the URL path the app is mounted under, with leading and trailing "/";
         the browser requests pages and assets below it (mount the WSGI app there, e.g. with
         a2wsgi.WSGIMiddleware(app.server) at "/dashboard").
-    token: a read-scope API token, sent as a Bearer token; None when the server needs none.
+    token: an API token, sent as a Bearer token; None when the server needs none. A read-scope token
+        shows everything; the Alerts page's changes (rules, acknowledging, webhooks) need write scope,
+        and what the server refuses is shown next to the form.
     http_client: an httpx.Client for API calls (tests pass one with a MockTransport); the caller owns it.
     """
     if not requests_pathname_prefix.startswith("/") or not requests_pathname_prefix.endswith("/"):
@@ -123,7 +142,7 @@ def create_dash_app(
 
 def parse_route(pathname: str | None, prefix: str = "/dashboard/") -> tuple[str, str | None]:
     """("runs", None) for the runs list, ("run", run_id) for a run page, ("compare", None) for the
-    compare page, ("unknown", path) otherwise."""
+    compare page, ("alerts", None) for the alerts page, ("unknown", path) otherwise."""
     path = pathname or prefix
     root = prefix.rstrip("/")
     if path == root or path.startswith(root + "/"):
@@ -135,7 +154,15 @@ def parse_route(pathname: str | None, prefix: str = "/dashboard/") -> tuple[str,
         return "run", unquote(parts[1])
     if parts == ["compare"]:
         return "compare", None
+    if parts == ["alerts"]:
+        return "alerts", None
     return "unknown", path
+
+
+def parse_step(search: str | None) -> int | None:
+    """The step of a run page's query string ("?step=120", as alert links carry), or None."""
+    values = parse_qs((search or "").lstrip("?")).get("step", [])
+    return int(values[0]) if values and values[0].isdigit() else None
 
 
 def parse_run_ids(search: str | None) -> list[str]:
@@ -163,8 +190,12 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         futures = {name: pool.submit(call) for name, call in calls.items()}
         return {name: future.result() for name, future in futures.items()}
 
-    def run_href(run_id: str) -> str:
-        return app.get_relative_path(f"/runs/{quote(run_id, safe='')}")
+    def run_href(run_id: str, step: Any = None) -> str:
+        """The run page's URL; with a step, the page opens with that step marked (as alert links do)."""
+        href = app.get_relative_path(f"/runs/{quote(run_id, safe='')}")
+        return href + f"?step={step}" if isinstance(step, int) and not isinstance(step, bool) else href
+
+    alerts_page.register_callbacks(app, api, run_href)
 
     @app.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"))
     def render_page(pathname: str | None, search: str | None) -> Any:
@@ -173,6 +204,8 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             return _runs_page()
         if page == "compare":
             return _compare_page_for(parse_run_ids(search))
+        if page == "alerts":
+            return alerts_page_for()
         if page == "run" and run_id:
             try:
                 run = api.get_run(run_id)
@@ -186,8 +219,33 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
                 )
             except ApiError:
                 layers = []  # the layers refresh fills the picker later
-            return _run_page(run, layers)
+            return _run_page(run, layers, selected_step=parse_step(search))
         return _not_found_page(app, "Page not found", f"There is no dashboard page at “{pathname}”.")
+
+    def alerts_page_for() -> html.Div:
+        """The Alerts page, with the server's rule types and the projects known from runs, rules
+        and webhooks for its pickers."""
+        problem = None
+        try:
+            fetched = fetch_all(
+                {
+                    "types": api.rule_types,
+                    "runs": lambda: api.list_runs(limit=alerts_page.RUNS_FOR_PROJECTS)[0],
+                    "rules": api.alert_rules,
+                    "webhooks": api.webhooks,
+                }
+            )
+        except ApiError as exc:
+            fetched, problem = {}, exc
+        projects = sorted(
+            {
+                str(item.get("project"))
+                for name in ("runs", "rules", "webhooks")
+                for item in fetched.get(name, [])
+                if item.get("project")
+            }
+        )
+        return alerts_page.alerts_layout(fetched.get("types", []), projects, problem)
 
     # -- runs list ---------------------------------------------------------------------------------
 
@@ -207,6 +265,7 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         search = (search or "").strip().lower()
         sort = sort if sort in RUNS_SORTS else "newest"
         page = page if isinstance(page, int) and page >= 0 else 0
+        open_alerts = pool.submit(open_alerts_by_run)
         try:
             if not search and sort == "newest":  # the API's own order: page on the server
                 runs, count = api.list_runs(limit=RUNS_PAGE_SIZE, offset=page * RUNS_PAGE_SIZE)
@@ -217,10 +276,22 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
                 matching, searched_all = len(found), count <= len(fetched)
                 runs = found[page * RUNS_PAGE_SIZE : (page + 1) * RUNS_PAGE_SIZE]
         except ApiError as exc:
-            return _error_banner(exc), None, 0
+            return error_banner(exc), None, 0
         chosen = set(selected or [])
         pager = _pager_text(page, len(runs), matching, count, searched_all)
-        return _runs_table(runs, run_href, chosen, searching=bool(search)), pager, matching
+        table = _runs_table(runs, run_href, chosen, searching=bool(search), open_alerts=open_alerts.result())
+        return table, pager, matching
+
+    def open_alerts_by_run() -> dict[str, list[dict[str, Any]]] | None:
+        """Open (firing, unacknowledged) alerts by run id; None when the API cannot say."""
+        try:
+            found, _ = api.alerts(limit=MAX_OPEN_ALERTS, **alerts_page.ALERT_FILTERS["open"])
+        except ApiError:
+            return None
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for alert in found:
+            by_run.setdefault(str(alert.get("run_id")), []).append(alert)
+        return by_run
 
     @app.callback(
         Output("runs-page", "data"),
@@ -270,18 +341,24 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         Output("refresh", "disabled"),
         Output("layers-refresh", "disabled"),
         Output("scale-series", "data"),
+        Output("live-cursor", "data"),
         Input("refresh", "n_intervals"),
         State("run-id", "data"),
         State("selected-step", "data"),
+        State("live-cursor", "data"),
     )
-    def refresh_run(_n_intervals: int | None, run_id: str, selected_step: Any) -> tuple[Any, ...]:
+    def refresh_run(
+        _n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any
+    ) -> tuple[Any, ...]:
+        # A live run's charts get only the points after the last step shown, appended (see `live`);
+        # the first call, an ended run and anything appending cannot draw right redraw in full.
         try:
             run = api.get_run(run_id)
+            ended = run.get("status") != "running"
+            starts = None if ended or not live.can_append(cursor, run_id) else live_starts(cursor)
             last_step = run.get("last_step") if isinstance(run.get("last_step"), int) else 0
             health_start = max(0, last_step - HEALTH_WINDOW_STEPS)
-            calls: dict[str, Callable[[], Any]] = {
-                name: (lambda key=key: api.series(run_id, key)) for name, key in SERIES_KEYS.items()
-            }
+            calls = series_calls(run_id, starts)
             calls.update(
                 {
                     "health/" + name: (lambda key=key: api.series(run_id, key, start=health_start))
@@ -289,34 +366,78 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
                 }
             )
             calls["events"] = lambda: api.events(run_id)
+            calls["alerts"] = lambda: run_alerts(run_id)
             fetched = fetch_all(calls)
+            events, event_count = fetched["events"]
+            skips = [event for event in events if event.get("kind") == "skip"]
+            appended = None if starts is None else append_new_points(cursor, fetched, skips)
+            if starts is not None and appended is None:
+                fetched.update(fetch_all(series_calls(run_id, None)))
         except RunNotFound:
-            header = _error_banner(f"Run “{run_id}” no longer exists.")
-            return (header, *[dash.no_update] * 5, True, True, dash.no_update)
+            header = error_banner(f"Run “{run_id}” no longer exists.")
+            return (header, *[dash.no_update] * 5, True, True, dash.no_update, dash.no_update)
         except ApiError as exc:
             # Keep what is drawn and keep polling: the server may be restarting.
-            return (_error_banner(exc), *[dash.no_update] * 5, False, False, dash.no_update)
-        events, event_count = fetched["events"]
-        skips = [event for event in events if event.get("kind") == "skip"]
+            return (error_banner(exc), *[dash.no_update] * 5, False, False, dash.no_update, dash.no_update)
         health = {name: _latest(fetched["health/" + name]) for name in AGENT_HEALTH_KEYS}
+        alerts, alerts_error = fetched["alerts"]
+        timeline = _events_table(events, event_count, alerts, alerts_error)
+        if appended is not None:
+            charts, scale_data, new_cursor = appended
+            return (_run_header(run, health), *charts, timeline, ended, ended, scale_data, new_cursor)
         marker = figures.step_marker_shapes(selected_step)
-        loss = figures.loss_figure(fetched["loss"], uirevision=run_id)
-        scale = figures.scale_figure(
-            fetched["scale"], skips, (fetched["safe_min"], fetched["safe_max"]), uirevision=run_id
-        )
-        grad_norm = figures.grad_norm_figure(
-            fetched["grad_norm"], fetched["grad_norm_post_clip"], uirevision=run_id
-        )
-        lr = figures.lr_figure(fetched["lr"], uirevision=run_id)
-        ended = run.get("status") != "running"
+        drawn = {name: fetched[name] for name in SERIES_KEYS}
+        charts = _line_charts(drawn, skips, run_id)
         return (
             _run_header(run, health),
-            *(keep_view(_with_shapes(figure, marker)) for figure in (loss, scale, grad_norm, lr)),
-            _events_table(events, event_count),
+            *(keep_view(_with_shapes(figure, marker)) for figure in charts.values()),
+            timeline,
             ended,
             ended,
             _compact_series(fetched["scale"]),
+            live.full_cursor(run_id, charts, drawn, len(skips)),
         )
+
+    def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
+        return live.fetch_starts(cursor, SERIES_KEYS, inclusive=SAFE_BAND_SERIES)
+
+    def series_calls(run_id: str, starts: dict[str, int] | None) -> dict[str, Callable[[], Any]]:
+        """The line charts' series: whole (downsampled by the server), or from `starts` on."""
+        calls: dict[str, Callable[[], Any]] = {}
+        for name, key in SERIES_KEYS.items():
+            start = None if starts is None else starts[name]
+            calls[name] = lambda key=key, start=start: api.series(run_id, key, start=start)
+        return calls
+
+    def run_alerts(run_id: str) -> tuple[list[dict[str, Any]], ApiError | None]:
+        # The run page still works against a server without the alerts API (or with it failing).
+        try:
+            return api.alerts(run_id=run_id, limit=EVENTS_TABLE_ROWS)[0], None
+        except ApiError as exc:
+            return [], exc
+
+    def append_new_points(
+        cursor: dict[str, Any], fetched: dict[str, Any], skips: list[dict[str, Any]]
+    ) -> tuple[list[Any], Any, dict[str, Any]] | None:
+        """(chart patches, scale-series patch, cursor) that append the new points; None when the
+        charts must be redrawn in full (new skip markers, a downsampled slice, anything `live`
+        refuses to append)."""
+        new = {name: fetched[name] for name in SERIES_KEYS}
+        if len(skips) != cursor.get("skips") or any(series.get("downsampled") for series in new.values()):
+            return None
+        new_points = _line_charts(new, [], cursor["run_id"])  # the same builders, on the new points only
+        patches = [
+            live.append_patch(cursor["charts"][graph_id], new_points[graph_id]) for graph_id in new_points
+        ]
+        if any(patch is None for patch in patches):
+            return None
+        scale_data: Any = dash.no_update
+        if new["scale"].get("steps"):
+            scale_data = dash.Patch()
+            scale_data["steps"].extend(new["scale"]["steps"])
+            scale_data["values"].extend(new["scale"]["values"])
+        counted = [name for name in SERIES_KEYS if name not in SAFE_BAND_SERIES]
+        return patches, scale_data, live.advance(cursor, new, counted)
 
     @app.callback(
         *(Output(graph_id, "figure") for graph_id in LAYER_HEATMAPS),
@@ -394,8 +515,8 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         try:
             histograms = api.histograms(run_id, layer)
             steps = figures.histogram_steps(histograms)
-            if ctx.triggered_id == "selected-step" and isinstance(selected_step, int):
-                step = _nearest_step(steps, selected_step)
+            if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
+                step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival
             elif step not in steps:
                 step = steps[-1] if steps else None
             # The exact scale at that step (the stored series may be downsampled).
@@ -422,7 +543,7 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     @app.callback(
         Output("selected-step", "data"),
         Output("hist-layer", "value", allow_duplicate=True),
-        Input({"type": "event-step", "step": ALL}, "n_clicks"),
+        Input({"type": "event-step", "step": ALL, "row": ALL}, "n_clicks"),
         *(Input(graph_id, "clickData") for graph_id in LAYER_HEATMAPS),
         Input("hist-time-graph", "clickData"),
         prevent_initial_call=True,
@@ -474,7 +595,7 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             except RunNotFound:
                 missing.append(run_id)
             except ApiError as exc:
-                return _error_banner(exc), [], None
+                return error_banner(exc), [], None
         options = sorted(keys)
         if key not in keys:
             key = "loss" if "loss" in keys else (options[0] if options else None)
@@ -503,6 +624,20 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             labelled, key, log_y="log" in (log_options or []), uirevision=",".join(run_ids or [])
         )
         return keep_view(figure)
+
+
+def _line_charts(series: dict[str, Any], skips: list[dict[str, Any]], run_id: str) -> dict[str, go.Figure]:
+    """The run page's line charts by graph id, from the SERIES_KEYS series (by name) and skip events."""
+    return {
+        "loss-graph": figures.loss_figure(series["loss"], uirevision=run_id),
+        "scale-graph": figures.scale_figure(
+            series["scale"], skips, (series["safe_min"], series["safe_max"]), uirevision=run_id
+        ),
+        "grad-norm-graph": figures.grad_norm_figure(
+            series["grad_norm"], series["grad_norm_post_clip"], uirevision=run_id
+        ),
+        "lr-graph": figures.lr_figure(series["lr"], uirevision=run_id),
+    }
 
 
 def keep_view(figure: go.Figure) -> dash.Patch:
@@ -577,6 +712,13 @@ def _shell(app: dash.Dash) -> html.Div:
                 [
                     dcc.Link("gradwatch", href=app.get_relative_path("/"), className="brand"),
                     html.Span("training health", className="tagline"),
+                    html.Nav(
+                        [
+                            dcc.Link("Runs", href=app.get_relative_path("/"), id="nav-runs"),
+                            dcc.Link("Alerts", href=app.get_relative_path("/alerts"), id="nav-alerts"),
+                        ],
+                        className="nav",
+                    ),
                 ],
                 className="topbar",
             ),
@@ -670,8 +812,15 @@ def _compare_bar(app: dash.Dash | None, chosen: list[str]) -> list[Any]:
 
 
 def _runs_table(
-    runs: list[dict[str, Any]], run_href: Any, chosen: set[str] | None = None, *, searching: bool = False
+    runs: list[dict[str, Any]],
+    run_href: Any,
+    chosen: set[str] | None = None,
+    *,
+    searching: bool = False,
+    open_alerts: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Any:
+    """The runs list. open_alerts: open alerts by run id, shown as a health badge per run (None: the
+    alerts could not be read, and the badge says so)."""
     if not runs:
         if searching:
             return html.P("No runs match the search.", className="muted")
@@ -684,7 +833,7 @@ def _runs_table(
             [html.Th("", className="pick")]
             + [
                 html.Th(label)
-                for label in ("Project", "Name", "Status", "Last step", "Scale", "Skips", "Created")
+                for label in ("Project", "Name", "Status", "Alerts", "Last step", "Scale", "Skips", "Created")
             ]
         )
     )
@@ -707,17 +856,28 @@ def _runs_table(
                     ),
                     html.Td(str(run.get("project", ""))),
                     html.Td(dcc.Link(str(run.get("name") or run_id), href=run_href(run_id))),
-                    html.Td(_status_badge(run_status(run))),
-                    html.Td(_format_step(run.get("last_step")), className="num"),
-                    html.Td(_scale_text(summary.get("scale")), className="num"),
+                    html.Td(status_badge(run_status(run))),
+                    html.Td(_alerts_badge(None if open_alerts is None else open_alerts.get(run_id, []))),
+                    html.Td(format_step(run.get("last_step")), className="num"),
+                    html.Td(scale_text(summary.get("scale")), className="num"),
                     html.Td(
                         html.Span(str(skips), className="badge badge-bad" if skips else "badge badge-ok")
                     ),
-                    html.Td(_format_time(run.get("created_at")), className="muted"),
+                    html.Td(format_time(run.get("created_at")), className="muted"),
                 ]
             )
         )
     return html.Table([header, html.Tbody(rows)], className="table")
+
+
+def _alerts_badge(alerts: list[dict[str, Any]] | None) -> html.Span:
+    """A run's health as to alerts: "N open" in red (the titles on hover), "none" in green."""
+    if alerts is None:
+        return html.Span("?", className="badge", title="alerts could not be read")
+    if not alerts:
+        return html.Span("none", className="badge badge-ok alerts-badge")
+    titles = "\n".join(str(alert.get("title") or alert.get("type") or "") for alert in alerts[:10])
+    return html.Span(f"{len(alerts)} open", className="badge badge-bad alerts-badge", title=titles)
 
 
 def run_status(run: dict[str, Any], now: datetime | None = None) -> str:
@@ -735,9 +895,12 @@ def run_status(run: dict[str, Any], now: datetime | None = None) -> str:
     return "silent" if quiet_s > SILENT_AFTER_S else status
 
 
-def _run_page(run: dict[str, Any], layers: list[str] | None = None) -> html.Div:
+def _run_page(
+    run: dict[str, Any], layers: list[str] | None = None, selected_step: int | None = None
+) -> html.Div:
     """The run page's layout; `layers` (model order) fill the histogram's layer picker up front, so
-    the histogram loads alongside the heatmaps instead of after them."""
+    the histogram loads alongside the heatmaps instead of after them. `selected_step` (from an
+    alert's link, ?step=N) is marked on the charts from the start."""
     run_id = str(run.get("id"))
     layers = layers or []
     running = run.get("status") == "running"
@@ -749,8 +912,9 @@ def _run_page(run: dict[str, Any], layers: list[str] | None = None) -> html.Div:
     return html.Div(
         [
             dcc.Store(id="run-id", data=run_id),
-            dcc.Store(id="selected-step", data=None),
+            dcc.Store(id="selected-step", data=selected_step),
             dcc.Store(id="scale-series", data=None),  # shared by the scale chart and the histograms
+            dcc.Store(id="live-cursor", data=None),  # what the line charts show, for live appends
             html.Div(_run_header(run, {}), id="run-header"),
             _run_details(run),
             html.Div(
@@ -813,7 +977,7 @@ def _run_page(run: dict[str, Any], layers: list[str] | None = None) -> html.Div:
             ),
             html.Div(
                 [
-                    html.H2("Events"),
+                    html.H2("Events and alerts"),
                     html.P(
                         "Click a step to mark it on the charts and show its histogram.",
                         className="muted hint",
@@ -832,16 +996,16 @@ def _run_header(run: dict[str, Any], health: dict[str, Any]) -> html.Div:
     summary = run.get("summary") or {}
     facts = [
         ("project", str(run.get("project", ""))),
-        ("last step", _format_step(run.get("last_step"))),
-        ("scale", _scale_text(summary.get("scale"))),
+        ("last step", format_step(run.get("last_step"))),
+        ("scale", scale_text(summary.get("scale"))),
         ("skipped steps", str(summary.get("skips") or 0)),
-        ("created", _format_time(run.get("created_at"))),
+        ("created", format_time(run.get("created_at"))),
     ]
     children: list[Any] = [
         html.Div(
             [
                 html.H1(str(run.get("name") or run.get("id")), className="run-name"),
-                _status_badge(run_status(run)),
+                status_badge(run_status(run)),
             ],
             className="run-title",
         ),
@@ -896,37 +1060,90 @@ def _pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str) if value else "–"
 
 
-def _events_table(events: list[dict[str, Any]], count: int) -> Any:
-    if not events:
-        return html.P("No events: no skipped steps, no warnings.", className="muted")
-    latest = list(reversed(events))[:EVENTS_TABLE_ROWS]
-    rows = []
-    for event in latest:
-        step = event.get("step")
-        kind = str(event.get("kind", ""))
-        data = event.get("data") if isinstance(event.get("data"), dict) else {}
-        step_cell: Any = _format_step(step)
-        if isinstance(step, int):
-            step_cell = html.Button(
-                _format_step(step), id={"type": "event-step", "step": step}, className="step-link", n_clicks=0
-            )
-        rows.append(
-            html.Tr(
-                [
-                    html.Td(step_cell, className="num"),
-                    html.Td(
-                        html.Span(kind, className="badge badge-bad" if kind == "skip" else "badge badge-warn")
-                    ),
-                    html.Td(_event_details(kind, data), className="layers"),
-                    html.Td(str(data.get("hint") or ""), className="hint-cell"),
-                ]
+def _events_table(
+    events: list[dict[str, Any]],
+    count: int,
+    alerts: list[dict[str, Any]] | None = None,
+    alerts_error: ApiError | None = None,
+) -> Any:
+    """The run's timeline, latest step first: events (skips, warnings) and alerts, each step a button
+    that marks it on the charts."""
+    alerts = alerts or []
+    notes: list[Any] = []
+    if alerts_error is not None:
+        notes.append(html.P(f"Alerts could not be loaded: {alerts_error}", className="muted"))
+    if not events and not alerts:
+        return [html.P("No events: no skipped steps, no warnings, no alerts.", className="muted"), *notes]
+    entries = [("event", index, event) for index, event in enumerate(events)]
+    entries += [("alert", index, alert) for index, alert in enumerate(alerts)]
+    entries.sort(key=lambda entry: _step_or_minus_one(entry[2].get("step")), reverse=True)
+    shown = entries[:EVENTS_TABLE_ROWS]
+    rows = [
+        _alert_row(item, f"alert-{index}") if source == "alert" else _event_row(item, f"event-{index}")
+        for source, index, item in shown
+    ]
+    header = html.Thead(html.Tr([html.Th("Step"), html.Th("Kind"), html.Th("Details"), html.Th("Hint")]))
+    children: list[Any] = [html.Table([header, html.Tbody(rows)], className="table events"), *notes]
+    hidden_events = count - sum(1 for source, _, _ in shown if source == "event")
+    if hidden_events > 0:
+        children.append(
+            html.P(
+                f"Showing the latest {len(shown)} entries; {hidden_events} older events are not shown.",
+                className="muted",
             )
         )
-    header = html.Thead(html.Tr([html.Th("Step"), html.Th("Kind"), html.Th("Details"), html.Th("Hint")]))
-    children: list[Any] = [html.Table([header, html.Tbody(rows)], className="table events")]
-    if count > len(latest):
-        children.append(html.P(f"Showing the latest {len(latest)} of {count} events.", className="muted"))
     return children
+
+
+def _step_or_minus_one(step: Any) -> int:
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def _step_button(step: Any, row: str) -> Any:
+    """A step that marks itself on the charts when clicked (row keeps ids unique per table)."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return format_step(step)
+    return html.Button(
+        format_step(step),
+        id={"type": "event-step", "step": step, "row": row},
+        className="step-link",
+        n_clicks=0,
+    )
+
+
+def _event_row(event: dict[str, Any], row: str) -> html.Tr:
+    kind = str(event.get("kind", ""))
+    data = event.get("data") if isinstance(event.get("data"), dict) else {}
+    return html.Tr(
+        [
+            html.Td(_step_button(event.get("step"), row), className="num"),
+            html.Td(html.Span(kind, className="badge badge-bad" if kind == "skip" else "badge badge-warn")),
+            html.Td(_event_details(kind, data), className="layers"),
+            html.Td(str(data.get("hint") or ""), className="hint-cell"),
+        ]
+    )
+
+
+def _alert_row(alert: dict[str, Any], row: str) -> html.Tr:
+    state = alert_state(alert)
+    severity = str(alert.get("severity") or "")
+    details = [html.Span(str(alert.get("title") or alert.get("type") or "alert"), className="alert-title")]
+    details.append(html.Span(f" · {state}", className="bad" if state == "open" else "muted"))
+    return html.Tr(
+        [
+            html.Td(_step_button(alert.get("step"), row), className="num"),
+            html.Td(
+                html.Span(
+                    f"alert: {alert.get('type', '')}",
+                    className="badge badge-bad" if severity == "critical" else "badge badge-warn",
+                    title=severity,
+                )
+            ),
+            html.Td(details),
+            html.Td(str(alert.get("hint") or ""), className="hint-cell"),
+        ],
+        className="alert-row",
+    )
 
 
 def _event_details(kind: str, data: dict[str, Any]) -> Any:
@@ -941,16 +1158,7 @@ def _event_details(kind: str, data: dict[str, Any]) -> Any:
         if layers:
             text += f"; non-finite in {layer_count} layers: {figures.summarize_layers(layers)}"
         return html.Span(text, title="\n".join(layers[:50]) if layers else None)
-    parts = []
-    for key, value in data.items():
-        if key == "hint":
-            continue
-        shown = figures.format_scale(value) if "scale" in key else value
-        if isinstance(shown, list):
-            shown = figures.summarize_layers([str(item) for item in shown])
-        parts.append(f"{key}={shown}")
-    text = ", ".join(str(part) for part in parts)
-    return text if len(text) <= 200 else text[:199] + "…"
+    return summarize_fields(data, leave_out=("hint",))
 
 
 def _compare_page_for(run_ids: list[str]) -> html.Div:
@@ -1003,7 +1211,7 @@ def _compare_run_list(runs: list[dict[str, Any]], missing: list[str], run_href: 
                     html.Span(className="swatch", style={"background": color}),
                     dcc.Link(str(run.get("name") or run.get("id")), href=run_href(str(run.get("id")))),
                     html.Span(
-                        f" {run.get('project', '')} · step {_format_step(run.get('last_step'))}",
+                        f" {run.get('project', '')} · step {format_step(run.get('last_step'))}",
                         className="muted",
                     ),
                 ],
@@ -1029,46 +1237,4 @@ def _not_found_page(app: dash.Dash, title: str, message: str) -> html.Div:
 
 
 def _api_error_page(app: dash.Dash, error: ApiError) -> html.Div:
-    return html.Div([_error_banner(error), dcc.Link("← All runs", href=app.get_relative_path("/"))])
-
-
-def _error_banner(error: ApiError | str) -> html.Div:
-    if isinstance(error, ApiUnavailable):
-        text = f"Cannot reach the gradwatch API; retrying. ({error})"
-    else:
-        text = str(error)
-    return html.Div(text, className="banner banner-error", role="alert")
-
-
-def _status_badge(status: Any) -> html.Span:
-    status = str(status or "unknown")
-    kind = {
-        "running": "badge-live",
-        "finished": "badge-ok",
-        "crashed": "badge-bad",
-        "silent": "badge-warn",
-    }.get(status, "")
-    return html.Span(status, className=f"badge {kind}".strip())
-
-
-def _scale_text(scale: Any) -> Any:
-    text = figures.format_scale(scale)
-    if isinstance(scale, str):  # "NaN" / "Infinity": the scale itself has gone non-finite
-        return html.Span(text, className="bad")
-    return text
-
-
-def _format_step(step: Any) -> str:
-    return f"{step:,}" if isinstance(step, int) and not isinstance(step, bool) else "–"
-
-
-def _format_time(iso: Any) -> str:
-    if not isinstance(iso, str):
-        return "–"
-    try:
-        moment = datetime.fromisoformat(iso)
-    except ValueError:
-        return iso
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M UTC")
+    return html.Div([error_banner(error), dcc.Link("← All runs", href=app.get_relative_path("/"))])

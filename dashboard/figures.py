@@ -8,6 +8,9 @@ be read is drawn as a gap, and a series with no points gives a figure saying "no
 
 Text that comes from users (layer names) is escaped before it reaches hover text, so plotly shows it
 as text and never interprets tags in it.
+
+Each trace of the line charts has a `uid` naming its role ("line", "non-finite", "scale", "skipped-step",
+"safe-band-low"…): live updates append new points to the trace with the same uid (see `live`).
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ def grad_norm_figure(
             line={"color": POST_CLIP_COLOR, "width": 1.2},
             connectgaps=False,
             name="post-clip",
+            uid="post-clip",
             hovertemplate="step %{x}<br>post-clip %{y:.6g}<extra></extra>",
         )
     )
@@ -213,6 +217,7 @@ def scale_figure(
                 mode="lines",
                 line={"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
                 name="safe band (low)",
+                uid="safe-band-low",
                 showlegend=False,
                 hovertemplate="step %{x}<br>safe scale ≥ %{y:.3g}<extra></extra>",
             )
@@ -226,6 +231,7 @@ def scale_figure(
                 fill="tonexty",
                 fillcolor=BAND_COLOR,
                 name="fp16 safe band",
+                uid="safe-band-high",
                 hovertemplate="step %{x}<br>safe scale ≤ %{y:.3g}<extra></extra>",
             )
         )
@@ -238,6 +244,7 @@ def scale_figure(
             line={"color": LINE_COLOR, "width": 2, "shape": "hv"},
             connectgaps=False,
             name="scale",
+            uid="scale",
             hovertemplate="step %{x}<br>scale %{customdata}<extra></extra>",
         )
     )
@@ -251,6 +258,7 @@ def scale_figure(
                 mode="markers",
                 marker={"symbol": "x", "size": 9, "color": ALERT_COLOR, "line": {"width": 1}},
                 name="skipped step",
+                uid="skipped-step",
             )
         )
     band_values = [value for _, low, high in band for value in (low, high)]
@@ -315,6 +323,7 @@ def _scalar_figure(
             line={"color": LINE_COLOR, "width": 1.5},
             connectgaps=False,
             name=y_title,
+            uid="line",
             hovertemplate="step %{x}<br>" + y_title + " %{y:.6g}<extra></extra>",
         )
     )
@@ -336,6 +345,7 @@ def _add_non_finite_markers(figure: go.Figure, points: list[tuple[int, str]]) ->
             mode="markers",
             marker={"symbol": "triangle-down", "size": 10, "color": ALERT_COLOR},
             name="non-finite",
+            uid="non-finite",
         )
     )
     figure.update_layout(

@@ -67,18 +67,33 @@ def test_runs_list_and_run_page_show_the_scale_drop_and_skips(full_server, brows
     assert page.problems == []
 
 
-def test_run_page_of_a_live_run_updates_by_itself(full_server, browser_page):
+def test_run_page_of_a_live_run_appends_new_points_and_keeps_the_zoom(full_server, browser_page):
     run = gradwatch.init(project="browser", name="live", server=full_server.url, flush_interval=0.05)
     for step in range(5):
         run.log({"loss": 1.0 / (step + 1)}, step=step)
     run._flush(None)  # make sure the first points are out before the page loads
     page = browser_page
+    responses: list = []
+    page.on("response", lambda r: responses.append(r) if "/_dash-update-component" in r.url else None)
     page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
     _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.length >= 5)")
+    # Zoom in the way a user would (a relayout, which dcc.Graph writes into its figure).
+    page.evaluate(
+        "() => Plotly.relayout(document.querySelector('#loss-graph .js-plotly-plot'), {'xaxis.range': [0, 3]})"
+    )
     for step in range(5, 12):
         run.log({"loss": 1.0 / (step + 1)}, step=step)
     run._flush(None)
     _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.includes(11))")
+    loss = page.evaluate(
+        "() => { const g = document.querySelector('#loss-graph .js-plotly-plot');"
+        " return {x: g.data[0].x, range: g.layout.xaxis.range}; }"
+    )
+    assert loss["x"] == list(range(12))  # each step once: the new points were appended, not repeated
+    assert loss["range"] == [0, 3]  # the user's zoom survived the live update
+    # The new points came as an append (a Patch that extends the trace), not as a whole new series.
+    updates = [response.text() for response in responses]
+    assert any('"Extend"' in body and "loss-graph" in body for body in updates)
     run.finish()
     assert page.problems == []
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 
+import dash
 import gradwatch.dashboard
 import httpx
 import pytest
-from gradwatch.dashboard import create_dash_app, figures
+from gradwatch.dashboard import alerts_page, create_dash_app, figures, live, views
 from gradwatch.dashboard.api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
-from gradwatch.dashboard.app import keep_view, parse_route, parse_run_ids
+from gradwatch.dashboard.app import keep_view, parse_route, parse_run_ids, parse_step
 
 # -- figures: loss scale -----------------------------------------------------------------------------
 
@@ -283,11 +285,12 @@ HISTOGRAMS = {
 class FakeApi:
     """A MockTransport handler serving one run; records every request it gets."""
 
-    def __init__(self, run=RUN, series=None, events=SKIPS, vectors=None):
+    def __init__(self, run=RUN, series=None, events=SKIPS, vectors=None, alerts=()):
         self.run = dict(run)
         self.series = series if series is not None else {"amp/scale": SCALE_SERIES}
         self.vectors = vectors if vectors is not None else {"grad/norm": GRAD_NORMS}
         self.events = events
+        self.alerts = list(alerts)
         self.requests: list[httpx.Request] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -313,7 +316,28 @@ class FakeApi:
         if path == run_path + "/series":
             key = request.url.params["key"]
             body = self.series.get(key, {"steps": [], "values": []})
-            return httpx.Response(200, json={"key": key, "rank": 0, "downsampled": False, **body})
+            start = int(request.url.params.get("start", 0))
+            points = [(step, value) for step, value in zip(body["steps"], body["values"]) if step >= start]
+            return httpx.Response(
+                200,
+                json={
+                    "key": key,
+                    "rank": 0,
+                    "downsampled": False,
+                    "steps": [step for step, _ in points],
+                    "values": [value for _, value in points],
+                },
+            )
+        if path == "/api/v1/alerts":
+            params = request.url.params
+            acknowledged = {None: None, "true": True, "false": False}[params.get("acknowledged")]
+            alerts = [
+                alert
+                for alert in self.alerts
+                if all(params.get(name) in (None, alert[name]) for name in ("run_id", "status", "project"))
+                and acknowledged in (None, bool(alert.get("acknowledged_at")))
+            ]
+            return httpx.Response(200, json={"data": alerts, "count": len(alerts)})
         if path == run_path + "/events":
             return httpx.Response(200, json={"data": self.events, "count": len(self.events)})
         return httpx.Response(404, json={"detail": "run 'unknown' does not exist"})
@@ -445,7 +469,7 @@ def test_an_own_client_is_closed_when_the_api_client_is_collected():
 
 def test_package_exports_exactly_create_dash_app():
     assert gradwatch.dashboard.__all__ == ["create_dash_app"]
-    for module in (gradwatch.dashboard, figures):
+    for module in (gradwatch.dashboard, figures, live, views, alerts_page):
         for name in module.__all__:
             assert hasattr(module, name), name
 
@@ -461,6 +485,8 @@ def test_package_exports_exactly_create_dash_app():
         ("/dashboard/runs/a%2Fb", ("run", "a/b")),
         ("/dashboard/nope", ("unknown", "/nope")),
         ("/dashboard/runs", ("unknown", "/runs")),
+        ("/dashboard/alerts", ("alerts", None)),
+        ("/dashboard/alerts/", ("alerts", None)),
     ],
 )
 def test_parse_route(pathname, route):
@@ -513,8 +539,20 @@ def test_index_layout_and_assets_are_served_relative_to_the_mount(dash_client):
     assert get(dash_client, "/assets/style.css").status_code == 200
 
 
+def callback_outputs(client, outputs):
+    """The outputs as the renderer names them: an allow_duplicate output carries its callback's
+    "@hash" (found in the app's callback map when the client knows its Dash app)."""
+    app = getattr(client, "dash_app", None)
+    plain = outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + ".."
+    if app is None:
+        return outputs
+    key = next(k for k in app.callback_map if re.sub(r"@[0-9a-f]+", "", k) == plain)
+    return key.strip(".").split("...") if len(outputs) > 1 else [key]
+
+
 def dash_call(client, outputs, inputs, state=()):
     """POST one callback the way the Dash renderer does; returns {component id: {property: value}}."""
+    outputs = callback_outputs(client, outputs)
     body = {
         "output": outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + "..",
         "outputs": [dict(zip(("id", "property"), output.split("."))) for output in outputs],
@@ -597,15 +635,20 @@ REFRESH_OUTPUTS = [
     "refresh.disabled",
     "layers-refresh.disabled",
     "scale-series.data",
+    "live-cursor.data",
 ]
 
 
-def refresh(client, run_id="r1", selected_step=None):
+def refresh(client, run_id="r1", selected_step=None, cursor=None):
     return dash_call(
         client,
         REFRESH_OUTPUTS,
         [(("refresh", "n_intervals"), 3)],
-        state=[(("run-id", "data"), run_id), (("selected-step", "data"), selected_step)],
+        state=[
+            (("run-id", "data"), run_id),
+            (("selected-step", "data"), selected_step),
+            (("live-cursor", "data"), cursor),
+        ],
     )
 
 
@@ -1125,3 +1168,628 @@ def test_a_quiet_running_run_is_shown_as_silent():
     assert run_status({"status": "running", "updated_at": recent}, now) == "running"
     assert run_status({"status": "running", "updated_at": quiet}, now) == "silent"
     assert run_status({"status": "finished", "updated_at": quiet}, now) == "finished"
+
+
+# -- live updates: append only the new points ----------------------------------------------------------
+
+
+def loss_series(steps, values):
+    return {"key": "loss", "steps": list(steps), "values": list(values)}
+
+
+def test_append_patch_extends_the_trace_with_the_same_uid():
+    shown = live.chart_shape(figures.loss_figure(loss_series([0, 1, 2], [2.0, 1.8, 1.5])))
+    patch = live.append_patch(shown, figures.loss_figure(loss_series([3, 4], [1.4, 1.3])))
+
+    operations = patch.to_plotly_json()["operations"]
+    assert {(tuple(op["location"]), tuple(op["params"]["value"])) for op in operations} == {
+        (("data", 0, "x"), (3, 4)),
+        (("data", 0, "y"), (1.4, 1.3)),
+    }
+    assert all(op["operation"] == "Extend" for op in operations)
+
+
+def test_append_patch_extends_markers_the_chart_already_has():
+    shown = live.chart_shape(figures.loss_figure(loss_series([0, 1, 2], [2.0, "NaN", 1.5])))
+    patch = live.append_patch(shown, figures.loss_figure(loss_series([3, 4], ["Infinity", 1.3])))
+
+    locations = [op["location"] for op in patch.to_plotly_json()["operations"]]
+    assert ["data", 1, "x"] in locations and ["data", 1, "hovertext"] in locations  # the NaN markers
+
+
+@pytest.mark.parametrize(
+    ("shown", "new"),
+    [
+        # the first NaN brings a marker trace the chart does not have
+        (loss_series([0, 1], [2.0, 1.8]), loss_series([2], ["NaN"])),
+        # "no data yet" on screen: the first points need a real chart
+        (loss_series([], []), loss_series([0], [1.0])),
+    ],
+)
+def test_append_patch_refuses_what_only_a_redraw_draws_right(shown, new):
+    assert live.append_patch(live.chart_shape(figures.loss_figure(shown)), figures.loss_figure(new)) is None
+
+
+def test_scale_appends_within_its_power_of_two_ticks_and_redraws_beyond_them():
+    shown = live.chart_shape(figures.scale_figure(SCALE_SERIES))  # 2^13 … 2^16
+    inside = {"steps": [6, 7], "values": [16384.0, 32768.0]}
+    below = {"steps": [6], "values": [2.0**-3]}
+
+    assert live.append_patch(shown, figures.scale_figure(inside)) is not None
+    assert live.append_patch(shown, figures.scale_figure(below)) is None
+
+
+def test_a_constant_learning_rate_that_changes_is_redrawn():
+    shown = live.chart_shape(figures.lr_figure({"steps": [0, 1], "values": [1e-3, 1e-3]}))
+
+    assert live.append_patch(shown, figures.lr_figure({"steps": [2], "values": [1e-3]})) is not None
+    assert live.append_patch(shown, figures.lr_figure({"steps": [2], "values": [5e-4]})) is None
+
+
+def test_nothing_new_is_no_update():
+    shown = live.chart_shape(figures.loss_figure(loss_series([0], [1.0])))
+    assert live.append_patch(shown, figures.loss_figure(loss_series([], []))) is dash.no_update
+
+
+def test_cursor_fetch_starts_and_advance():
+    charts = {"loss-graph": figures.loss_figure(loss_series([0, 5], [1.0, 0.5]))}
+    cursor = live.full_cursor(
+        "r1", charts, {"loss": loss_series([0, 5], [1, 0.5]), "band": {"steps": [4]}}, 2
+    )
+
+    assert live.can_append(cursor, "r1") and not live.can_append(cursor, "r2")
+    assert live.fetch_starts(cursor, ["loss", "band", "lr"], inclusive=["band"]) == {
+        "loss": 6,
+        "band": 4,
+        "lr": 0,
+    }
+    moved = live.advance(cursor, {"loss": loss_series([6, 7], [0.4, 0.3]), "band": {"steps": [4]}}, ["loss"])
+    assert moved["last"] == {"loss": 7, "band": 4}
+    assert moved["appended"] == 2
+    full = {**moved, "appended": live.MAX_APPENDED_POINTS}
+    assert not live.can_append(full, "r1")  # grown enough: downsample again with a full redraw
+
+
+def live_api():
+    return FakeApi(
+        series={
+            "amp/scale": {"steps": [0, 1, 2], "values": [65536.0, 65536.0, 65536.0]},
+            "loss": {"steps": [0, 1, 2], "values": [2.0, 1.8, 1.5]},
+            "lr": {"steps": [0, 1, 2], "values": [1e-3, 1e-3, 1e-3]},
+        },
+        events=[],
+    )
+
+
+def grow(api, key, step, value):
+    series = api.series[key]
+    api.series[key] = {"steps": [*series["steps"], step], "values": [*series["values"], value]}
+
+
+def operations_of(response, graph_id):
+    return [op["operation"] for op in response[graph_id]["figure"]["operations"]]
+
+
+def test_live_refresh_fetches_from_the_last_step_shown_and_appends():
+    api = live_api()
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    client = client.server.test_client()
+    first = refresh(client)
+    cursor = first["live-cursor"]["data"]
+    assert cursor["last"]["loss"] == 2
+
+    grow(api, "loss", 3, 1.4)
+    grow(api, "amp/scale", 3, 65536.0)
+    api.requests.clear()
+    second = refresh(client, cursor=cursor)
+
+    starts = {
+        r.url.params["key"]: r.url.params.get("start") for r in api.requests if r.url.path.endswith("/series")
+    }
+    assert starts["loss"] == "3" and starts["amp/scale"] == "3" and starts["lr"] == "3"
+    assert set(operations_of(second, "loss-graph")) == {"Extend"}
+    assert set(operations_of(second, "scale-graph")) == {"Extend"}
+    assert "lr-graph" not in second  # nothing new: no update
+    scale_store = second["scale-series"]["data"]["operations"]
+    assert [op["params"]["value"] for op in scale_store] == [[3], [65536.0]]
+    assert second["live-cursor"]["data"]["last"]["loss"] == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda api: grow(api, "loss", 3, "NaN"),  # a first NaN marker
+        lambda api: api.events.append(skip_event(3, 65536.0, 32768.0)),  # a new skip marker
+        lambda api: api.run.update(status="finished"),  # the final view is drawn in full
+    ],
+)
+def test_live_refresh_redraws_in_full_when_appending_would_not_be_right(change):
+    api = live_api()
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    client = client.server.test_client()
+    cursor = refresh(client)["live-cursor"]["data"]
+
+    change(api)
+    second = refresh(client, cursor=cursor)
+
+    assert "Extend" not in operations_of(second, "loss-graph")
+    assert apply_patch(second["loss-graph"]["figure"])["data"][0]["x"][0] == 0  # the whole series
+    assert second["live-cursor"]["data"]["appended"] == 0
+
+
+@pytest.mark.parametrize(
+    ("search", "step"), [("?step=120", 120), ("?step=x", None), ("", None), (None, None)]
+)
+def test_parse_step(search, step):
+    assert parse_step(search) == step
+
+
+def test_an_alert_link_opens_the_run_page_with_its_step_marked(dash_client):
+    page = json.dumps(render(dash_client, "/dashboard/runs/r1", "?step=4"))
+    assert '"id": "selected-step", "data": 4' in page
+
+
+# -- alerts on the run page and the runs list ------------------------------------------------------------
+
+
+def alert(alert_id=1, *, run_id="r1", step=3, status="firing", **fields):
+    return {
+        "id": alert_id,
+        "project": "llm",
+        "run_id": run_id,
+        "run_name": "qlora-7b",
+        "rule_id": 7,
+        "type": "scale_drop",
+        "severity": "critical",
+        "status": status,
+        "step": step,
+        "last_step": step,
+        "resolved_step": None,
+        "occurrences": 1,
+        "title": "loss scale fell 8x in 3 steps",
+        "hint": "<b>lower</b> the learning rate",
+        "evidence": {"key": "amp/scale", "steps": [0, step], "values": [65536.0, 8192.0], "link": "http://x"},
+        "link": f"http://x/dashboard/runs/{run_id}?step={step}",
+        "created_at": "2024-05-01T12:01:00+00:00",
+        "resolved_at": None,
+        **fields,
+    }
+
+
+def test_the_run_timeline_has_the_runs_alerts_with_clickable_steps():
+    api = FakeApi(alerts=[alert(1, step=3, title="<img src=x onerror=alert(1)>"), alert(2, run_id="other")])
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    response = refresh(client.server.test_client())
+
+    table = json.dumps(response["events-table"]["children"])
+    assert "alert: scale_drop" in table and "<img src=x onerror=alert(1)>" in table
+    assert '"type": "event-step", "step": 3, "row": "alert-0"' in table
+    assert table.count("alert: scale_drop") == 1  # only this run's alerts
+    assert "dangerouslySetInnerHTML" not in table
+    alerts_request = next(r for r in api.requests if r.url.path == "/api/v1/alerts")
+    assert alerts_request.url.params["run_id"] == "r1"
+
+
+def test_runs_list_shows_open_alerts_as_a_badge():
+    api = FakeApi(alerts=[alert(1), alert(2, acknowledged_at="2024-05-01T12:02:00+00:00"), alert(3)])
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    table = json.dumps(refresh_runs(client.server.test_client())["runs-table"])
+
+    assert '"children": "Alerts"' in table
+    assert '"children": "2 open"' in table  # the acknowledged one is not open
+
+
+def test_runs_list_still_shows_runs_when_alerts_cannot_be_read():
+    table = json.dumps(refresh_runs(runs_api(3))["runs-table"])  # this API has no /alerts
+    assert "run-00" in table and '"title": "alerts could not be read"' in table
+
+
+# -- the Alerts page: pure views -----------------------------------------------------------------------------
+
+
+def as_text(components):
+    """Components as the JSON the browser gets (non-ASCII kept), to search in."""
+    return json.dumps(components, default=lambda component: component.to_plotly_json(), ensure_ascii=False)
+
+
+def run_href(run_id, step=None):
+    return f"/dashboard/runs/{run_id}" + (f"?step={step}" if step is not None else "")
+
+
+def test_alerts_table_lists_open_then_acknowledged_then_resolved_with_links_and_text():
+    alerts = [
+        alert(1, status="resolved", resolved_at="2024-05-01T13:00:00+00:00", resolved_step=40),
+        alert(2, acknowledged_at="2024-05-01T12:02:00+00:00"),
+        alert(3, run_name="<script>alert(1)</script>", step=12),
+        alert(4, step=20),
+    ]
+    rules = {7: {"id": 7, "name": "<i>drop</i>"}}
+    table = alerts_page.alerts_table(alerts, rules, run_href)
+
+    rows = table.children[1].children
+    assert [row.to_plotly_json()["props"]["data-alert"] for row in rows] == ["4", "3", "2", "1"]
+    text = as_text(table)
+    assert '"href": "/dashboard/runs/r1?step=12"' in text
+    assert '"children": "<script>alert(1)</script>"' in text and '"children": "<i>drop</i>"' in text
+    assert text.count('"Acknowledge"') == 2  # open ones only
+    assert "key=amp/scale" in text and "link=" not in text  # evidence without the link
+    assert "2024-05-01 13:00 UTC (step 40)" in text
+    assert "dangerouslySetInnerHTML" not in text
+
+
+def test_alert_states():
+    assert views.alert_state(alert()) == "open"
+    assert views.alert_state(alert(acknowledged_at="2024-05-01T12:02:00+00:00")) == "acknowledged"
+    assert views.alert_state(alert(status="resolved", acknowledged_at="x")) == "resolved"
+
+
+@pytest.mark.parametrize(
+    ("text", "default", "value"),
+    [
+        ("2", 10, 2),
+        ("0.5", 8.0, 0.5),
+        ("1e-6", 1e-6, 1e-6),
+        (" true ", 1.0, True),
+        ("False", True, False),
+        ("grad/norm", "update/ratio", "grad/norm"),
+        ("12", "update/ratio", "12"),  # a string parameter stays a string
+        ("abc", 8.0, "abc"),  # sent as typed: the server says what is wrong
+        ("inf", 8.0, "inf"),
+    ],
+)
+def test_parse_param(text, default, value):
+    parsed = alerts_page.parse_param(text, default)
+    assert parsed == value and type(parsed) is type(value)
+
+
+SKIP_STORM = {
+    "count": {"default": 10, "minimum": 1.0, "maximum": None, "doc": "skips"},
+    "window": {"default": 100, "minimum": 1.0, "maximum": None, "doc": "steps"},
+    "ignore_first": {"default": 50, "minimum": 0.0, "maximum": None, "doc": "calibration steps not counted"},
+}
+
+
+def test_rule_params_leave_out_empty_fields_and_for_a_new_rule_the_defaults():
+    texts = {"count": "2", "window": "100", "ignore_first": ""}
+    assert alerts_page.rule_params(SKIP_STORM, texts, only_changed=True) == {"count": 2}
+    assert alerts_page.rule_params(SKIP_STORM, texts) == {"count": 2, "window": 100}
+
+
+def test_param_inputs_show_values_defaults_and_bounds():
+    fields = alerts_page.param_inputs("rule-param", SKIP_STORM, {"count": 3})
+    text = as_text(fields)
+
+    assert '"value": "3"' in text and '"value": "100"' in text
+    assert "skips · default 10 · min 1" in text
+    assert '{"type": "rule-param", "param": "count"}' in text
+
+
+def test_rules_table_has_edit_toggle_and_delete_per_rule():
+    rules = [
+        {
+            "id": 1,
+            "project": "llm",
+            "run_id": None,
+            "type": "skip_storm",
+            "name": "<b>few</b>",
+            "params": {"count": 2, "window": 20.0},
+            "enabled": True,
+            "cooldown_steps": 100,
+            "severity": "critical",
+        },
+        {
+            "id": 2,
+            "project": "llm",
+            "run_id": "r1",
+            "type": "scale_floor",
+            "name": "floor",
+            "params": {"floor": 1.0},
+            "enabled": False,
+            "cooldown_steps": 0,
+            "severity": "critical",
+        },
+    ]
+    text = as_text(alerts_page.rules_table(rules))
+
+    assert "count=2, window=20" in text and '"children": "<b>few</b>"' in text
+    assert '{"type": "rule-toggle", "rule": 1, "enable": false}' in text  # "Disable"
+    assert '{"type": "rule-toggle", "rule": 2, "enable": true}' in text  # "Enable"
+    assert '{"type": "rule-delete", "rule": 2}' in text and "run r1" in text
+
+
+@pytest.mark.parametrize(
+    ("delivery", "state", "text"),
+    [
+        ({"status": "pending", "attempts": 0}, "sending", "Sending…"),
+        ({"status": "sending", "attempts": 0}, "sending", "Sending…"),
+        ({"status": "delivered", "attempts": 1, "response_status": 200}, "delivered", "Delivered: HTTP 200."),
+        (
+            {
+                "status": "pending",
+                "attempts": 1,
+                "response_status": 500,
+                "last_error": "HTTP 500",
+                "next_attempt_at": "2024-05-01T12:00:05+00:00",
+            },
+            "failed",
+            "Attempt 1 failed: HTTP 500; retrying at 2024-05-01 12:00 UTC.",
+        ),
+        (
+            {"status": "failed", "attempts": 8, "response_status": None, "last_error": "connection refused"},
+            "failed",
+            "Failed after 8 attempts: connection refused.",
+        ),
+    ],
+)
+def test_delivery_outcome(delivery, state, text):
+    assert alerts_page.delivery_outcome(delivery) == {"state": state, "text": text}
+
+
+def test_webhooks_table_shows_urls_as_text_and_the_last_test():
+    webhooks = [
+        {
+            "id": 5,
+            "project": "llm",
+            "url": "http://127.0.0.1:9/<b>x</b>",
+            "format": "slack",
+            "signed": True,
+            "enabled": True,
+            "created_at": "2024-05-01T12:00:00+00:00",
+        }
+    ]
+    tests = {"5": {"state": "delivered", "text": "Delivered: HTTP 200."}}
+    text = as_text(alerts_page.webhooks_table(webhooks, tests))
+
+    assert '"children": "http://127.0.0.1:9/<b>x</b>"' in text and '"children": "Slack"' in text
+    assert "Delivered: HTTP 200." in text and "test-ok" in text
+    assert '{"type": "webhook-test", "webhook": 5}' in text
+
+
+# -- the Alerts page: callbacks through Flask, against a fake API ----------------------------------------------
+
+
+class AlertsApi:
+    """A MockTransport handler for the alerts endpoints; records requests, answers what it is told."""
+
+    def __init__(self, answers=None):
+        self.requests: list[httpx.Request] = []
+        self.answers = answers or {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        key = (request.method, request.url.path)
+        if key in self.answers:
+            status, body = self.answers[key]
+            return httpx.Response(status, json=body) if body is not None else httpx.Response(status)
+        if request.method == "GET" and request.url.path == "/api/v1/alert-rules/types":
+            return httpx.Response(
+                200,
+                json={
+                    "data": [
+                        {
+                            "type": "skip_storm",
+                            "severity": "critical",
+                            "description": "skips",
+                            "params": SKIP_STORM,
+                        }
+                    ]
+                },
+            )
+        if request.method == "GET":
+            return httpx.Response(200, json={"data": [], "count": 0})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def alerts_client(api):
+    app = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    client = app.server.test_client()
+    client.dash_app = app
+    return client
+
+
+CREATE_RULE = ["rule-form-message.children", "rules-version.data"]
+
+
+def create_rule(client, project="llm", params=None):
+    params = params if params is not None else {"count": "2", "window": "100", "ignore_first": "0"}
+    return dash_call(
+        client,
+        CREATE_RULE,
+        [(("rule-create", "n_clicks"), 1)],
+        state=[
+            (("rule-project", "value"), project),
+            (("rule-type", "value"), "skip_storm"),
+            (("rule-name", "value"), "<b>two</b>"),
+            (("rule-cooldown", "value"), ""),
+            (({"type": "rule-param", "param": ALL_}, "value"), list(params.values())),
+            (
+                ({"type": "rule-param", "param": ALL_}, "id"),
+                [{"type": "rule-param", "param": p} for p in params],
+            ),
+            (("rule-types", "data"), [{"type": "skip_storm", "params": SKIP_STORM}]),
+            (("rules-version", "data"), 4),
+        ],
+    )
+
+
+ALL_ = ["ALL"]  # how the renderer writes a pattern's ALL in a callback's request
+
+
+def test_the_alerts_page_offers_the_servers_rule_types_and_known_projects():
+    page = json.dumps(render(alerts_client(AlertsApi()), "/dashboard/alerts"))
+    for component_id in ("alerts-table", "rules-table", "webhooks-table", "rule-create", "webhook-create"):
+        assert f'"id": "{component_id}"' in page
+    assert '"label": "skip_storm (critical)", "value": "skip_storm"' in page
+
+
+def test_creating_a_rule_posts_only_the_changed_parameters():
+    api = AlertsApi(
+        answers={
+            ("POST", "/api/v1/alert-rules"): (
+                201,
+                {"id": 9, "name": "<b>two</b>", "type": "skip_storm", "project": "llm"},
+            )
+        }
+    )
+    response = create_rule(alerts_client(api))
+
+    posted = json.loads(next(r for r in api.requests if r.method == "POST").content)
+    assert posted == {
+        "project": "llm",
+        "type": "skip_storm",
+        "name": "<b>two</b>",
+        "params": {"count": 2, "ignore_first": 0},
+    }
+    assert "Created rule “<b>two</b>”" in json.dumps(response["rule-form-message"], ensure_ascii=False)
+    assert response["rules-version"]["data"] == 5  # the rules table reloads
+
+
+def test_a_rule_the_server_refuses_shows_its_message_next_to_the_form():
+    detail = [
+        {
+            "loc": ["body", "params"],
+            "msg": "skip_storm: count must be at least 1, got 0",
+            "type": "value_error",
+        }
+    ]
+    api = AlertsApi(answers={("POST", "/api/v1/alert-rules"): (422, {"detail": detail})})
+    response = create_rule(alerts_client(api), params={"count": "0"})
+
+    message = json.dumps(response["rule-form-message"])
+    assert (
+        "The server refused this (422): body.params: skip_storm: count must be at least 1, got 0" in message
+    )
+    assert '"role": "alert"' in message
+    assert "rules-version" not in response
+
+
+def test_a_rule_needs_a_project_before_it_is_sent():
+    api = AlertsApi()
+    response = create_rule(alerts_client(api), project="  ")
+    assert "Enter the project" in json.dumps(response)
+    assert not [r for r in api.requests if r.method == "POST"]
+
+
+def click(client, outputs, clicked, state=(), other_patterns=0):
+    """POST a callback the way the renderer does when button `clicked` (a concrete pattern-matching
+    id) is clicked; other_patterns: how many more ALL inputs the callback has (sent with no buttons).
+    Returns {component id: {property: value}}."""
+    prop_id = json.dumps(clicked, sort_keys=True, separators=(",", ":")) + ".n_clicks"
+    outputs = callback_outputs(client, outputs)
+    body = {
+        "output": outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + "..",
+        "outputs": [dict(zip(("id", "property"), output.split("."))) for output in outputs],
+        "inputs": [[{"id": clicked, "property": "n_clicks", "value": 1}]] + [[]] * other_patterns,
+        "state": [{"id": i, "property": p, "value": v} for (i, p), v in state],
+        "changedPropIds": [prop_id],
+    }
+    response = client.post("/_dash-update-component", json=body)
+    assert response.status_code == 200, response.data
+    return response.json["response"]
+
+
+def test_acknowledge_posts_and_shows_what_the_server_refused():
+    api = AlertsApi()  # a server without the acknowledge endpoint answers 404
+    response = click(
+        alerts_client(api),
+        ["alerts-message.children", "alerts-version.data"],
+        {"type": "alert-ack", "alert": 8},
+        state=[(("alerts-version", "data"), 2)],
+    )
+    assert [(r.method, r.url.path) for r in api.requests] == [("POST", "/api/v1/alerts/8/acknowledge")]
+    assert "The server refused this (404): Not Found" in json.dumps(response["alerts-message"])
+    assert response["alerts-version"]["data"] == 3  # the list reloads either way
+
+
+def test_send_test_queues_a_delivery_and_starts_following_it():
+    api = AlertsApi(
+        answers={("POST", "/api/v1/webhooks/5/test"): (202, {"id": 11, "status": "pending", "attempts": 0})}
+    )
+    response = click(
+        alerts_client(api),
+        [
+            "webhooks-message.children",
+            "webhooks-version.data",
+            "webhook-tests.data",
+            "webhook-test-poll.disabled",
+        ],
+        {"type": "webhook-test", "webhook": 5},
+        state=[(("webhook-tests", "data"), {}), (("webhooks-version", "data"), 0)],
+        other_patterns=1,
+    )
+    assert response["webhook-tests"]["data"]["5"]["delivery"] == 11
+    assert response["webhook-tests"]["data"]["5"]["text"] == "Sending…"
+    assert response["webhook-test-poll"]["disabled"] is False
+
+
+def test_test_delivery_is_followed_until_the_receiver_answered():
+    api = AlertsApi(
+        answers={
+            ("GET", "/api/v1/webhooks/5/deliveries"): (
+                200,
+                {
+                    "data": [{"id": 11, "status": "delivered", "attempts": 1, "response_status": 200}],
+                    "count": 1,
+                },
+            )
+        }
+    )
+    tests = {"5": {"delivery": 11, "started": 0, "state": "sending", "text": "Sending…"}}
+    response = dash_call(
+        alerts_client(api),
+        ["webhook-tests.data", "webhook-test-poll.disabled"],
+        [(("webhook-test-poll", "n_intervals"), 1)],
+        state=[(("webhook-tests", "data"), tests)],
+    )
+    assert response["webhook-tests"]["data"]["5"]["text"] == "Delivered: HTTP 200."
+    assert response["webhook-test-poll"]["disabled"] is True
+
+
+# -- API client: alerts, rules, webhooks -------------------------------------------------------------------------
+
+
+def test_alert_endpoints_use_the_right_methods_paths_and_bodies():
+    api = AlertsApi(
+        answers={
+            ("DELETE", "/api/v1/alert-rules/3"): (204, None),
+            ("PATCH", "/api/v1/alert-rules/3"): (200, {"id": 3, "enabled": False}),
+            ("POST", "/api/v1/webhooks/5/test"): (202, {"id": 11, "status": "pending"}),
+            ("POST", "/api/v1/alerts/8/acknowledge"): (200, {"id": 8, "acknowledged_at": "x"}),
+        }
+    )
+    client = client_for(api)
+
+    assert client.alerts(project="llm", status="firing") == ([], 0)
+    assert dict(api.requests[-1].url.params) == {
+        "project": "llm",
+        "status": "firing",
+        "limit": "100",
+        "offset": "0",
+    }
+    assert client.rule_types()[0]["type"] == "skip_storm"
+    assert client.update_alert_rule(3, {"enabled": False}) == {"id": 3, "enabled": False}
+    assert json.loads(api.requests[-1].content) == {"enabled": False}
+    assert client.delete_alert_rule(3) is None
+    assert client.send_test(5)["status"] == "pending"
+    assert client.acknowledge_alert(8)["acknowledged_at"] == "x"
+    assert [(r.method, r.url.path) for r in api.requests[-4:]] == [
+        ("PATCH", "/api/v1/alert-rules/3"),
+        ("DELETE", "/api/v1/alert-rules/3"),
+        ("POST", "/api/v1/webhooks/5/test"),
+        ("POST", "/api/v1/alerts/8/acknowledge"),
+    ]
+    with pytest.raises(TypeError):
+        client.delete_webhook("5; drop")
+    with pytest.raises(ApiError) as caught:
+        client.create_webhook({"url": "ftp://x"})
+    assert caught.value.status_code == 404 and caught.value.detail == "Not Found"
