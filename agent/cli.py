@@ -1,4 +1,4 @@
-"""The `gradwatch` command: server, db upgrade, token, demo, sync.
+"""The `gradwatch` command: server, db upgrade, token, prune, demo, sync.
 
 The agent package stays light: server-side modules are imported only by the commands that need them.
 """
@@ -115,6 +115,41 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prune(args: argparse.Namespace) -> int:
+    """Retention: delete finished and crashed runs (all their data) created more than N days ago."""
+    import time
+
+    from gradwatch.server.database import make_engine, prepare_schema
+    from gradwatch.server.store import RunFilter, Store
+
+    if args.older_than_days <= 0:
+        print("gradwatch: --older-than-days must be positive", file=sys.stderr)
+        return 2
+    settings = _server_settings(args)
+    engine = make_engine(settings.database_url)
+    prepare_schema(engine, settings.database_url)
+    store = Store(engine)
+    cutoff = time.time() - args.older_than_days * 86400
+    filters = RunFilter(project=args.project, statuses=("finished", "crashed"), created_before=cutoff)
+    doomed, total = store.list_runs(filters, limit=500, offset=0)
+    deleted = 0
+    while doomed:
+        for run in doomed:
+            if args.dry_run:
+                print(f"would delete {run.id} ({run.project}/{run.name}, {run.status}, last step {run.last_step})")
+            else:
+                store.delete_run(run.id)
+                deleted += 1
+        if args.dry_run:
+            break
+        doomed, _ = store.list_runs(filters, limit=500, offset=0)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {total if args.dry_run else deleted} run(s) older than {args.older_than_days:g} days "
+          "(running runs are never deleted)")
+    engine.dispose()
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import gradwatch
     from gradwatch.demo import DemoConfig, train
@@ -205,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = db.add_parser("upgrade", help="apply migrations up to this version's schema")
     _add_database_option(up)
     up.set_defaults(func=_cmd_db_upgrade)
+
+    prune = commands.add_parser("prune", help="retention: delete old finished/crashed runs and all their data")
+    prune.add_argument("--older-than-days", type=float, required=True)
+    prune.add_argument("--project", default=None, help="only this project")
+    prune.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    _add_database_option(prune)
+    prune.set_defaults(func=_cmd_prune)
 
     demo = commands.add_parser("demo", help="server + dashboard + a real fp16 training run streaming into it")
     demo.add_argument("--steps", type=int, default=int(os.environ.get("GRADWATCH_DEMO_STEPS", "400")))

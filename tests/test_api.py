@@ -284,3 +284,34 @@ def test_compare_returns_one_key_of_several_runs_in_one_call(client):
     missing = client.get("/api/v1/compare", params={"run": [first["id"], "ghost"], "key": "loss"})
     assert missing.status_code == 404 and "ghost" in missing.json()["detail"]
     assert client.get("/api/v1/compare", params={"key": "loss"}).status_code == 422
+
+
+def test_prune_deletes_only_old_finished_runs(database_url, api_server, client):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from sqlalchemy import text
+
+    from gradwatch.server.database import make_engine
+
+    old_done = _create(client, name="old-finished")
+    old_running = _create(client, name="old-running")
+    new_done = _create(client, name="new-finished")
+    for run in (old_done, new_done):
+        client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, status="finished"))
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE runs SET created_at = :t WHERE id IN (:a, :b)"),
+                           {"t": time.time() - 40 * 86400, "a": old_done["id"], "b": old_running["id"]})
+    engine.dispose()
+    gradwatch = str(Path(sys.executable).with_name("gradwatch"))
+    command = [gradwatch, "prune", "--older-than-days", "30", "--database-url", database_url]
+    dry = subprocess.run([*command, "--dry-run"], capture_output=True, text=True, timeout=120, check=False)
+    assert dry.returncode == 0 and "would delete 1 run" in dry.stdout and old_done["id"] in dry.stdout
+    assert client.get(f"/api/v1/runs/{old_done['id']}").status_code == 200
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "deleted 1 run" in done.stdout, done.stdout + done.stderr
+    assert client.get(f"/api/v1/runs/{old_done['id']}").status_code == 404
+    assert {r["name"] for r in client.get("/api/v1/runs").json()["data"]} == {"old-running", "new-finished"}
