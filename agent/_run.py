@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import platform
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ._buffer import StepBuffer
+from ._distributed import ProcessIdentity, process_identity
 from ._errors import FeatureSwitch, GradwatchWarning
 from ._sender import Backoff, Sender
 from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
@@ -28,6 +30,7 @@ logger = logging.getLogger("gradwatch")
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 MODES = ("online", "offline")
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule for run ids
 
 
 def _git_commit() -> str | None:
@@ -40,14 +43,18 @@ def _git_commit() -> str | None:
         return None
 
 
-def _environment_metadata() -> dict[str, Any]:
+def _environment_metadata(identity: ProcessIdentity) -> dict[str, Any]:
+    """The run document's metadata. Only the first rank to reach the server creates the run, so the
+    per-rank part (host, pid, rank) of a distributed run is also sent as its "rank" event."""
     meta: dict[str, Any] = {
-        "hostname": socket.gethostname(),
+        "hostname": identity.host,
         "pid": os.getpid(),
         "python": platform.python_version(),
         "argv": sys.argv[:20],
         "git_commit": _git_commit(),
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "world_size": identity.world_size,
+        "rank": identity.rank,
+        "local_rank": identity.local_rank,
     }
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -75,7 +82,7 @@ class Run:
         config: dict[str, Any] | None = None,
         mode: str = "online",
         run_id: str | None = None,
-        rank: int = 0,
+        rank: int | None = None,
         transport: Transport | None = None,
         flush_interval: float = 1.0,
         flush_every_steps: int = 100,
@@ -86,17 +93,30 @@ class Run:
         """spool_dir: where unsent batches wait on disk (default GRADWATCH_SPOOL_DIR, else
         GRADWATCH_HOME/spool; with your own transport= and no spool_dir they wait in memory only);
         spool_max_bytes: the spool file's cap; max_backoff: longest wait between retries (seconds).
-        Offline mode writes GRADWATCH_HOME/offline/RUN-rankR.jsonl for `gradwatch sync`."""
+        Offline mode writes GRADWATCH_HOME/offline/RUN-rankR.jsonl for `gradwatch sync`.
+        rank: this process's rank in a distributed job (default: see gradwatch.init)."""
         if not project or not isinstance(project, str):
             raise ValueError(f"project must be a non-empty string, got {project!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if flush_interval <= 0:
             raise ValueError(f"flush_interval must be positive (seconds), got {flush_interval!r}")
+        if run_id is not None and not RUN_ID_PATTERN.fullmatch(run_id):
+            raise ValueError(f"run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {run_id!r}")
+        identity = process_identity()
+        if rank is None:
+            rank = identity.rank
+        elif not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be a whole number >= 0, got {rank!r}")
+        else:
+            identity = dataclasses.replace(identity, rank=rank, world_size=max(identity.world_size, rank + 1))
         self.id = run_id or uuid.uuid4().hex
         self.project = project
         self.name = name or self.id[:8]
         self.rank = rank
+        self.identity = identity
+        # A distributed run's ranks announce themselves ("rank" events: at watch() and at the end).
+        self.reports_rank = identity.world_size > 1
         self.mode = mode
         self.step = 0
         self.features = FeatureSwitch()
@@ -118,7 +138,7 @@ class Run:
             "project": project,
             "name": self.name,
             "config": json_safe(config or {}),
-            "metadata": json_safe(_environment_metadata()),
+            "metadata": json_safe(_environment_metadata(identity)),
         }
         if mode == "offline":
             spool_path: Path | None = Path(spool_dir or offline_dir()) / spool_file_name(self.id, rank)
@@ -139,7 +159,9 @@ class Run:
         """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`.
 
         options (see WatchOptions): layer_norms_every=20, histograms_every=100, update_ratio_every=100
-        param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput.
+        param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput,
+        histogram_ranks="auto" (distributed: rank 0 alone for replicated gradients, every rank for
+        sharded ones; "all"; or a collection of ranks).
         """
         from ._watch import Watcher, WatchOptions
 
@@ -172,6 +194,8 @@ class Run:
         _live_runs.discard(self)
         for watcher in self._watchers:
             watcher.remove()
+        if self.reports_rank:  # how this rank ended: a crashed rank stands out in the run's rank list
+            self.buffer.add_event(max(self.step - 1, 0), "rank", {"rank": self.rank, "status": status})
         self.features.guarded("flush")(self._flush)(status)
         everything_sent = self._sender.close(timeout)
         stats, path = self._sender.stats, self._sender.spool.path

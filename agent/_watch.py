@@ -11,17 +11,26 @@ Where each signal comes from:
   step is known on the host with no device sync, and only skipped steps pay for localisation.
 - GradScaler (wrapped on the instance): unscale_ (gradients are unscaled from here on), step (scale
   used, found_inf for fused optimizers whose step always runs), update (scale after, growth tracker).
-- clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm.
+- clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm
+  (not with sharded gradients: there it is already the global norm, computed by a collective).
+
+Distributed (see _distributed): every quantity is computed from this rank's local tensors only (a
+DTensor's local shard), so watching adds no collective. With sharded gradients the per-rank norms are
+the shards' norms and the server combines them (sqrt of the sum of squares); with replicated ones
+(DDP) they are whole and equal on every rank, and histograms are taken on rank 0 only by default.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _clip, _quantities
+from . import _clip, _distributed, _quantities
 from ._buffer import Resolved
+from ._errors import GradwatchWarning
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +49,11 @@ class WatchOptions:
 
     Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
     gradient norms every 20 steps; parameter norms, histograms and update ratios every 100.
+
+    histogram_ranks: which ranks of a distributed job take the gradient histograms. "auto" (default):
+    rank 0 alone when gradients are replicated (DDP: every rank would send the same counts), every
+    rank when they are sharded (FSDP: each rank counts its shard; the shards' counts add up); "all";
+    or a collection of ranks, e.g. (0, 4).
     """
 
     layer_norms_every: int = 20
@@ -48,6 +62,7 @@ class WatchOptions:
     update_ratio_every: int = 100
     samples_per_step: int | None = None
     tokens_per_step: int | None = None
+    histogram_ranks: str | tuple[int, ...] | frozenset[int] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("layer_norms_every", "param_norms_every", "histograms_every", "update_ratio_every"):
@@ -58,6 +73,28 @@ class WatchOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        ranks = self.histogram_ranks
+        if isinstance(ranks, str):
+            if ranks not in ("auto", "all"):
+                raise ValueError(f"histogram_ranks must be 'auto', 'all' or a collection of ranks, got {ranks!r}")
+        else:
+            try:
+                chosen = frozenset(ranks)
+            except TypeError:
+                raise ValueError(
+                    f"histogram_ranks must be 'auto', 'all' or a collection of ranks, got {ranks!r}"
+                ) from None
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in chosen):
+                raise ValueError(f"histogram_ranks must hold whole numbers >= 0, got {ranks!r}")
+            object.__setattr__(self, "histogram_ranks", chosen)
+
+    def takes_histograms(self, rank: int, layout: str) -> bool:
+        """Whether `rank` takes gradient histograms for a model whose gradients have `layout`."""
+        if self.histogram_ranks == "all":
+            return True
+        if self.histogram_ranks == "auto":
+            return rank == 0 or layout != _distributed.REPLICATED
+        return rank in self.histogram_ranks  # type: ignore[operator]
 
     @staticmethod
     def due(every: int, step: int) -> bool:
@@ -84,7 +121,19 @@ class Watcher:
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._param_ids = {id(p) for p in self.params}
         self.layer_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
-        self._like = self.params[0] if self.params else torch.zeros(())
+        # DTensor parameters (FSDP2): every quantity reads the local shard, so no collective is added.
+        dtensor = _distributed.dtensor_class()
+        self._dtensor = dtensor if dtensor is not None and any(isinstance(p, dtensor) for p in self.params) else None
+        try:
+            self.parallelism, self.layout = _distributed.gradient_layout(model, self.params)
+        except Exception as exc:  # noqa: BLE001 - a wrapper we cannot read: watch it as one process's
+            run.features.disable("gradient layout detection", exc)
+            self.parallelism, self.layout = "unknown", _distributed.LOCAL
+        # A sharded rank's norms are partial: it neither reuses clip_grad_norm_'s (global) total nor
+        # derives a post-clip norm from its own.
+        self.partial_norms = self.layout in (_distributed.SHARDED, _distributed.HYBRID)
+        self.histograms_here = options.takes_histograms(run.rank, self.layout)
+        self._like = self._local(self.params[0]) if self.params else torch.zeros(())
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
         self._reset_step_state()
@@ -105,6 +154,7 @@ class Watcher:
             self._wrap(self.scaler, "update", after=self._after_update)
         _clip.register(self)
         self._check_setup(model)
+        run.features.guarded("rank report")(self._report_rank)()
 
     def remove(self) -> None:
         """Remove every hook and wrapper this watcher installed."""
@@ -143,8 +193,18 @@ class Watcher:
 
     # -- gradient observations --------------------------------------------------------------------
 
+    def _local(self, tensor: Any) -> Any:
+        return _distributed.local_tensor(tensor, self._dtensor)
+
     def _grads(self) -> list[Any]:
-        return [p.grad for p in self.params]
+        if self._dtensor is None:
+            return [p.grad for p in self.params]
+        return [self._local(p.grad) for p in self.params]
+
+    def _local_params(self) -> list[Any]:
+        if self._dtensor is None:
+            return self.params
+        return [self._local(p) for p in self.params]
 
     def _observe_gradients(self) -> None:
         """Per-layer norms and histograms on sampled steps, once per step, before any clipping."""
@@ -158,7 +218,7 @@ class Watcher:
             per_layer = _quantities.layer_norms(grads, self._like)
             self.run.buffer.add_tensor("grad/norm", step, per_layer)
             self._global_norm = _quantities.global_norm(per_layer)
-        if options.due(options.histograms_every, step):
+        if self.histograms_here and options.due(options.histograms_every, step):
             self.run.buffer.add_tensor("grad/hist", step, _quantities.log2_histograms(grads, self._like))
 
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
@@ -186,7 +246,7 @@ class Watcher:
     def _after_clip(self, parameters: list[Any], max_norm: float, total_norm: Any) -> None:
         if not parameters or id(parameters[0]) not in self._param_ids or "clip_before_unscale" in self._misuse_reported:
             return
-        if self._global_norm is None:
+        if self._global_norm is None and not self.partial_norms and type(total_norm) is self._torch.Tensor:
             self._global_norm = total_norm.detach()  # the user's own pre-clip norm, reused
         self.run.buffer.add_scalar(CLIP_MAX_NORM, self.run.step, float(max_norm))
 
@@ -196,12 +256,14 @@ class Watcher:
         self._optimizer_stepped = True
         self._observe_gradients()
         if self.options.due(self.options.update_ratio_every, self.run.step):
-            self._snapshot = _quantities.snapshot(self.params)
+            self._snapshot = _quantities.snapshot(self._local_params())
 
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
         step = self.run.step
         if self._snapshot is not None:
-            self.run.buffer.add_tensor("update/ratio", step, _quantities.update_ratios(self.params, self._snapshot))
+            self.run.buffer.add_tensor(
+                "update/ratio", step, _quantities.update_ratios(self._local_params(), self._snapshot)
+            )
             self._snapshot = None
         if self.scaler is None:
             self._finish_step()
@@ -262,7 +324,7 @@ class Watcher:
             self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
         buffer.add_scalar("grad/global_norm", step, self._global_norm)
         if options.due(options.param_norms_every, step):
-            buffer.add_tensor("param/norm", step, _quantities.layer_norms(self.params, self._like))
+            buffer.add_tensor("param/norm", step, _quantities.layer_norms(self._local_params(), self._like))
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group.get("lr")
             if lr is not None:
@@ -304,11 +366,40 @@ class Watcher:
                 config_dtype=str(config_dtype),
                 bf16_parameters=bf16_params,
             )
-        if self.params:
+        local = [p for p in self._local_params() if p.numel()]
+        if local:
             # Checked on the sender thread once the value has arrived: no device sync here.
             with torch.no_grad():
-                largest = torch.stack([p.detach().abs().amax().float() for p in self.params if p.numel()]).amax()
+                largest = torch.stack([p.detach().abs().amax().float() for p in local]).amax()
             self.run.buffer.add_scalar(MAX_ABS_WEIGHT, self.run.step, largest)
+
+    def _report_rank(self) -> None:
+        """A distributed run's "rank" event: who this rank is and how its gradients are laid out
+        (the server reads it to list a run's ranks and to combine their values)."""
+        run = self.run
+        identity = _distributed.process_identity()
+        if identity.source == "torch.distributed" and identity.rank != run.rank:
+            warnings.warn(
+                f"gradwatch: this run reports as rank {run.rank} but torch.distributed says rank {identity.rank}: "
+                "call gradwatch.init() after init_process_group() (or set RANK), or several ranks will write "
+                "over each other's data",
+                GradwatchWarning,
+                stacklevel=4,
+            )
+        world_size = max(identity.world_size, run.identity.world_size)
+        if world_size <= 1:
+            return
+        run.reports_rank = True
+        run.buffer.add_event(run.step, "rank", {
+            "rank": run.rank,
+            "world_size": world_size,
+            "local_rank": run.identity.local_rank if run.identity.local_rank is not None else identity.local_rank,
+            "host": identity.host,
+            "pid": os.getpid(),
+            "parallelism": self.parallelism,
+            "gradients": self.layout,
+            "histograms": self.histograms_here and self.options.histograms_every > 0,
+        })
 
     # -- host side, on the sender thread ----------------------------------------------------------
 
@@ -349,7 +440,7 @@ class Watcher:
                     }})
                     break
         max_norms = dict(scalars.get(CLIP_MAX_NORM, []))
-        if max_norms:
+        if max_norms and not self.partial_norms:
             post = []
             for step, norm in scalars.get("grad/global_norm", []):
                 if step in max_norms:  # clip_grad_norm_ multiplies by max_norm / (norm + 1e-6), capped at 1

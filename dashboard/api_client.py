@@ -16,6 +16,7 @@ Errors, one rooted hierarchy:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -72,6 +73,8 @@ class ApiClient:
 
     base_url: the server root, e.g. "http://127.0.0.1:8765" (without /api/v1).
     token: a read-scope token sent as `Authorization: Bearer <token>`, or None.
+    token_provider: called on every request for the token of the person asking (the dashboard reads
+        its session cookie); when it returns one, it replaces `token`.
     client: an httpx.Client to send through (tests pass one with a MockTransport); the caller keeps
         ownership of it. Without one, this object creates its own and `close()` closes it.
     timeout_s: per-request timeout in seconds for the client created here.
@@ -84,6 +87,7 @@ class ApiClient:
         base_url: str,
         *,
         token: str | None = None,
+        token_provider: Callable[[], str | None] | None = None,
         client: httpx.Client | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
@@ -95,6 +99,7 @@ class ApiClient:
         self._headers = {"Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._token_provider = token_provider
         self._client = client if client is not None else httpx.Client(timeout=timeout_s)
         # An own client is closed by close(), or when this object is collected (a Dash app holds it
         # with no shutdown hook), or at exit: pooled keep-alive sockets are never left to the GC.
@@ -221,6 +226,23 @@ class ApiClient:
         """Mark an alert as seen (POST /api/v1/alerts/{id}/acknowledge); the updated alert."""
         return self._request("POST", f"/api/v1/alerts/{_int_id(alert_id)}/acknowledge")
 
+    def whoami(self, token: str | None = None) -> Json:
+        """What the current token may do: {"open", "project", "scope"} (GET /api/v1/auth/whoami);
+        ApiError with status_code 401 when the server needs a token and has none or a bad one.
+        token: check this token instead of the current one (signing in)."""
+        if token is None:
+            return self._request("GET", "/api/v1/auth/whoami")
+        try:
+            response = self._client.get(
+                self.base_url + "/api/v1/auth/whoami", headers=self._headers | {"Authorization": f"Bearer {token}"}
+            )
+        except httpx.HTTPError as exc:
+            raise ApiUnavailable(f"gradwatch API at {self.base_url} did not answer: {exc}") from exc
+        if response.status_code >= 400:
+            detail = _detail(response)
+            raise ApiError(f"GET /api/v1/auth/whoami → {response.status_code}: {detail}", response.status_code, detail)
+        return response.json()
+
     def rule_types(self) -> list[Json]:
         """The server's rule types: {"type", "severity", "description", "default_rule", "params":
         {name: {"default", "minimum", "maximum", "doc"}}} (GET /api/v1/alert-rules/types)."""
@@ -295,8 +317,12 @@ class ApiClient:
     ) -> Json:
         """One API call; the JSON object it answers ({} for 204 No Content), or an ApiError."""
         url = self.base_url + path
+        headers = self._headers
+        token = self._token_provider() if self._token_provider is not None else None
+        if token:
+            headers = headers | {"Authorization": f"Bearer {token}"}
         try:
-            response = self._client.request(method, url, params=params, json=json, headers=self._headers)
+            response = self._client.request(method, url, params=params, json=json, headers=headers)
         except httpx.HTTPError as exc:
             raise ApiUnavailable(f"gradwatch API at {self.base_url} did not answer: {exc}") from exc
         detail = _detail(response) if response.status_code >= 400 else ""

@@ -35,7 +35,7 @@ import httpx
 import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
-from . import alerts_page, figures, live
+from . import alerts_page, figures, live, signin
 from .api_client import ApiClient, ApiError, RunNotFound
 from .views import (
     alert_state,
@@ -124,7 +124,8 @@ def create_dash_app(
         raise ValueError(
             f"requests_pathname_prefix must start and end with '/', got {requests_pathname_prefix!r}"
         )
-    api = ApiClient(api_base_url, token=token, client=http_client)
+    # Each API call carries the token of the person asking (their session cookie), else `token`.
+    api = ApiClient(api_base_url, token=token, token_provider=signin.token_from_request, client=http_client)
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
@@ -136,6 +137,7 @@ def create_dash_app(
         assets_folder=str(ASSETS_FOLDER),
     )
     app.layout = _shell(app)
+    signin.register_routes(app.server, api, requests_pathname_prefix)
     _register_callbacks(app, api, requests_pathname_prefix)
     return app
 
@@ -156,6 +158,8 @@ def parse_route(pathname: str | None, prefix: str = "/dashboard/") -> tuple[str,
         return "compare", None
     if parts == ["alerts"]:
         return "alerts", None
+    if parts == ["signin"]:
+        return "signin", None
     return "unknown", path
 
 
@@ -200,6 +204,19 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     @app.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"))
     def render_page(pathname: str | None, search: str | None) -> Any:
         page, run_id = parse_route(pathname, prefix)
+        query = parse_qs((search or "").lstrip("?"))
+        if page == "signin":
+            return signin.signin_page(
+                prefix, (query.get("next") or [prefix])[0], (query.get("error") or [None])[0],
+                signed_in=signin.token_from_request() is not None,
+            )
+        try:
+            api.whoami()  # a server with tokens: sign in first (one small request per page)
+        except ApiError as exc:
+            if exc.status_code == 401:
+                here = (pathname or prefix) + (search or "")
+                message = "Signed-in token no longer accepted." if signin.token_from_request() else None
+                return signin.signin_page(prefix, here, message, signed_in=False)
         if page == "runs":
             return _runs_page()
         if page == "compare":
@@ -716,6 +733,7 @@ def _shell(app: dash.Dash) -> html.Div:
                         [
                             dcc.Link("Runs", href=app.get_relative_path("/"), id="nav-runs"),
                             dcc.Link("Alerts", href=app.get_relative_path("/alerts"), id="nav-alerts"),
+                            dcc.Link("Token", href=app.get_relative_path("/signin"), id="nav-signin"),
                         ],
                         className="nav",
                     ),

@@ -9,16 +9,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import http_errors
 from .alerts import AlertEngine, AlertService, OutboxWorker
-from .auth import Tokens
+from . import http_errors
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
+from .auth import Tokens
 from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
 from .live import LiveHub
 from .routers import alerts as alerts_router
-from .routers import health, runs, series
 from .routers import live as live_router
+from .routers import ranks as ranks_router
+from .routers import health, runs, series
 from .settings import Settings
 from .store import Store
 
@@ -42,7 +43,7 @@ class BodySizeLimit:
             return
         received = 0
 
-        async def limited_receive():
+        async def limited_receive():  # noqa: ANN202
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -127,6 +128,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
 
     for router in (health.router, runs.router, series.router, series.compare_router, alerts_router.router):
         app.include_router(router)
+    app.include_router(ranks_router.router)
     app.include_router(live_router.router)
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -2,6 +2,12 @@
 
 A new, empty database is migrated to head automatically; one behind head is refused with the command
 that upgrades it (mlflow's rule: never change a user's existing schema implicitly).
+
+Several processes may start on one database at once (server replicas, a `gradwatch db upgrade` job).
+On PostgreSQL, checking the schema and migrating it happen in one transaction that first takes an
+advisory lock (pg_advisory_xact_lock, released at commit or rollback), so the starters take turns:
+the first migrates, the others then find the schema at head. SQLite is not serialised this way (one
+server process per SQLite file).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -83,17 +89,34 @@ def head_revision() -> str:
     return head
 
 
+# The advisory lock every gradwatch process takes around schema checks and migrations: one constant
+# 64-bit key (the bytes of "gradwatc"), the same in every version.
+SCHEMA_LOCK_KEY = int.from_bytes(b"gradwatc", "big")
+
+
+def lock_schema(connection: Connection) -> None:
+    """Wait for, then hold until the connection's transaction ends, the schema lock (PostgreSQL;
+    a no-op on SQLite). Must be the transaction's first statement."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Apply migrations up to `revision` (default: head) in one transaction."""
+def _upgrade(connection: Connection, revision: str) -> None:
     config = _alembic_config()
+    config.attributes["connection"] = connection
+    command.upgrade(config, revision)
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply migrations up to `revision` (default: head) in one transaction, holding the schema lock."""
     with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+        lock_schema(connection)
+        _upgrade(connection, revision)
 
 
 def upgrade_command(database_url: str) -> str:
@@ -103,21 +126,28 @@ def upgrade_command(database_url: str) -> str:
 
 
 def prepare_schema(engine: Engine, database_url: str) -> None:
-    """Migrate an empty database to head; raise SchemaError for one that is behind, ahead or foreign."""
-    current = current_revision(engine)
+    """Migrate an empty database to head; raise SchemaError for one that is behind, ahead or foreign.
+
+    Safe to call from several processes at once (see the module docstring)."""
     head = head_revision()
-    if current == head:
+    if current_revision(engine) == head:  # the usual start: no lock needed
         return
-    if current is None:
-        tables = inspect(engine).get_table_names()
-        if tables:
-            raise SchemaError(
-                f"the database {make_url(database_url).render_as_string(hide_password=True)} holds tables "
-                f"({', '.join(sorted(tables)[:5])}) but no gradwatch schema version; point gradwatch at "
-                "an empty database or a gradwatch one"
-            )
-        upgrade(engine)
-        return
+    with engine.begin() as connection:
+        lock_schema(connection)
+        # Read again under the lock: another process may have migrated while this one waited.
+        current = MigrationContext.configure(connection).get_current_revision()
+        if current == head:
+            return
+        if current is None:
+            tables = inspect(connection).get_table_names()
+            if tables:
+                raise SchemaError(
+                    f"the database {make_url(database_url).render_as_string(hide_password=True)} holds "
+                    f"tables ({', '.join(sorted(tables)[:5])}) but no gradwatch schema version; point "
+                    "gradwatch at an empty database or a gradwatch one"
+                )
+            _upgrade(connection, "head")
+            return
     known = {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
     if current not in known:
         raise SchemaError(

@@ -164,6 +164,13 @@ def test_init_reads_environment_fallbacks(monkeypatch):
     run.finish()
 
 
+def test_run_id_and_rank_are_checked_at_init():
+    with pytest.raises(ValueError, match="run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got 'a b'"):
+        gradwatch.init(project="p", run_id="a b", transport=RecordingTransport())
+    with pytest.raises(ValueError, match="rank must be a whole number >= 0, got -1"):
+        gradwatch.init(project="p", rank=-1, transport=RecordingTransport())
+
+
 def test_misuse_at_setup_is_a_value_error_naming_the_value():
     with pytest.raises(ValueError, match="mode must be one of"):
         gradwatch.init(project="p", mode="sometimes", transport=RecordingTransport())

@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from ..deps import StoreDep
+from ..deps import PrincipalDep, StoreDep
 
 router = APIRouter(tags=["health"])
 
@@ -12,3 +12,10 @@ def healthz(store: StoreDep) -> dict[str, str]:
     with store.engine.connect() as connection:
         connection.execute(text("SELECT 1"))
     return {"status": "ok", "database": store.engine.dialect.name}
+
+
+@router.get("/api/v1/auth/whoami", tags=["auth"])
+def whoami(principal: PrincipalDep) -> dict[str, object]:
+    """What the request's token may do: {"open": true} on a server without tokens, else the token's
+    project ("*": every project) and scope (read or write). 401 without a valid token."""
+    return {"open": principal.open, "project": principal.project, "scope": principal.scope}

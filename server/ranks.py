@@ -1,0 +1,519 @@
+"""The ranks of a distributed run, and their values combined at query time.
+
+Every rank of a distributed job reports into the same run under its own rank (points are keyed by
+(series, rank, step)); the agent adds no collective to the training loop, so nothing is combined
+before the data arrives here. What each rank is (host, local rank, world size, how its gradients are
+laid out, how it ended) comes from its "rank" events, merged in order.
+
+Combining one key over the ranks, step by step, only at steps that every rank reporting the key has
+reached (the newest steps of a live run appear once the slowest rank's batch has arrived) and, for
+l2 and sum over shards, that every rank of the job has reached (a missing shard would make the sum
+silently small):
+    l2     sqrt(sum of squares): the global norm from the shards' norms of sharded gradients (FSDP)
+    sum    additive quantities (throughput, counts of sharded histograms)
+    mean, min, max
+    auto   l2 for the norm keys (grad/global_norm, grad/norm, param/norm) of a run whose gradients
+           are sharded, else mean (replicated DDP norms are equal on every rank and never summed)
+A NaN on any rank makes the combined value NaN; an infinity makes it infinite (l2, sum, mean, max).
+The per-rank values stay available next to the combined one, so a diverging rank stands out.
+
+Functions take a SQLAlchemy Session and read only; gradwatch.server.routers.ranks serves them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from .errors import InvalidRequest, NotFound
+from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
+from .store import decode_float, unpack
+
+__all__ = [
+    "COMBINES",
+    "NORM_KEYS",
+    "CombinedHistograms",
+    "CombinedSeries",
+    "CombinedVectors",
+    "Disagreement",
+    "RankInfo",
+    "RanksSummary",
+    "combined_histograms",
+    "combined_series",
+    "combined_vectors",
+    "disagreements",
+    "rank_summary",
+    "resolve_combine",
+]
+
+COMBINES = ("auto", "l2", "sum", "mean", "min", "max")
+NORM_KEYS = frozenset({"grad/global_norm", "grad/norm", "param/norm"})
+RANK_EVENT = "rank"
+SKIPPED_KEY = "amp/skipped"
+SHARDED = "sharded"
+_IN_CHUNK = 500  # IN-lists are sent in chunks of this many values
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as the run knows it. Fields a rank did not report are None."""
+
+    rank: int
+    host: str | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    pid: int | None = None
+    parallelism: str | None = None
+    gradients: str | None = None  # sharded | replicated | hybrid | local
+    histograms: bool | None = None  # whether this rank takes gradient histograms
+    status: str | None = None  # how the rank ended (finished | crashed), None while it runs
+    batches: int = 0
+    last_seen: float | None = None  # seconds since the epoch of its newest batch
+
+
+@dataclass(frozen=True)
+class RanksSummary:
+    world_size: int
+    gradients: str  # the layout every rank reported, "mixed" if they differ, "local" if none did
+    ranks: list[RankInfo]
+
+
+@dataclass(frozen=True)
+class CombinedSeries:
+    key: str
+    combine: str  # the mode applied ("auto" resolved)
+    ranks: list[int]  # the ranks whose values were combined
+    steps: list[int]
+    values: list[float]
+    per_rank: dict[int, list[float]]  # each rank's value at each of `steps`
+    downsampled: bool
+
+
+@dataclass(frozen=True)
+class CombinedVectors:
+    key: str
+    combine: str
+    ranks: list[int]
+    layers: list[str]
+    steps: list[int]
+    values: list[list[float]]
+    downsampled: bool
+
+
+@dataclass(frozen=True)
+class CombinedHistograms:
+    key: str
+    layer: str
+    combine: str  # "sum" (sharded gradients) or "first" (the lowest rank's counts)
+    ranks: list[int]
+    exponents: list[int]
+    steps: list[int]
+    counts: list[list[int]]
+    zeros: list[int]
+    non_finite: list[int]
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A step some ranks skipped (amp/skipped = 1) while others applied it."""
+
+    step: int
+    skipped_ranks: list[int]
+    applied_ranks: list[int]
+    layers: list[str] = field(default_factory=list)  # non-finite layers named by the skipping ranks
+
+
+# -- the ranks of a run ------------------------------------------------------------------------------
+
+
+def _require_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id!r} does not exist")
+    return run
+
+
+def _rank_documents(session: Session, run_id: str) -> dict[int, dict[str, Any]]:
+    """Each rank's "rank" events merged in step order (later fields win)."""
+    merged: dict[int, dict[str, Any]] = {}
+    rows = session.execute(
+        select(Event.rank, Event.data_json)
+        .where(Event.run_id == run_id, Event.kind == RANK_EVENT)
+        .order_by(Event.step, Event.id)
+    )
+    for rank, data_json in rows:
+        try:
+            data = json.loads(data_json)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            merged.setdefault(rank, {}).update(data)
+    return merged
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def rank_summary(session: Session, run_id: str) -> RanksSummary:
+    """Every rank that sent anything to the run or announced itself, with what it reported."""
+    run = _require_run(session, run_id)
+    documents = _rank_documents(session, run_id)
+    activity = {
+        rank: (count, last_seen)
+        for rank, count, last_seen in session.execute(
+            select(AgentBatch.rank, func.count(), func.max(AgentBatch.received_at))
+            .where(AgentBatch.run_id == run_id)
+            .group_by(AgentBatch.rank)
+        )
+    }
+    ranks = []
+    for rank in sorted(set(documents) | set(activity)):
+        document = documents.get(rank, {})
+        batches, last_seen = activity.get(rank, (0, None))
+        histograms = document.get("histograms")
+        ranks.append(RankInfo(
+            rank=rank,
+            host=_str_or_none(document.get("host")),
+            local_rank=_int_or_none(document.get("local_rank")),
+            world_size=_int_or_none(document.get("world_size")),
+            pid=_int_or_none(document.get("pid")),
+            parallelism=_str_or_none(document.get("parallelism")),
+            gradients=_str_or_none(document.get("gradients")),
+            histograms=histograms if isinstance(histograms, bool) else None,
+            status=_str_or_none(document.get("status")),
+            batches=batches,
+            last_seen=last_seen,
+        ))
+    try:
+        metadata_world = _int_or_none(json.loads(run.metadata_json).get("world_size")) or 1
+    except (ValueError, AttributeError):
+        metadata_world = 1
+    world_size = max([metadata_world, len(ranks)] + [r.world_size for r in ranks if r.world_size])
+    layouts = {r.gradients for r in ranks if r.gradients is not None}
+    gradients = layouts.pop() if len(layouts) == 1 else ("mixed" if layouts else "local")
+    return RanksSummary(world_size, gradients, ranks)
+
+
+def resolve_combine(combine: str, key: str, gradients: str) -> str:
+    """The mode "auto" stands for with this key and layout (see the module docstring); others as given.
+
+    InvalidRequest names an unknown mode."""
+    if combine not in COMBINES:
+        raise InvalidRequest(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
+    if combine != "auto":
+        return combine
+    return "l2" if key in NORM_KEYS and gradients == SHARDED else "mean"
+
+
+def _expected_ranks(summary: RanksSummary, mode: str, reporting: list[int]) -> int:
+    """How many ranks a step needs before it is combined: every rank reporting the key, and for a
+    sum over shards every rank of the job (a missing shard would make the sum silently small)."""
+    if mode in ("l2", "sum") and summary.gradients == SHARDED:
+        return max(len(reporting), summary.world_size)
+    return len(reporting)
+
+
+def _series_id(session: Session, run_id: str, key: str, kind: str) -> int | None:
+    row = session.execute(select(Series.id, Series.kind).where(Series.run_id == run_id, Series.key == key)).first()
+    if row is None:
+        return None
+    if row.kind != kind:
+        raise InvalidRequest(f"key {key!r} holds {row.kind} data, not {kind} data")
+    return row.id
+
+
+def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
+    if start is not None:
+        query = query.where(column >= start)
+    if end is not None:
+        query = query.where(column < end)
+    return query
+
+
+def _chunks(values: list[int]) -> Iterator[list[int]]:
+    for i in range(0, len(values), _IN_CHUNK):
+        yield values[i : i + _IN_CHUNK]
+
+
+# -- scalar series -----------------------------------------------------------------------------------
+
+
+def _combine_scalars(mode: str, n: int, square_sum: float | None, total: float | None, low: float | None,
+                     high: float | None, nans: int, pos: int, neg: int) -> float:
+    """One step's combined value from SQL aggregates over its n ranks (finite values only in the sums)."""
+    if nans or (pos and neg and mode in ("sum", "mean")):
+        return math.nan
+    if mode == "l2":
+        return math.inf if pos or neg else math.sqrt(square_sum or 0.0)
+    if mode in ("sum", "mean"):
+        if pos or neg:
+            return math.inf if pos else -math.inf
+        return (total or 0.0) if mode == "sum" else (total or 0.0) / n
+    if mode == "min":
+        return -math.inf if neg else (low if low is not None else math.inf)
+    return math.inf if pos else (high if high is not None else -math.inf)  # max
+
+
+def _is_lower(a: float, b: float) -> bool:
+    """Ordering for downsampling: a non-finite value ranks lowest, as in the store's downsampler."""
+    if not math.isfinite(a):
+        return math.isfinite(b)
+    return math.isfinite(b) and a < b
+
+
+def combined_series(
+    session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
+    end: int | None = None, max_points: int = 2000,
+) -> CombinedSeries:
+    """One scalar key combined over the ranks for start <= step < end (see the module docstring).
+
+    More than max_points combined steps are downsampled: max_points // 2 equal step buckets keep the
+    steps of their lowest and highest combined value (a non-finite one counts as the lowest)."""
+    summary = rank_summary(session, run_id)
+    mode = resolve_combine(combine, key, summary.gradients)
+    series_id = _series_id(session, run_id, key, "scalar")
+    if series_id is None:
+        return CombinedSeries(key, mode, [], [], [], {}, downsampled=False)
+    in_range = _step_range(select(Point).where(Point.series_id == series_id), Point.step, start, end).subquery()
+    extent = session.execute(
+        select(in_range.c.rank, func.count(), func.min(in_range.c.step), func.max(in_range.c.step))
+        .group_by(in_range.c.rank)
+        .order_by(in_range.c.rank)
+    ).all()
+    if not extent:
+        return CombinedSeries(key, mode, [], [], [], {}, downsampled=False)
+    ranks = [row[0] for row in extent]
+    first, last = min(row[2] for row in extent), max(row[3] for row in extent)
+    value, flag = in_range.c.value, in_range.c.flag
+    grouped = (
+        select(
+            in_range.c.step, func.count(), func.sum(value * value), func.sum(value), func.min(value),
+            func.max(value),
+            func.sum(case((flag == Flag.NAN, 1), else_=0)),
+            func.sum(case((flag == Flag.POS_INF, 1), else_=0)),
+            func.sum(case((flag == Flag.NEG_INF, 1), else_=0)),
+        )
+        .group_by(in_range.c.step)
+        .having(func.count() == _expected_ranks(summary, mode, ranks))
+        .order_by(in_range.c.step)
+    )
+    combined = (
+        (row[0], _combine_scalars(mode, *row[1:]))
+        for row in session.execute(grouped.execution_options(yield_per=5000))
+    )
+    downsampled = max(row[1] for row in extent) > max_points
+    points = _min_max_buckets(combined, first, last, max_points) if downsampled else list(combined)
+    steps = [step for step, _ in points]
+    per_rank: dict[int, list[float]] = {rank: [math.nan] * len(steps) for rank in ranks}
+    index = {step: i for i, step in enumerate(steps)}
+    for chunk in _chunks(steps):
+        rows = session.execute(
+            select(Point.step, Point.rank, Point.value, Point.flag)
+            .where(Point.series_id == series_id, Point.step.in_(chunk))
+        )
+        for step, rank, stored, stored_flag in rows:
+            if rank in per_rank:
+                per_rank[rank][index[step]] = decode_float(stored, stored_flag)
+    return CombinedSeries(key, mode, ranks, steps, [v for _, v in points], per_rank, downsampled)
+
+
+def _min_max_buckets(
+    points: Iterable[tuple[int, float]], first: int, last: int, max_points: int
+) -> list[tuple[int, float]]:
+    """Stream (step, value) in step order into max_points // 2 equal step buckets, keeping each
+    bucket's lowest and highest point in step order."""
+    buckets = max(1, max_points // 2)
+    width = max(1, -(-(last - first + 1) // buckets))
+    kept: list[tuple[int, float]] = []
+    current = None
+    low = high = (0, 0.0)
+    for step, value in points:
+        bucket = (step - first) // width
+        if bucket != current:
+            if current is not None:
+                kept.extend(sorted({low, high}))
+            current, low, high = bucket, (step, value), (step, value)
+            continue
+        if _is_lower(value, low[1]):
+            low = (step, value)
+        if math.isfinite(value) and (not math.isfinite(high[1]) or value > high[1]):
+            high = (step, value)
+    if current is not None:
+        kept.extend(sorted({low, high}))
+    return kept
+
+
+# -- per-layer vectors -------------------------------------------------------------------------------
+
+
+def _combine_rows(mode: str, rows: list[list[float]]) -> list[float]:
+    """Combine the ranks' rows of one step, layer by layer (NaN anywhere gives NaN)."""
+    out = []
+    for column in zip(*rows):
+        if any(math.isnan(v) for v in column):
+            out.append(math.nan)
+            continue
+        pos, neg = math.inf in column, -math.inf in column
+        finite = [v for v in column if math.isfinite(v)]
+        out.append(_combine_scalars(
+            mode, len(column), math.fsum(v * v for v in finite), math.fsum(finite),
+            min(finite) if finite else None, max(finite) if finite else None, 0, int(pos), int(neg),
+        ))
+    return out
+
+
+def _worst(values: Iterable[float]) -> float:
+    """A heatmap cell of several steps: the first non-finite value, else the largest."""
+    largest = -math.inf
+    for value in values:
+        if not math.isfinite(value):
+            return value
+        largest = max(largest, value)
+    return largest
+
+
+def combined_vectors(
+    session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
+    end: int | None = None, max_steps: int = 500,
+) -> CombinedVectors:
+    """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix; more than
+    max_steps steps are merged into equal step buckets keeping per layer the first non-finite value
+    or else the largest (as the single-rank heatmap does)."""
+    run = _require_run(session, run_id)
+    layers = json.loads(run.layers_json)
+    summary = rank_summary(session, run_id)
+    mode = resolve_combine(combine, key, summary.gradients)
+    series_id = _series_id(session, run_id, key, "vector")
+    if series_id is None:
+        return CombinedVectors(key, mode, [], layers, [], [], downsampled=False)
+    query = _step_range(
+        select(VectorPoint.step, VectorPoint.rank, VectorPoint.data).where(VectorPoint.series_id == series_id),
+        VectorPoint.step, start, end,
+    )
+    ranks = sorted(session.scalars(select(query.subquery().c.rank).distinct()))
+    by_step: dict[int, dict[int, list[float]]] = {}
+    for step, rank, data in session.execute(query.order_by(VectorPoint.step)):
+        by_step.setdefault(step, {})[rank] = unpack(data, "d")
+    expected = _expected_ranks(summary, mode, ranks)
+    steps = [step for step, rows in sorted(by_step.items()) if len(rows) == expected]
+    matrix = [_combine_rows(mode, [by_step[step][rank] for rank in ranks]) for step in steps]
+    if len(steps) <= max_steps:
+        return CombinedVectors(key, mode, ranks, layers, steps, matrix, downsampled=False)
+    merged_steps, merged = [], []
+    n = len(steps)
+    for b in range(max_steps):
+        lo, hi = b * n // max_steps, (b + 1) * n // max_steps
+        if lo < hi:
+            merged_steps.append(steps[lo])
+            merged.append([_worst(column) for column in zip(*matrix[lo:hi])])
+    return CombinedVectors(key, mode, ranks, layers, merged_steps, merged, downsampled=True)
+
+
+# -- histograms --------------------------------------------------------------------------------------
+
+
+def combined_histograms(
+    session: Session, run_id: str, layer: str, key: str = "grad/hist", combine: str = "auto",
+    start: int | None = None, end: int | None = None, max_steps: int = 200,
+) -> CombinedHistograms:
+    """One layer's log2|g| histograms over the ranks: "sum" adds the ranks' counts (exact for sharded
+    gradients, whose shards together are the whole gradient); "first" takes the lowest rank's (for
+    replicated gradients, whose ranks count the same values); "auto" picks by the run's layout.
+    Steps are thinned evenly to at most max_steps."""
+    if combine not in ("auto", "sum", "first"):
+        raise InvalidRequest(f"combine must be one of auto, sum, first for histograms, got {combine!r}")
+    run = _require_run(session, run_id)
+    layers = json.loads(run.layers_json)
+    if layer not in layers:
+        raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
+    index = layers.index(layer)
+    summary = rank_summary(session, run_id)
+    mode = combine if combine != "auto" else ("sum" if summary.gradients == SHARDED else "first")
+    series_id = _series_id(session, run_id, key, "histogram")
+    empty = CombinedHistograms(key, layer, mode, [], [], [], [], [], [])
+    if series_id is None:
+        return empty
+    query = _step_range(
+        select(HistogramPoint).where(HistogramPoint.series_id == series_id), HistogramPoint.step, start, end
+    )
+    points = session.scalars(query.order_by(HistogramPoint.step, HistogramPoint.rank)).all()
+    if not points:
+        return empty
+    ranks = sorted({p.rank for p in points})
+    if mode == "first":
+        ranks = ranks[:1]
+    by_step: dict[int, dict[int, Any]] = {}
+    for point in points:
+        if point.rank in ranks:
+            by_step.setdefault(point.step, {})[point.rank] = point
+    expected = _expected_ranks(summary, mode, ranks) if mode == "sum" else 1
+    steps = [step for step, found in sorted(by_step.items()) if len(found) == expected]
+    if len(steps) > max_steps:
+        steps = [steps[i * len(steps) // max_steps] for i in range(max_steps)]
+    exponent_min, exponent_max = points[0].exponent_min, points[0].exponent_max
+    width = exponent_max - exponent_min + 3
+    counts, zeros, non_finite = [], [], []
+    for step in steps:
+        total = [0] * width
+        for point in by_step[step].values():
+            if (point.exponent_min, point.exponent_max) != (exponent_min, exponent_max):
+                raise InvalidRequest(f"step {step}: ranks used different histogram bins; they cannot be added")
+            row = unpack(point.counts, "q")[index * width : (index + 1) * width]
+            total = [a + b for a, b in zip(total, row)]
+        counts.append(total[:-2])
+        zeros.append(total[-2])
+        non_finite.append(total[-1])
+    return CombinedHistograms(
+        key, layer, mode, ranks, list(range(exponent_min, exponent_max + 1)), steps, counts, zeros, non_finite
+    )
+
+
+# -- rank disagreement -------------------------------------------------------------------------------
+
+
+def disagreements(
+    session: Session, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1000
+) -> tuple[list[Disagreement], int]:
+    """Steps skipped (amp/skipped) on some ranks but applied on others, oldest first, and how many
+    there are in the range before `limit`."""
+    _require_run(session, run_id)
+    series_id = _series_id(session, run_id, SKIPPED_KEY, "scalar")
+    if series_id is None:
+        return [], 0
+    skipped = case((Point.value >= 0.5, 1), else_=0)
+    query = _step_range(
+        select(Point.step).where(Point.series_id == series_id), Point.step, start, end
+    ).group_by(Point.step).having(func.count() > 1, func.min(skipped) != func.max(skipped))
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    steps = list(session.scalars(query.order_by(Point.step).limit(limit)))
+    found: dict[int, Disagreement] = {}
+    for chunk in _chunks(steps):
+        rows = session.execute(
+            select(Point.step, Point.rank, Point.value)
+            .where(Point.series_id == series_id, Point.step.in_(chunk))
+            .order_by(Point.step, Point.rank)
+        )
+        for step, rank, value in rows:
+            entry = found.setdefault(step, Disagreement(step, [], []))
+            (entry.skipped_ranks if value is not None and value >= 0.5 else entry.applied_ranks).append(rank)
+        events = session.execute(
+            select(Event.step, Event.data_json)
+            .where(Event.run_id == run_id, Event.kind == "skip", Event.step.in_(chunk))
+            .order_by(Event.step, Event.rank)
+        )
+        for step, data_json in events:
+            names = json.loads(data_json).get("non_finite_layers") or []
+            layers = found[step].layers
+            layers.extend(str(name) for name in names if str(name) not in layers)
+    return [found[step] for step in steps], total

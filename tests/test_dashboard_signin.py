@@ -1,0 +1,81 @@
+"""A server that requires tokens, in real headless Chromium: the dashboard asks for a token, refuses a
+wrong one, shows only the token's project once signed in, keeps the token in an HttpOnly
+browser-session cookie (never in the page), and signing out asks again."""
+
+import httpx
+import pytest
+
+from gradwatch.server.auth import Tokens
+from gradwatch.server.database import make_engine
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+WAIT_MS = 20_000
+
+
+def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server, sqlite_url, chromium_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    engine = make_engine(sqlite_url)
+    tokens = Tokens(engine)
+    _, write_alpha = tokens.create("alpha", "write", "agents")
+    _, read_alpha = tokens.create("alpha", "read", "alice")
+    engine.dispose()
+    with httpx.Client(base_url=full_server.url, headers={"Authorization": f"Bearer {write_alpha}"}) as api:
+        for project, name in (("alpha", "<script>alert('alpha')</script>visible-run"), ("alpha", "second")):
+            assert api.post("/api/v1/runs", json={"project": project, "name": name}).status_code == 201
+    _, write_beta = Tokens(make_engine(sqlite_url)).create("beta", "write", "other team")
+    with httpx.Client(base_url=full_server.url, headers={"Authorization": f"Bearer {write_beta}"}) as api:
+        assert api.post("/api/v1/runs", json={"project": "beta", "name": "hidden-run"}).status_code == 201
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        context = browser.new_context()
+        page = context.new_page()
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+
+        page.goto(f"{full_server.url}/dashboard/alerts")
+        expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
+        page.locator("#signin-token").fill("gw_wrong")
+        page.locator("#signin-submit").click()
+        expect(page.locator("#signin-error")).to_contain_text("not accepted", timeout=WAIT_MS)
+
+        page.locator("#signin-token").fill(read_alpha)
+        page.locator("#signin-submit").click()
+        page.wait_for_url("**/dashboard/alerts", timeout=WAIT_MS)  # back where the person was
+        page.locator("#nav-runs").click()
+        expect(page.get_by_text("visible-run", exact=False)).to_be_visible(timeout=WAIT_MS)
+        expect(page.get_by_text("<script>alert('alpha')</script>visible-run")).to_be_visible()
+        expect(page.get_by_text("hidden-run")).to_have_count(0)  # another project's run
+
+        [cookie] = [c for c in context.cookies() if c["name"] == "gradwatch_token"]
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["expires"] == -1  # session only
+        assert read_alpha not in page.content()
+        assert page.evaluate("document.cookie") == ""  # page scripts cannot read it
+        assert page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)").count("gw_") == 0
+
+        page.goto(f"{full_server.url}/dashboard/signout")
+        expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
+        page.goto(f"{full_server.url}/dashboard/")
+        expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
+        assert not [c for c in context.cookies() if c["name"] == "gradwatch_token"]
+        browser.close()
+    assert problems == []
+
+
+def test_signin_never_redirects_off_the_dashboard(full_server, sqlite_url):
+    engine = make_engine(sqlite_url)
+    _, token = Tokens(engine).create("alpha", "read")
+    engine.dispose()
+    with httpx.Client(base_url=full_server.url, follow_redirects=False) as client:
+        response = client.post("/dashboard/signin", data={"token": token, "next": "https://evil.example/"})
+        assert response.status_code == 302 and response.headers["location"] == "/dashboard/"
+        response = client.post("/dashboard/signin", data={"token": token, "next": "//evil.example/x"})
+        assert response.headers["location"] == "/dashboard/"
+        response = client.post("/dashboard/signin", data={"token": token, "next": "/dashboard/alerts"})
+        assert response.headers["location"] == "/dashboard/alerts"
+        assert "HttpOnly" in response.headers["set-cookie"] and "SameSite=Strict" in response.headers["set-cookie"]
