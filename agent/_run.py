@@ -80,6 +80,7 @@ class Run:
         server: str = DEFAULT_SERVER,
         token: str | None = None,
         config: dict[str, Any] | None = None,
+        tags: list[str] | tuple[str, ...] | None = None,
         mode: str = "online",
         run_id: str | None = None,
         rank: int | None = None,
@@ -94,13 +95,17 @@ class Run:
         GRADWATCH_HOME/spool; with your own transport= and no spool_dir they wait in memory only);
         spool_max_bytes: the spool file's cap; max_backoff: longest wait between retries (seconds).
         Offline mode writes GRADWATCH_HOME/offline/RUN-rankR.jsonl for `gradwatch sync`.
-        rank: this process's rank in a distributed job (default: see gradwatch.init)."""
+        rank: this process's rank in a distributed job (default: see gradwatch.init).
+        tags: labels to filter runs by (e.g. ["baseline", "lora-r16"]; 1-100 characters each)."""
         if not project or not isinstance(project, str):
             raise ValueError(f"project must be a non-empty string, got {project!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if flush_interval <= 0:
             raise ValueError(f"flush_interval must be positive (seconds), got {flush_interval!r}")
+        tags = list(tags or ())
+        if any(not isinstance(tag, str) or not 1 <= len(tag) <= 100 for tag in tags) or len(tags) > 50:
+            raise ValueError(f"tags must be at most 50 strings of 1-100 characters, got {tags!r}")
         if run_id is not None and not RUN_ID_PATTERN.fullmatch(run_id):
             raise ValueError(f"run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {run_id!r}")
         identity = process_identity()
@@ -137,6 +142,7 @@ class Run:
             "id": self.id,
             "project": project,
             "name": self.name,
+            "tags": tags,
             "config": json_safe(config or {}),
             "metadata": json_safe(_environment_metadata(identity)),
         }

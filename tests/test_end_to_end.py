@@ -73,3 +73,13 @@ def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
             assert scale[-1] < max(scale)
     finally:
         server.stop()
+
+
+def test_tags_given_to_init_reach_the_server_and_filter_runs(api_server):
+    with gradwatch.init(project="tagged", name="t", server=api_server.url, tags=["baseline", "fp16"]) as run:
+        run.log({"loss": 1.0}, step=0)
+    with httpx.Client(base_url=api_server.url) as client:
+        listed = client.get("/api/v1/runs", params={"tag": "baseline"}).json()["data"]
+        assert [r["id"] for r in listed] == [run.id] and listed[0]["tags"] == ["baseline", "fp16"]
+    with pytest.raises(ValueError, match="tags"):
+        gradwatch.init(project="tagged", tags=["x" * 101], mode="offline")
