@@ -121,7 +121,8 @@ class Event(Base):
     """Something that happened at a step: a skipped optimizer step ("skip"), a misuse warning…"""
 
     __tablename__ = "events"
-    __table_args__ = (Index(None, "run_id", "step"),)
+    # (run, step) for the run page and alerts; (run, rank, step) for live streams' per-rank cursors.
+    __table_args__ = (Index(None, "run_id", "step"), Index(None, "run_id", "rank", "step"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
