@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -165,32 +165,6 @@ def _group_points(groups: dict[tuple[int, int], list[Summary]], rows: Iterable[A
             groups[bucket].append(Summary(low[1], low[0], 0, high[1], high[0], 0, len(members)))
 
 
-def refresh_points(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
-    """Recompute every rollup bucket (all levels) holding one of the given steps, from the data."""
-    touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
-    touched = {sid: buckets for sid, buckets in touched.items() if buckets}
-    for level in range(1, LEVELS + 1):
-        if not touched:
-            return
-        series_ids = sorted(touched)
-        groups: dict[tuple[int, int], list[Summary]] = defaultdict(list)
-        for first, last in _intervals(b for buckets in touched.values() for b in buckets):
-            if level == 1:
-                _group_points(groups, _read_points(executor, series_ids, rank, first * BASE, (last + 1) * BASE), BASE)
-            else:
-                for row in _read_point_rollups(executor, series_ids, rank, level - 1, first * BASE, (last + 1) * BASE):
-                    groups[row[0], row[1] // BASE].append(row[2:])
-        rows = []
-        for sid, buckets in touched.items():
-            for bucket in buckets:
-                parts = groups.get((sid, bucket))
-                if parts:
-                    s = combine(parts)
-                    rows.append((sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT]))
-        bulk.upsert(executor, PointRollup.__table__, _POINT_ROLLUP_COLUMNS, _ROLLUP_KEY, rows)
-        touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
-
-
 def point_summaries(
     executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
 ) -> list[Summary]:
@@ -314,35 +288,6 @@ def _merge(parts: list[VectorSummary]) -> VectorSummary:
     return VectorSummary(parts[0].first_step, sum(p.count for p in parts), values)
 
 
-def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
-    """Recompute every vector rollup bucket (all levels) holding one of the given steps."""
-    touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
-    touched = {sid: buckets for sid, buckets in touched.items() if buckets}
-    for level in range(1, LEVELS + 1):
-        if not touched:
-            return
-        series_ids = sorted(touched)
-        groups: dict[tuple[int, int], list[VectorSummary]] = defaultdict(list)
-        for first, last in _intervals(b for buckets in touched.values() for b in buckets):
-            if level == 1:
-                for sid, step, data in _read_vector_rows(executor, series_ids, rank, first * BASE, (last + 1) * BASE):
-                    groups[sid, step // BASE].append(VectorSummary(step, 1, to_array(data)))
-            else:
-                for sid, bucket, first_step, count, data in _read_vector_rollups(
-                    executor, series_ids, rank, level - 1, first * BASE, (last + 1) * BASE
-                ):
-                    groups[sid, bucket // BASE].append(VectorSummary(first_step, count, to_array(data)))
-        rows = []
-        for sid, buckets in touched.items():
-            for bucket in buckets:
-                parts = groups.get((sid, bucket))
-                if parts:
-                    merged = _merge(parts)
-                    rows.append((sid, rank, level, bucket, merged.count, merged.first_step, to_bytes(merged.values)))
-        bulk.upsert(executor, VectorRollup.__table__, _VECTOR_ROLLUP_COLUMNS, _ROLLUP_KEY, rows)
-        touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
-
-
 def vector_summaries(
     executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
 ) -> list[VectorSummary]:
@@ -383,6 +328,103 @@ def downsample_vectors(summaries: list[VectorSummary], bucket_width: int) -> tup
     starts = np.flatnonzero(np.diff(buckets, prepend=buckets[0] - 1))
     matrix = np.vstack([s.values for s in summaries])
     return [summaries[i].first_step for i in starts], worst_per_bucket(matrix, starts)
+
+
+# -- maintenance: one walk up the pyramid for both kinds --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one kind of series is rolled up: group the level below into `groups[(series, bucket)]`,
+    and turn a bucket's parts into the stored columns after the key."""
+
+    group_raw: Callable[[dict[tuple[int, int], list[Any]], Executor, list[int], int, int, int], None]
+    group_level: Callable[[dict[tuple[int, int], list[Any]], Executor, list[int], int, int, int, int], None]
+    merge: Callable[[list[Any]], tuple[Any, ...]]
+    table: Any
+    columns: tuple[str, ...]
+
+
+def _refresh(kind: _Kind, executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+    """Recompute every rollup bucket (all levels) holding one of the given steps, from the level below."""
+    touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
+    touched = {sid: buckets for sid, buckets in touched.items() if buckets}
+    for level in range(1, LEVELS + 1):
+        if not touched:
+            return
+        series_ids = sorted(touched)
+        groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        for first, last in _intervals(b for buckets in touched.values() for b in buckets):
+            lo, hi = first * BASE, (last + 1) * BASE  # in the level below's units
+            if level == 1:
+                kind.group_raw(groups, executor, series_ids, rank, lo, hi)
+            else:
+                kind.group_level(groups, executor, series_ids, rank, level - 1, lo, hi)
+        rows = [
+            (sid, rank, level, bucket, *kind.merge(groups[sid, bucket]))
+            for sid, buckets in touched.items()
+            for bucket in buckets
+            if groups.get((sid, bucket))
+        ]
+        bulk.upsert(executor, kind.table, kind.columns, _ROLLUP_KEY, rows)
+        touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
+
+
+def _point_columns(parts: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    s = combine(parts)
+    return (s[COUNT], *s[LOW_STEP:COUNT])
+
+
+def _vector_columns(parts: list[VectorSummary]) -> tuple[Any, ...]:
+    merged = _merge(parts)
+    return merged.count, merged.first_step, to_bytes(merged.values)
+
+
+def _group_vector_rows(groups: dict, executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> None:
+    for sid, step, data in _read_vector_rows(executor, series_ids, rank, lo, hi):
+        groups[sid, step // BASE].append(VectorSummary(step, 1, to_array(data)))
+
+
+def _group_vector_rollups(
+    groups: dict, executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+) -> None:
+    for sid, bucket, first_step, count, data in _read_vector_rollups(executor, series_ids, rank, level, lo, hi):
+        groups[sid, bucket // BASE].append(VectorSummary(first_step, count, to_array(data)))
+
+
+def _group_point_rollups(
+    groups: dict, executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+) -> None:
+    for row in _read_point_rollups(executor, series_ids, rank, level, lo, hi):
+        groups[row[0], row[1] // BASE].append(row[2:])
+
+
+_POINTS = _Kind(
+    group_raw=lambda groups, executor, ids, rank, lo, hi: _group_points(
+        groups, _read_points(executor, ids, rank, lo, hi), BASE
+    ),
+    group_level=_group_point_rollups,
+    merge=_point_columns,
+    table=PointRollup.__table__,
+    columns=_POINT_ROLLUP_COLUMNS,
+)
+_VECTORS = _Kind(
+    group_raw=_group_vector_rows,
+    group_level=_group_vector_rollups,
+    merge=_vector_columns,
+    table=VectorRollup.__table__,
+    columns=_VECTOR_ROLLUP_COLUMNS,
+)
+
+
+def refresh_points(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+    """Recompute the scalar rollups holding the given steps (Store.ingest, after writing points)."""
+    _refresh(_POINTS, executor, rank, steps_by_series)
+
+
+def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+    """Recompute the per-layer vector rollups holding the given steps."""
+    _refresh(_VECTORS, executor, rank, steps_by_series)
 
 
 # -- backfill ---------------------------------------------------------------------------------------
