@@ -139,4 +139,7 @@ def serve_forever(settings: Settings, host: str, port: int, insecure: bool = Fal
     check_exposure(app, host, insecure)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")  # configures logging
     redact_tokens_in_logs()
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C/SIGINT after its graceful shutdown
+        pass

@@ -7,12 +7,18 @@ server they are skipped with the reason shown; with GRADWATCH_CI=1 (set by .ci/r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -111,3 +117,35 @@ def chromium_path() -> str:
     if path is None:
         unavailable(f"Chromium not found at {CHROMIUM} (apt-get install -y chromium)")
     return path
+
+
+@contextlib.contextmanager
+def server_process(database_url: str, tmp_path) -> Iterator[str]:
+    """`python -m gradwatch.cli server` on a free port; yields its URL; SIGINT (graceful) on exit."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port),
+             "--database-url", database_url],
+            stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+            yield url
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()

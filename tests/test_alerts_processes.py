@@ -4,49 +4,13 @@ exactly once; two servers on one PostgreSQL deliver each notification once."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import gradwatch
 import httpx
-from conftest import free_port
+from conftest import free_port, server_process
 from training import train
 from webhook_receiver import WebhookReceiver
-
-
-@contextlib.contextmanager
-def server_process(database_url: str, tmp_path) -> Iterator[str]:
-    """`python -m gradwatch.cli server` on a free port; yields its URL; SIGINT (graceful) on exit."""
-    port = free_port()
-    log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port), "--database-url", database_url],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, (tmp_path / f"server-{port}.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def _deliveries(url: str) -> list[dict]:

@@ -7,11 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -21,7 +17,7 @@ from urllib.parse import urlencode
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, server_process
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
@@ -423,38 +419,6 @@ def test_notify_reaches_the_other_server_and_survives_a_dropped_listener(postgre
     finally:
         second.stop()
         first.stop()
-
-
-@contextlib.contextmanager
-def server_process(database_url: str, tmp_path) -> Iterator[str]:
-    """`python -m gradwatch.cli server` on a free port; yields its URL; SIGINT (graceful) on exit."""
-    port = free_port()
-    log_path = tmp_path / f"server-{port}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port),
-             "--database-url", database_url],
-            stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(0.1)
-            yield url
-        finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()
 
 
 @pytest.mark.postgres
