@@ -427,6 +427,59 @@ def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, It
     _refresh(_VECTORS, executor, rank, steps_by_series)
 
 
+# -- maintenance when a batch only adds points --------------------------------------------------------
+
+
+def any_stored_points(executor: Executor, rank: int, series_ids: list[int], lo: int, hi: int) -> bool:
+    """Whether any of these series already holds a point with lo <= step <= hi (one index probe)."""
+    return bool(_fetch(
+        executor,
+        f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)}) AND rank = ? AND step >= ? AND step <= ?"
+        " LIMIT 1",
+        [*series_ids, rank, lo, hi],
+    ))
+
+
+def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, Any, int]]) -> None:
+    """Fold (series_id, step, value, flag) points that overwrote nothing into the pyramid: each
+    touched bucket's summary becomes combine(stored summary, the batch's summary), at every level,
+    with one read and one write. (The lowest/highest of a union is the lowest/highest of the parts;
+    that holds only for new points, so a batch that rewrote steps goes through refresh_points.)"""
+    if not rows:
+        return
+    batch: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (level, series, bucket) -> summary
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    _group_points(groups, rows, BASE)
+    for level in range(1, LEVELS + 1):
+        if level > 1:
+            groups = defaultdict(list)
+            for (lower, sid, bucket), summary in batch.items():
+                if lower == level - 1:
+                    groups[sid, bucket // BASE].append(summary)
+        for (sid, bucket), parts in groups.items():
+            batch[level, sid, bucket] = combine(parts)
+    series_ids = sorted({sid for _, sid, _ in batch})
+    ranges, params = [], []
+    for level in range(1, LEVELS + 1):
+        buckets = [bucket for lv, _, bucket in batch if lv == level]
+        ranges.append("(level = ? AND bucket >= ? AND bucket <= ?)")
+        params += [level, min(buckets), max(buckets)]
+    stored = _fetch(
+        executor,
+        f"SELECT level, series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN"
+        f" ({_in(series_ids)}) AND rank = ? AND ({' OR '.join(ranges)})",
+        [*series_ids, rank, *params],
+    )
+    for level, sid, bucket, *summary in stored:
+        mine = batch.get((level, sid, bucket))
+        if mine is not None:
+            batch[level, sid, bucket] = combine([tuple(summary), mine])
+    bulk.upsert(
+        executor, PointRollup.__table__, _POINT_ROLLUP_COLUMNS, _ROLLUP_KEY,
+        [(sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT]) for (level, sid, bucket), s in batch.items()],
+    )
+
+
 # -- backfill ---------------------------------------------------------------------------------------
 
 _REBUILD_CHUNK = 65_536  # steps per refresh: bounded memory for any series length

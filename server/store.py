@@ -322,11 +322,21 @@ class Store:
                 steps_by_series.setdefault(series_ids[series.key], []).extend(series.steps)
             last_step = max((max(steps) for steps in steps_by_series.values() if steps), default=-1)
             if point_rows:
+                series_with_points = sorted(steps_by_series)
+                first_step = min(min(steps) for steps in steps_by_series.values() if steps)
+                # Points that overwrite nothing (the normal case: a run moving forward) are folded
+                # into the rollups; a batch that rewrites steps (a resumed run) recomputes them.
+                appending = not rollups.any_stored_points(
+                    session, batch.rank, series_with_points, first_step, last_step
+                )
                 bulk.upsert(
                     session, Point.__table__, ("series_id", "rank", "step", "value", "flag"),
                     ("series_id", "rank", "step"), point_rows,
                 )
-                rollups.refresh_points(session, batch.rank, steps_by_series)
+                if appending:
+                    rollups.merge_new_points(session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows])
+                else:
+                    rollups.refresh_points(session, batch.rank, steps_by_series)
             if batch.events:
                 session.execute(
                     Event.__table__.insert(),
@@ -412,13 +422,13 @@ class Store:
         if not keys:
             return {}
         wanted = sorted(set(keys))
-        session.execute(
-            self._insert(Series).on_conflict_do_nothing(index_elements=["run_id", "key"]),
-            [{"run_id": run_id, "key": key, "kind": kind} for key in wanted],
-        )
-        rows = session.execute(
-            select(Series.key, Series.id, Series.kind).where(Series.run_id == run_id, Series.key.in_(wanted))
-        ).all()
+        existing = select(Series.key, Series.id, Series.kind).where(Series.run_id == run_id, Series.key.in_(wanted))
+        rows = session.execute(existing).all()
+        if len(rows) < len(wanted):  # new keys (the first batches of a run): insert them, read again
+            known = {key for key, _, _ in rows}
+            bulk.upsert(session, Series.__table__, ("run_id", "key", "kind"), ("run_id", "key"),
+                        [(run_id, key, kind) for key in wanted if key not in known], update=False)
+            rows = session.execute(existing).all()
         clashes = [key for key, _, stored_kind in rows if stored_kind != kind]
         if clashes:
             raise InvalidRequest(f"key {clashes[0]!r} is already used by this run for another kind of data")
