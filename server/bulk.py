@@ -16,16 +16,27 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import Connection, Float, Integer, Table
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 
 @cache
-def _array_types(table: Table, columns: tuple[str, ...]) -> tuple[str, ...]:
-    """PostgreSQL array types of the columns, e.g. ("INTEGER[]", "BYTEA[]")."""
+def _array_types(table: Table, columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """(PostgreSQL array type, numeric?) of each column, e.g. ("INTEGER[]", True), ("BYTEA[]", False)."""
     dialect = postgresql.dialect()
-    return tuple(f"{table.c[name].type.compile(dialect=dialect)}[]" for name in columns)
+    return tuple(
+        (f"{table.c[name].type.compile(dialect=dialect)}[]", isinstance(table.c[name].type, (Integer, Float)))
+        for name in columns
+    )
+
+
+def _numeric_array(values: Sequence[Any]) -> str:
+    """A PostgreSQL array literal of ints/floats/None, built at C speed: psycopg adapts a Python
+    list element by element in Python, which cost more than the insert itself (12 us a row)."""
+    if None in values:
+        return "{" + ",".join("NULL" if v is None else format(v) for v in values) + "}"
+    return "{" + ",".join(map(format, values)) + "}"  # format: IntEnum flags as numbers
 
 
 def upsert(
@@ -39,23 +50,35 @@ def upsert(
     """INSERT rows (tuples in `columns` order) into `table`; a row whose `key` exists replaces the
     stored row's other columns (update=True) or is left alone (update=False). Rows must not repeat
     a key (PostgreSQL refuses to update one row twice in a statement)."""
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+    action = f"UPDATE SET {updates}" if update and updates else "NOTHING"
+    _insert(executor, table, columns, rows, f"ON CONFLICT ({', '.join(key)}) DO {action}")
+
+
+def insert(executor: Session | Connection, table: Table, columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> None:
+    """INSERT rows that are known to be new (a key that exists is an IntegrityError): about a quarter
+    cheaper than upsert on PostgreSQL, which otherwise probes the index before each row."""
+    _insert(executor, table, columns, rows, "")
+
+
+def _insert(
+    executor: Session | Connection, table: Table, columns: Sequence[str], rows: Sequence[tuple[Any, ...]], conflict: str
+) -> None:
     if not rows:
         return
     connection = executor.connection() if isinstance(executor, Session) else executor
     names = ", ".join(columns)
-    updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
-    action = f"UPDATE SET {updates}" if update and updates else "NOTHING"
-    conflict = f"ON CONFLICT ({', '.join(key)}) DO {action}"
     if connection.dialect.name == "sqlite":
         placeholders = ", ".join("?" for _ in columns)
         connection.exec_driver_sql(f"INSERT INTO {table.name} ({names}) VALUES ({placeholders}) {conflict}", rows)
         return
-    arrays = ", ".join(f"%s::{array_type}" for array_type in _array_types(table, tuple(columns)))
+    types = _array_types(table, tuple(columns))
+    arrays = ", ".join(f"%s::{array_type}" for array_type, _ in types)
+    parameters = [
+        _numeric_array(column) if numeric else list(column) for column, (_, numeric) in zip(zip(*rows), types)
+    ]
     cursor = connection.connection.driver_connection.cursor()
     try:
-        cursor.execute(
-            f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}",
-            [list(column) for column in zip(*rows)],
-        )
+        cursor.execute(f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters)
     finally:
         cursor.close()

@@ -329,10 +329,11 @@ class Store:
                 appending = not rollups.any_stored_points(
                     session, batch.rank, series_with_points, first_step, last_step
                 )
-                bulk.upsert(
-                    session, Point.__table__, ("series_id", "rank", "step", "value", "flag"),
-                    ("series_id", "rank", "step"), point_rows,
-                )
+                point_columns = ("series_id", "rank", "step", "value", "flag")
+                if appending:  # nothing stored at these steps: no conflict to check for
+                    bulk.insert(session, Point.__table__, point_columns, point_rows)
+                else:
+                    bulk.upsert(session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows)
                 if appending:
                     rollups.merge_new_points(session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows])
                 else:

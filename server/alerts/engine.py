@@ -183,10 +183,19 @@ class AlertEngine:
         if not steps:
             return
         layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
-        for row, rule in rules:
-            fed = [data for data in steps if rule.reads(data)]
-            if fed:
-                self._evaluate(session, run, row, rule, fed, layers)
+        work = [(row, rule, fed) for row, rule in rules if (fed := [data for data in steps if rule.reads(data)])]
+        # Every state this batch needs, locked in one query (in rule order, the same in every process).
+        states = {
+            state.rule_id: state
+            for state in session.scalars(
+                select(AlertRuleState)
+                .where(AlertRuleState.rule_id.in_([row.id for row, _, _ in work]), AlertRuleState.run_id == run_id)
+                .order_by(AlertRuleState.rule_id)
+                .with_for_update()
+            )
+        } if work else {}
+        for row, rule, fed in work:
+            self._evaluate(session, run, row, rule, fed, layers, states.get(row.id))
 
     def _run_ended(self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]]) -> None:
         """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
@@ -211,9 +220,11 @@ class AlertEngine:
         return state
 
     def _evaluate(
-        self, session: Session, run: Run, row: AlertRule, rule: RuleType, fed: list[StepData], layers: list[str]
+        self, session: Session, run: Run, row: AlertRule, rule: RuleType, fed: list[StepData], layers: list[str],
+        state: AlertRuleState | None = None,
     ) -> None:
-        state = self._load_state(session, row, rule, run.id)
+        if state is None:
+            state = self._load_state(session, row, rule, run.id)
         document = json.loads(state.state_json)
         last = document["last"]
         verdicts = []
