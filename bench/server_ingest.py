@@ -635,6 +635,10 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=50, help="scalar keys per step")
     parser.add_argument("--batch-points", type=int, default=1000,
                         help=f"points per request, both systems (MLflow allows at most {MLFLOW_MAX_METRICS})")
+    parser.add_argument("--gradwatch-batch-points", type=int, default=None,
+                        help="points per gradwatch request when it should differ from MLflow's (default: "
+                        "--batch-points); e.g. 5000 = 100 steps x 50 keys, what the agent sends with its "
+                        "default flush_every_steps=100 when steps come faster than its 1 s flush interval")
     parser.add_argument("--gradwatch-rev", default=None,
                         help="serve gradwatch as of this git revision (exported with git archive) instead of "
                         "the working tree; the client's wire encoding is always the working tree's")
@@ -686,9 +690,11 @@ def main() -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
     keys = metric_keys(args.keys)
     steps_per_request = args.batch_points // args.keys
+    gradwatch_steps_per_request = (args.gradwatch_batch_points or args.batch_points) // args.keys
     print("; ".join(versions))
-    print(f"{args.keys} keys per step, {steps_per_request * args.keys} points per request, "
-          f"load average {os.getloadavg()[0]:.1f} at the start", flush=True)
+    print(f"{args.keys} keys per step, {steps_per_request * args.keys} points per request"
+          + (f" ({gradwatch_steps_per_request * args.keys} for gradwatch)" if args.gradwatch_batch_points else "")
+          + f", load average {os.getloadavg()[0]:.1f} at the start", flush=True)
 
     results: list[Measurement] = []
     started = time.monotonic()
@@ -705,8 +711,10 @@ def main() -> int:
                                                    args.mlflow_max_overflow)
             for agents in args.agents:
                 requests_per_agent = max(1, round(args.points / agents / (steps_per_request * args.keys)))
-                plan = Plan(agents, keys, requests_per_agent * steps_per_request, steps_per_request)
+                steps = requests_per_agent * steps_per_request  # the same points for both systems
                 for system in args.systems:
+                    plan = Plan(agents, keys, steps,
+                                gradwatch_steps_per_request if system == "gradwatch" else steps_per_request)
                     label = f"ingest-{database_kind}-{agents}-{uuid.uuid4().hex[:8]}"
                     server, database = servers[system], databases[system]
                     if system == "gradwatch":

@@ -108,12 +108,23 @@ class ApiClient:
     # -- endpoints ---------------------------------------------------------------------------------
 
     def list_runs(
-        self, project: str | None = None, *, limit: int = 100, offset: int = 0
+        self,
+        project: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        statuses: tuple[str, ...] | list[str] = (),
+        tags: tuple[str, ...] | list[str] = (),
     ) -> tuple[list[Json], int]:
-        """Runs, newest first, and how many match before limit/offset (GET /api/v1/runs)."""
+        """Runs, newest first, and how many match before limit/offset (GET /api/v1/runs); statuses:
+        any of them (running, finished, crashed); tags: all of them."""
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if project is not None:
             params["project"] = project
+        if statuses:
+            params["status"] = list(statuses)
+        if tags:
+            params["tag"] = list(tags)
         body = self._request("GET", "/api/v1/runs", params)
         return list(body.get("data", [])), int(body.get("count", 0))
 

@@ -88,6 +88,7 @@ LAYER_HEATMAPS = {
     ),
 }
 STEP_GRAPHS = ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph", *LAYER_HEATMAPS, "hist-time-graph")
+RUN_STATUSES = ("running", "finished", "crashed")  # what GET /api/v1/runs?status= filters by
 RUNS_SORTS = {
     "newest": "Newest first",
     "oldest": "Oldest first",
@@ -274,21 +275,29 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         Input("runs-search", "value"),
         Input("runs-sort", "value"),
         Input("runs-page", "data"),
+        Input("runs-status", "value"),
+        Input("runs-tag", "value"),
         State("selected-runs", "data"),
     )
     def refresh_runs(
-        _n_intervals: int | None, search: str | None, sort: str | None, page: int | None, selected: Any
+        _n_intervals: int | None, search: str | None, sort: str | None, page: int | None,
+        statuses: list[str] | None, tag: str | None, selected: Any,
     ) -> tuple[Any, ...]:
         search = (search or "").strip().lower()
         sort = sort if sort in RUNS_SORTS else "newest"
         page = page if isinstance(page, int) and page >= 0 else 0
+        # Status and tag filter on the server; search and the other orders within what it sends.
+        filters = {
+            "statuses": [s for s in statuses or [] if s in RUN_STATUSES],
+            "tags": [t for t in (tag or "").replace(",", " ").split() if t],
+        }
         open_alerts = pool.submit(open_alerts_by_run)
         try:
             if not search and sort == "newest":  # the API's own order: page on the server
-                runs, count = api.list_runs(limit=RUNS_PAGE_SIZE, offset=page * RUNS_PAGE_SIZE)
+                runs, count = api.list_runs(limit=RUNS_PAGE_SIZE, offset=page * RUNS_PAGE_SIZE, **filters)
                 matching, searched_all = count, True
             else:
-                fetched, count = api.list_runs(limit=RUNS_SEARCH_LIMIT)
+                fetched, count = api.list_runs(limit=RUNS_SEARCH_LIMIT, **filters)
                 found = _sort_runs(_filter_runs(fetched, search), sort)
                 matching, searched_all = len(found), count <= len(fetched)
                 runs = found[page * RUNS_PAGE_SIZE : (page + 1) * RUNS_PAGE_SIZE]
@@ -316,12 +325,15 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         Input("runs-next", "n_clicks"),
         Input("runs-search", "value"),
         Input("runs-sort", "value"),
+        Input("runs-status", "value"),
+        Input("runs-tag", "value"),
         State("runs-page", "data"),
         State("runs-total", "data"),
         prevent_initial_call=True,
     )
     def turn_page(
-        _prev: Any, _next: Any, _search: Any, _sort: Any, page: int | None, total: int | None
+        _prev: Any, _next: Any, _search: Any, _sort: Any, _status: Any, _tag: Any, page: int | None,
+        total: int | None,
     ) -> int:
         page = page or 0
         last_page = max(0, ((total or 0) - 1) // RUNS_PAGE_SIZE)
@@ -758,6 +770,16 @@ def _runs_page() -> html.Div:
                         placeholder="Search name or project…",
                         debounce=0.3,
                         className="search",
+                    ),
+                    dcc.Dropdown(
+                        id="runs-status",
+                        options=[{"label": status, "value": status} for status in RUN_STATUSES],
+                        multi=True,
+                        placeholder="Any status",
+                        className="status-filter",
+                    ),
+                    dcc.Input(
+                        id="runs-tag", type="search", placeholder="Tags…", debounce=0.3, className="tag-filter"
                     ),
                     dcc.Dropdown(
                         id="runs-sort",

@@ -570,7 +570,7 @@ def dash_call(client, outputs, inputs, state=()):
 RUNS_OUTPUTS = ["runs-table.children", "runs-pager.children", "runs-total.data"]
 
 
-def refresh_runs(client, search=None, sort="newest", page=0, selected=()):
+def refresh_runs(client, search=None, sort="newest", page=0, selected=(), statuses=None, tag=None):
     return dash_call(
         client,
         RUNS_OUTPUTS,
@@ -579,6 +579,8 @@ def refresh_runs(client, search=None, sort="newest", page=0, selected=()):
             (("runs-search", "value"), search),
             (("runs-sort", "value"), sort),
             (("runs-page", "data"), page),
+            (("runs-status", "value"), statuses),
+            (("runs-tag", "value"), tag),
         ],
         state=[(("selected-runs", "data"), list(selected))],
     )
@@ -1793,3 +1795,25 @@ def test_alert_endpoints_use_the_right_methods_paths_and_bodies():
     with pytest.raises(ApiError) as caught:
         client.create_webhook({"url": "ftp://x"})
     assert caught.value.status_code == 404 and caught.value.detail == "Not Found"
+
+
+def test_runs_list_filters_by_status_and_tags_on_the_server():
+    asked = []
+    runs = [{**RUN, "id": f"r{i}", "name": f"run-{i:02d}", "status": ("running", "finished")[i % 2]} for i in range(6)]
+
+    def handler(request):
+        if request.url.path == "/api/v1/runs":
+            statuses, tags = request.url.params.get_list("status"), request.url.params.get_list("tag")
+            asked.append((statuses, tags))
+            found = [run for run in runs if not statuses or run["status"] in statuses]
+            return httpx.Response(200, json={"data": found, "count": len(found)})
+        return httpx.Response(404, json={"detail": "nope"})
+
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(handler))
+    ).server.test_client()
+    finished = refresh_runs(client, statuses=["finished", "exploded"], tag="lora, fp16")
+    assert shown_names(finished) == ["run-01", "run-03", "run-05"]
+    assert (["finished"], ["lora", "fp16"]) in asked  # unknown statuses dropped; tags split on , and spaces
+    searched = refresh_runs(client, statuses=["running"], search="run-0")  # client-side search keeps the filter
+    assert shown_names(searched) == ["run-00", "run-02", "run-04"] and asked[-1][0] == ["running"]
