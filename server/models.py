@@ -77,12 +77,17 @@ class Series(Base):
     kind: Mapped[str] = mapped_column(String(16), default="scalar", server_default="scalar")
 
 
+# _NO_FOREIGN_KEY: the per-point tables (points, vector_points, histogram_points and the rollups) refer
+# to series.id without a FOREIGN KEY constraint (migration 0007). A constraint is checked for every
+# inserted row (PostgreSQL locks the series row per point): it cost as much as the insert itself.
+# The store keeps the reference intact instead: ingest takes a KEY SHARE lock on the run row, and
+# delete_run locks that row FOR UPDATE before deleting the run's rows table by table.
+
+
 class Point(Base):
     __tablename__ = "points"
 
-    series_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
-    )
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -94,9 +99,7 @@ class VectorPoint(Base):
 
     __tablename__ = "vector_points"
 
-    series_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
-    )
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)
@@ -107,9 +110,7 @@ class HistogramPoint(Base):
 
     __tablename__ = "histogram_points"
 
-    series_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
-    )
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     exponent_min: Mapped[int] = mapped_column(Integer)
@@ -156,9 +157,7 @@ class PointRollup(Base):
 
     __tablename__ = "point_rollups"
 
-    series_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
-    )
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -178,9 +177,7 @@ class VectorRollup(Base):
 
     __tablename__ = "vector_rollups"
 
-    series_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("series.id", ondelete="CASCADE"), primary_key=True
-    )
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)

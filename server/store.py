@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from . import bulk, rollups
@@ -291,7 +292,10 @@ class Store:
 
     def delete_run(self, run_id: str) -> None:
         with self._transaction() as session:
-            self._require_run(session, run_id)
+            # FOR UPDATE waits for ingests in flight (they hold KEY SHARE on the row) and holds off new
+            # ones: no point can be written for a series being deleted (no foreign keys: models.py).
+            if session.get(Run, run_id, with_for_update=True) is None:
+                raise NotFound(f"run {run_id!r} does not exist")
             series_ids = select(Series.id).where(Series.run_id == run_id)
             for table in (Point, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
@@ -303,9 +307,20 @@ class Store:
 
     def ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
         """Store one agent batch in one transaction, exactly once per (run, rank, seq)."""
+        try:
+            return self._ingest(run_id, batch)
+        except IntegrityError:
+            # SQLite reads the run before its first write takes the database lock: a run deleted in
+            # between fails the batch's foreign key to runs. Say what happened instead of a 500.
+            with self._transaction() as session:
+                if session.get(Run, run_id) is None:
+                    raise NotFound(f"run {run_id!r} does not exist (it was deleted)") from None
+            raise
+
+    def _ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
         now = time.time()
         with self._transaction() as session:
-            self._require_run(session, run_id)
+            self._require_run(session, run_id, lock=True)
             claimed = session.execute(
                 self._insert(AgentBatch)
                 .values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=now)
@@ -576,8 +591,10 @@ class Store:
     # -- helpers ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _require_run(session: Session, run_id: str) -> Run:
-        run = session.get(Run, run_id)
+    def _require_run(session: Session, run_id: str, lock: bool = False) -> Run:
+        """The run, or NotFound. lock: hold a KEY SHARE lock on its row until commit (PostgreSQL;
+        ingest), so delete_run cannot remove the run's series under a batch being written."""
+        run = session.get(Run, run_id, with_for_update={"key_share": True} if lock else None)
         if run is None:
             raise NotFound(f"run {run_id!r} does not exist")
         return run

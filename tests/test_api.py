@@ -3,6 +3,8 @@
 import json
 import math
 
+import httpx
+
 
 def _create(client, **fields):
     body = {"project": "p", "name": "r"} | fields
@@ -292,9 +294,8 @@ def test_prune_deletes_only_old_finished_runs(database_url, api_server, client):
     import time
     from pathlib import Path
 
-    from sqlalchemy import text
-
     from gradwatch.server.database import make_engine
+    from sqlalchemy import text
 
     old_done = _create(client, name="old-finished")
     old_running = _create(client, name="old-running")
@@ -315,3 +316,41 @@ def test_prune_deletes_only_old_finished_runs(database_url, api_server, client):
     assert done.returncode == 0 and "deleted 1 run" in done.stdout, done.stdout + done.stderr
     assert client.get(f"/api/v1/runs/{old_done['id']}").status_code == 404
     assert {r["name"] for r in client.get("/api/v1/runs").json()["data"]} == {"old-running", "new-finished"}
+
+
+def test_deleting_a_run_while_its_agents_write_leaves_no_orphan_rows(database_url, api_server, client):
+    """Per-point tables have no foreign keys (see server/models.py): the run-row locks must keep a
+    delete racing with ingest from leaving points of a deleted series behind."""
+    import threading
+
+    from gradwatch.server.database import make_engine
+    from sqlalchemy import text
+
+    run = _create(client)
+    errors = []
+
+    def write() -> None:
+        with httpx.Client(base_url=api_server.url, timeout=30) as writer:
+            for seq in range(1, 60):
+                response = writer.post(f"/api/v1/runs/{run['id']}/batches",
+                                       json=_batch(seq, steps=range(seq * 100, seq * 100 + 100), values=[1.0] * 100))
+                if response.status_code == 404:
+                    return  # deleted: the agent is told the run is gone
+                if response.status_code != 200:
+                    errors.append(response.text)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    import time
+
+    time.sleep(0.3)
+    assert client.delete(f"/api/v1/runs/{run['id']}").status_code == 204
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    engine = make_engine(database_url)
+    with engine.connect() as connection:
+        for table in ("points", "point_rollups", "series", "agent_batches"):
+            assert connection.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0, table
+    engine.dispose()
