@@ -17,7 +17,7 @@ from ._run import DEFAULT_SERVER as _DEFAULT_SERVER
 from ._run import Run
 
 __version__ = "0.1.0"
-__all__ = ["GradwatchWarning", "Run", "init", "__version__"]
+__all__ = ["GradwatchWarning", "Run", "__version__", "init"]
 
 
 def init(

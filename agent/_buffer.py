@@ -48,7 +48,7 @@ class Resolved:
             ]
         histograms = public(self.matrices)
         if histograms:
-            from ._quantities import EXPONENT_MIN, EXPONENT_MAX
+            from ._quantities import EXPONENT_MAX, EXPONENT_MIN
 
             fields["histograms"] = [
                 {"key": key, "step": step, "exponent_min": EXPONENT_MIN, "exponent_max": EXPONENT_MAX,

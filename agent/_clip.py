@@ -24,10 +24,10 @@ def _patched(original: Any) -> Any:
         # A generator would be consumed by our look at it: hand the original the same items as a list.
         if not hasattr(parameters, "grad"):
             parameters = list(parameters)
-        for watcher in list(_watchers):
+        for watcher in _watchers:
             watcher.before_clip(parameters, max_norm)
         total_norm = original(parameters, max_norm, *args, **kwargs)
-        for watcher in list(_watchers):
+        for watcher in _watchers:
             watcher.after_clip(parameters, max_norm, total_norm)
         return total_norm
 

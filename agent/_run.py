@@ -231,10 +231,10 @@ class Run:
         """The run's dashboard page."""
         return f"{self.server.rstrip('/')}/dashboard/runs/{self.id}"
 
-    def __enter__(self) -> Run:
+    def __enter__(self) -> Run:  # noqa: PYI034 -- Run is not meant to be subclassed
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.finish(status="finished" if exc_type is None else "crashed")
 
     # -- internals --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ the shards' norms and the server combines them (sqrt of the sum of squares); wit
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -423,7 +424,7 @@ class Watcher:
             norms = layer_norms.get(step)
             data: dict[str, Any] = {"scale_before": before.get(step), "scale_after": after.get(step)}
             if norms is not None:
-                bad = [n for n, v in zip(self.layer_names, norms) if v != v or v in (float("inf"), float("-inf"))]
+                bad = [n for n, v in zip(self.layer_names, norms) if not math.isfinite(v)]
                 data["non_finite_layers"] = bad[:MAX_LAYERS_IN_EVENT]
                 data["non_finite_layer_count"] = len(bad)
             resolved.events.append({"step": step, "kind": "skip", "data": data})

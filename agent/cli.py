@@ -14,7 +14,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 
 
-def _server_settings(args: argparse.Namespace):  # noqa: ANN202
+def _server_settings(args: argparse.Namespace):
     from gradwatch.server.serve import local_url
     from gradwatch.server.settings import Settings, default_database_url
 
@@ -46,7 +46,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokens(args: argparse.Namespace):  # noqa: ANN202
+def _tokens(args: argparse.Namespace):
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import make_engine, prepare_schema
 

@@ -9,17 +9,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .alerts import AlertEngine, AlertService, OutboxWorker
 from . import http_errors
+from .alerts import AlertEngine, AlertService, OutboxWorker
+from .auth import Tokens
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
-from .auth import Tokens
 from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
 from .live import LiveHub
 from .routers import alerts as alerts_router
+from .routers import health, runs, series
 from .routers import live as live_router
 from .routers import ranks as ranks_router
-from .routers import health, runs, series
 from .settings import Settings
 from .store import Store
 
@@ -43,7 +43,7 @@ class BodySizeLimit:
             return
         received = 0
 
-        async def limited_receive():  # noqa: ANN202
+        async def limited_receive():
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":

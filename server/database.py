@@ -59,7 +59,7 @@ def make_engine(database_url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
+        def _sqlite_pragmas(dbapi_connection, _record):
             cursor = dbapi_connection.cursor()
             # WAL lets readers (dashboard) proceed while an ingest transaction writes.
             cursor.execute("PRAGMA journal_mode=WAL")

@@ -4,12 +4,11 @@ import math
 import threading
 import warnings
 
+import gradwatch
 import pytest
 import torch
-from training import RecordingTransport, Reference, train
-
-import gradwatch
 from gradwatch import GradwatchWarning
+from training import RecordingTransport, Reference, train
 
 
 def _run(transport=None, **options):
@@ -138,19 +137,17 @@ def test_a_failing_transport_never_reaches_the_loop():
 
 def test_log_ignores_bad_values_with_a_warning_and_keeps_good_ones():
     transport = RecordingTransport()
-    with _run(transport) as run:
-        with pytest.warns(GradwatchWarning, match="ignored 'text'"):
-            run.log({"text": "hello", "acc": 0.5, "t": torch.tensor(2.0)}, step=3)
+    with _run(transport) as run, pytest.warns(GradwatchWarning, match="ignored 'text'"):
+        run.log({"text": "hello", "acc": 0.5, "t": torch.tensor(2.0)}, step=3)
     assert transport.series("acc") == {3: 0.5}
     assert transport.series("t") == {3: 2.0}
 
 
 def test_finish_is_idempotent_and_context_manager_marks_crashes():
     transport = RecordingTransport()
-    with pytest.raises(ZeroDivisionError):
-        with _run(transport) as run:
-            run.log({"x": 1.0})
-            1 / 0
+    with pytest.raises(ZeroDivisionError), _run(transport) as run:
+        run.log({"x": 1.0})
+        raise ZeroDivisionError
     run.finish()
     assert transport.batches[-1]["status"] == "crashed"
 

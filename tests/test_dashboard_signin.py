@@ -4,7 +4,6 @@ browser-session cookie (never in the page), and signing out asks again."""
 
 import httpx
 import pytest
-
 from gradwatch.server.auth import Tokens
 from gradwatch.server.database import make_engine
 

@@ -1,10 +1,9 @@
 """Hugging Face Trainer and PyTorch Lightning callbacks on tiny models built in code (no downloads)."""
 
+import gradwatch
 import pytest
 import torch
 from training import RecordingTransport
-
-import gradwatch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -14,9 +13,8 @@ pytestmark = [
 
 
 def test_hugging_face_trainer_callback(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
     from gradwatch.integrations.huggingface import GradwatchCallback
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
@@ -51,7 +49,6 @@ def test_hugging_face_trainer_callback(tmp_path):
 
 def test_lightning_callback(tmp_path):
     import lightning.pytorch as pl
-
     from gradwatch.integrations.lightning import GradwatchCallback
 
     class Tiny(pl.LightningModule):

@@ -4,8 +4,6 @@ the ORM models; a stale schema is refused with the command that upgrades it."""
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
-
 from gradwatch.server.database import (
     SchemaError,
     current_revision,
@@ -15,6 +13,7 @@ from gradwatch.server.database import (
     upgrade,
 )
 from gradwatch.server.models import Base
+from sqlalchemy import text
 
 
 def test_empty_database_is_migrated_to_head_and_matches_models(database_url):
@@ -29,7 +28,6 @@ def test_empty_database_is_migrated_to_head_and_matches_models(database_url):
 
 def test_downgrade_to_base_and_up_again(database_url):
     from alembic import command
-
     from gradwatch.server.database import _alembic_config
 
     engine = make_engine(database_url)

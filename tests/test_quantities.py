@@ -3,13 +3,12 @@
 import math
 import random
 
+import gradwatch
 import pytest
 import torch
+from gradwatch import _quantities as q
 from torch import nn
 from training import RecordingTransport, TinyNet, train
-
-import gradwatch
-from gradwatch import _quantities as q
 
 
 def _run(transport):

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from transformers import TrainerCallback
-
 import gradwatch
+from transformers import TrainerCallback
 
 
 class GradwatchCallback(TrainerCallback):
