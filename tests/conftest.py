@@ -111,6 +111,29 @@ def client(api_server):
         yield c
 
 
+# Debian's Chromium, headless, with nothing that would reach beyond 127.0.0.1.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+@pytest.fixture
+def browser_page(chromium_path):
+    """A Playwright page in headless Chromium; `page.problems` collects console errors, page errors
+    and dialogs (a dialog would mean injected script ran): tests end by asserting it is empty."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("dialog", lambda d: (problems.append(f"dialog opened: {d.message}"), d.dismiss()))
+        page.problems = problems
+        yield page
+        browser.close()
+
+
 @pytest.fixture(scope="session")
 def chromium_path() -> str:
     path = shutil.which(CHROMIUM) or (CHROMIUM if os.path.exists(CHROMIUM) else None)

@@ -12,26 +12,8 @@ from webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 WAIT_MS = 30_000  # the alerts list refreshes every 5 s
 HOSTILE = "<script>alert('x')</script><img src=x onerror=alert(1)>"
-
-
-@pytest.fixture
-def browser_page(chromium_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        page.on("dialog", lambda d: (problems.append(f"dialog opened: {d.message}"), d.dismiss()))
-        page.problems = problems
-        yield page
-        browser.close()
 
 
 def _param(page, scope: str, name: str):

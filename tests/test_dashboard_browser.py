@@ -8,25 +8,6 @@ from training import train
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-
-
-@pytest.fixture
-def browser_page(chromium_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        page.on("dialog", lambda d: (problems.append(f"dialog opened: {d.message}"), d.dismiss()))
-        page.problems = problems
-        yield page
-        browser.close()
-
 
 def _graph_has(page, graph_id: str, condition: str, timeout: float = 20_000) -> None:
     """Wait until the Plotly figure inside dcc.Graph `graph_id` satisfies a JS condition on `data`."""

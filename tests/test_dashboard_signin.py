@@ -4,12 +4,12 @@ browser-session cookie (never in the page), and signing out asks again."""
 
 import httpx
 import pytest
+from conftest import CHROMIUM_ARGS
 from gradwatch.server.auth import Tokens
 from gradwatch.server.database import make_engine
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 WAIT_MS = 20_000
 
 
