@@ -459,17 +459,17 @@ def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, A
         for (sid, bucket), parts in groups.items():
             batch[level, sid, bucket] = combine(parts)
     series_ids = sorted({sid for _, sid, _ in batch})
-    ranges, params = [], []
+    # One SELECT per level, joined by UNION ALL: each is an index range scan (an OR of the levels
+    # made SQLite scan every stored bucket of these series, a cost that grew with the run).
+    selects, params = [], []
     for level in range(1, LEVELS + 1):
         buckets = [bucket for lv, _, bucket in batch if lv == level]
-        ranges.append("(level = ? AND bucket >= ? AND bucket <= ?)")
-        params += [level, min(buckets), max(buckets)]
-    stored = _fetch(
-        executor,
-        f"SELECT level, series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN"
-        f" ({_in(series_ids)}) AND rank = ? AND ({' OR '.join(ranges)})",
-        [*series_ids, rank, *params],
-    )
+        selects.append(
+            f"SELECT level, series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN"
+            f" ({_in(series_ids)}) AND rank = ? AND level = ? AND bucket >= ? AND bucket <= ?"
+        )
+        params += [*series_ids, rank, level, min(buckets), max(buckets)]
+    stored = _fetch(executor, " UNION ALL ".join(selects), params)
     for level, sid, bucket, *summary in stored:
         mine = batch.get((level, sid, bucket))
         if mine is not None:
