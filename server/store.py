@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine, case, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -378,7 +378,11 @@ class Store:
                     values["last_step"] = func.max(func.coalesce(Run.last_step, -1), last_step)
                 else:
                     values["last_step"] = func.greatest(func.coalesce(Run.last_step, -1), last_step)
-            if batch.status is not None:
+            if batch.status == "finished":
+                # In a distributed run the last rank to end sets the status: one rank's crash must
+                # not be overwritten by another rank finishing normally.
+                values["status"] = case((Run.status == "crashed", "crashed"), else_="finished")
+            elif batch.status is not None:
                 values["status"] = batch.status
             session.execute(update(Run).where(Run.id == run_id).values(**values))
             for hook in self.after_ingest:

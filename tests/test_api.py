@@ -354,3 +354,14 @@ def test_deleting_a_run_while_its_agents_write_leaves_no_orphan_rows(database_ur
         for table in ("points", "point_rollups", "series", "agent_batches"):
             assert connection.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0, table
     engine.dispose()
+
+
+def test_a_rank_that_crashed_keeps_the_run_crashed_when_other_ranks_finish(client):
+    run = _create(client)
+    url = f"/api/v1/runs/{run['id']}/batches"
+    assert client.post(url, json={"seq": 1, "rank": 1, "status": "crashed"}).status_code == 200
+    assert client.post(url, json={"seq": 1, "rank": 0, "status": "finished"}).status_code == 200
+    assert client.get(f"/api/v1/runs/{run['id']}").json()["status"] == "crashed"
+    other = _create(client)
+    client.post(f"/api/v1/runs/{other['id']}/batches", json={"seq": 1, "status": "finished"})
+    assert client.get(f"/api/v1/runs/{other['id']}").json()["status"] == "finished"
