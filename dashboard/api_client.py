@@ -128,6 +128,11 @@ class ApiClient:
         body = self._request("GET", "/api/v1/runs", params)
         return list(body.get("data", [])), int(body.get("count", 0))
 
+    def ranks(self, run_id: str) -> Json:
+        """A distributed run's ranks: {"data": [{rank, host, gradients, status, batches, last_seen…}],
+        "world_size", "gradients"} (GET /api/v1/runs/{id}/ranks)."""
+        return self._request("GET", _run_path(run_id, "ranks"), run_id=run_id)
+
     def get_run(self, run_id: str) -> Json:
         """One run: id, project, name, status, created_at, last_step, summary… (GET /api/v1/runs/{id})."""
         return self._request("GET", _run_path(run_id), run_id=run_id)

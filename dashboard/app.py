@@ -396,6 +396,8 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             )
             calls["events"] = lambda: api.events(run_id)
             calls["alerts"] = lambda: run_alerts(run_id)
+            if _world_size(run) > 1:
+                calls["ranks"] = lambda: api.ranks(run_id)
             fetched = fetch_all(calls)
             events, event_count = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
@@ -409,16 +411,17 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             # Keep what is drawn and keep polling: the server may be restarting.
             return (error_banner(exc), *[dash.no_update] * 5, False, False, dash.no_update, dash.no_update)
         health = {name: _latest(fetched["health/" + name]) for name in AGENT_HEALTH_KEYS}
+        ranks = fetched.get("ranks")
         alerts, alerts_error = fetched["alerts"]
         timeline = _events_table(events, event_count, alerts, alerts_error)
         if appended is not None:
             charts, scale_data, new_cursor = appended
-            return (_run_header(run, health), *charts, timeline, ended, ended, scale_data, new_cursor)
+            return (_run_header(run, health, ranks), *charts, timeline, ended, ended, scale_data, new_cursor)
         marker = figures.step_marker_shapes(selected_step)
         drawn = {name: fetched[name] for name in SERIES_KEYS}
         charts = _line_charts(drawn, skips, run_id)
         return (
-            _run_header(run, health),
+            _run_header(run, health, ranks),
             *(keep_view(_with_shapes(figure, marker)) for figure in charts.values()),
             timeline,
             ended,
@@ -1032,7 +1035,23 @@ def _run_page(
     )
 
 
-def _run_header(run: dict[str, Any], health: dict[str, Any]) -> html.Div:
+def _world_size(run: dict[str, Any]) -> int:
+    size = (run.get("metadata") or {}).get("world_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else 1
+
+
+def _ranks_line(ranks: dict[str, Any]) -> html.Div:
+    """One chip per rank of a distributed run: rank, host and how it ended; a crashed rank in red."""
+    chips = []
+    for info in ranks.get("data") or []:
+        status = str(info.get("status") or "running")
+        text = f"rank {info.get('rank')} · {info.get('host') or '?'} · {status}"
+        chips.append(html.Span(text, className="rank-chip bad" if status == "crashed" else "rank-chip"))
+    title = f"{ranks.get('world_size') or len(chips)} ranks, gradients {ranks.get('gradients') or '?'}"
+    return html.Div([html.Span(title, className="health-title"), *chips], className="ranks-line", id="ranks-line")
+
+
+def _run_header(run: dict[str, Any], health: dict[str, Any], ranks: dict[str, Any] | None = None) -> html.Div:
     summary = run.get("summary") or {}
     facts = [
         ("project", str(run.get("project", ""))),
@@ -1056,6 +1075,8 @@ def _run_header(run: dict[str, Any], health: dict[str, Any]) -> html.Div:
     ]
     if any(value is not None for value in health.values()):
         children.append(_agent_health(health))
+    if ranks and ranks.get("data"):
+        children.append(_ranks_line(ranks))
     return html.Div(children, className="run-header")
 
 

@@ -291,6 +291,7 @@ class FakeApi:
         self.vectors = vectors if vectors is not None else {"grad/norm": GRAD_NORMS}
         self.events = events
         self.alerts = list(alerts)
+        self.ranks = {"data": [], "count": 0, "world_size": 1, "gradients": "local"}
         self.requests: list[httpx.Request] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -308,6 +309,8 @@ class FakeApi:
             key = request.url.params["key"]
             body = self.vectors.get(key, {"layers": [], "steps": [], "values": []})
             return httpx.Response(200, json={"key": key, "rank": 0, "downsampled": False, **body})
+        if path == run_path + "/ranks":
+            return httpx.Response(200, json=self.ranks)
         if path == run_path + "/histograms":
             layer = request.url.params["layer"]
             if layer not in LAYERS:
@@ -1817,3 +1820,22 @@ def test_runs_list_filters_by_status_and_tags_on_the_server():
     assert (["finished"], ["lora", "fp16"]) in asked  # unknown statuses dropped; tags split on , and spaces
     searched = refresh_runs(client, statuses=["running"], search="run-0")  # client-side search keeps the filter
     assert shown_names(searched) == ["run-00", "run-02", "run-04"] and asked[-1][0] == ["running"]
+
+
+def test_a_distributed_run_shows_its_ranks_and_a_crashed_one_stands_out(fake_api):
+    single = create_dash_app("http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api)))
+    assert "ranks-line" not in json.dumps(refresh(single.server.test_client())["run-header"])
+    assert not [r for r in fake_api.requests if r.url.path.endswith("/ranks")]  # not asked for one process
+
+    fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
+    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2, "data": [
+        {"rank": 0, "host": "node-a", "status": "finished", "batches": 10},
+        {"rank": 1, "host": "<b>node-b</b>", "status": "crashed", "batches": 4},
+    ]}
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
+    ).server.test_client()
+    header = json.dumps(refresh(client)["run-header"], ensure_ascii=False)
+    assert "2 ranks, gradients sharded" in header
+    assert "rank 0 \u00b7 node-a \u00b7 finished" in header
+    assert "rank 1 \u00b7 <b>node-b</b> \u00b7 crashed" in header and "rank-chip bad" in header  # text, flagged
