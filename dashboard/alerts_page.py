@@ -796,12 +796,7 @@ def _alert_row(alert: dict[str, Any], rules: dict[Any, dict[str, Any]], run_href
     evidence = alert.get("evidence") if isinstance(alert.get("evidence"), dict) else {}
     action: Any = None
     if state == "open" and isinstance(alert.get("id"), int):
-        action = html.Button(
-            "Acknowledge",
-            id={"type": "alert-ack", "alert": alert["id"]},
-            className="button small",
-            n_clicks=0,
-        )
+        action = _row_button("Acknowledge", {"type": "alert-ack", "alert": alert["id"]})
     resolved = format_time(alert.get("resolved_at"))
     if isinstance(alert.get("resolved_step"), int):
         resolved += f" (step {format_step(alert['resolved_step'])})"
@@ -880,24 +875,9 @@ def rules_table(rules: list[dict[str, Any]]) -> Any:
                     ),
                     html.Td(
                         [
-                            html.Button(
-                                "Edit",
-                                id={"type": "rule-edit", "rule": rule_id},
-                                className="button small",
-                                n_clicks=0,
-                            ),
-                            html.Button(
-                                "Disable" if enabled else "Enable",
-                                id={"type": "rule-toggle", "rule": rule_id, "enable": not enabled},
-                                className="button small",
-                                n_clicks=0,
-                            ),
-                            html.Button(
-                                "Delete",
-                                id={"type": "rule-delete", "rule": rule_id},
-                                className="button small danger",
-                                n_clicks=0,
-                            ),
+                            _row_button("Edit", {"type": "rule-edit", "rule": rule_id}),
+                            _row_button("Disable" if enabled else "Enable", {"type": "rule-toggle", "rule": rule_id, "enable": not enabled}),
+                            _row_button("Delete", {"type": "rule-delete", "rule": rule_id}, danger=True),
                         ],
                         className="actions",
                     ),
@@ -937,18 +917,8 @@ def webhooks_table(webhooks: list[dict[str, Any]], tests: dict[str, Any]) -> Any
                     ),
                     html.Td(
                         [
-                            html.Button(
-                                "Send test",
-                                id={"type": "webhook-test", "webhook": webhook_id},
-                                className="button small",
-                                n_clicks=0,
-                            ),
-                            html.Button(
-                                "Delete",
-                                id={"type": "webhook-delete", "webhook": webhook_id},
-                                className="button small danger",
-                                n_clicks=0,
-                            ),
+                            _row_button("Send test", {"type": "webhook-test", "webhook": webhook_id}),
+                            _row_button("Delete", {"type": "webhook-delete", "webhook": webhook_id}, danger=True),
                         ],
                         className="actions",
                     ),
@@ -957,3 +927,9 @@ def webhooks_table(webhooks: list[dict[str, Any]], tests: dict[str, Any]) -> Any
             )
         )
     return html.Table([header, html.Tbody(rows)], className="table webhooks")
+
+
+def _row_button(label: str, component_id: dict[str, Any], danger: bool = False) -> html.Button:
+    """A small action button of a table row (Acknowledge, Edit, Delete…), told apart by its id."""
+    return html.Button(label, id=component_id, className="button small danger" if danger else "button small",
+                       n_clicks=0)
