@@ -128,6 +128,16 @@ class ApiClient:
         body = self._request("GET", "/api/v1/runs", params)
         return list(body.get("data", [])), int(body.get("count", 0))
 
+    def combined_series(
+        self, run_id: str, key: str, *, max_points: int = MAX_SERIES_POINTS, start: int | None = None
+    ) -> Json:
+        """One key combined over a distributed run's ranks (sharded norms: sqrt of the sum of squares),
+        shaped like series(): {"key", "steps", "values", "downsampled", "per_rank", …}."""
+        params: dict[str, Any] = {"key": key, "max_points": max_points, "combine": "auto"}
+        if start is not None:
+            params["start"] = start
+        return self._request("GET", _run_path(run_id, "ranks", "series"), params, run_id=run_id)
+
     def ranks(self, run_id: str) -> Json:
         """A distributed run's ranks: {"data": [{rank, host, gradients, status, batches, last_seen…}],
         "world_size", "gradients"} (GET /api/v1/runs/{id}/ranks)."""

@@ -69,6 +69,8 @@ SERIES_KEYS = {
     "lr": "lr",
 }
 SAFE_BAND_SERIES = ("safe_min", "safe_max")
+# Drawn from GET /runs/{id}/ranks/series (combined over the ranks) when a run's gradients are sharded.
+COMBINED_WHEN_SHARDED = ("grad_norm", "grad_norm_post_clip")
 AGENT_HEALTH_KEYS = {
     "queued": "agent/queued",
     "sent": "agent/sent",
@@ -387,7 +389,10 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             starts = None if ended or not live.can_append(cursor, run_id) else live_starts(cursor)
             last_step = run.get("last_step") if isinstance(run.get("last_step"), int) else 0
             health_start = max(0, last_step - HEALTH_WINDOW_STEPS)
-            calls = series_calls(run_id, starts)
+            # A sharded run's ranks each measure their own shard: its global norm is theirs combined.
+            ranks = api.ranks(run_id) if _world_size(run) > 1 else None
+            sharded = bool(ranks) and ranks.get("gradients") == "sharded"
+            calls = series_calls(run_id, starts, sharded)
             calls.update(
                 {
                     "health/" + name: (lambda key=key: api.series(run_id, key, start=health_start))
@@ -396,14 +401,12 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             )
             calls["events"] = lambda: api.events(run_id)
             calls["alerts"] = lambda: run_alerts(run_id)
-            if _world_size(run) > 1:
-                calls["ranks"] = lambda: api.ranks(run_id)
             fetched = fetch_all(calls)
             events, event_count = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
             appended = None if starts is None else append_new_points(cursor, fetched, skips)
             if starts is not None and appended is None:
-                fetched.update(fetch_all(series_calls(run_id, None)))
+                fetched.update(fetch_all(series_calls(run_id, None, sharded)))
         except RunNotFound:
             header = error_banner(f"Run “{run_id}” no longer exists.")
             return (header, *[dash.no_update] * 5, True, True, dash.no_update, dash.no_update)
@@ -411,7 +414,6 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             # Keep what is drawn and keep polling: the server may be restarting.
             return (error_banner(exc), *[dash.no_update] * 5, False, False, dash.no_update, dash.no_update)
         health = {name: _latest(fetched["health/" + name]) for name in AGENT_HEALTH_KEYS}
-        ranks = fetched.get("ranks")
         alerts, alerts_error = fetched["alerts"]
         timeline = _events_table(events, event_count, alerts, alerts_error)
         if appended is not None:
@@ -433,12 +435,16 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
         return live.fetch_starts(cursor, SERIES_KEYS, inclusive=SAFE_BAND_SERIES)
 
-    def series_calls(run_id: str, starts: dict[str, int] | None) -> dict[str, Callable[[], Any]]:
-        """The line charts' series: whole (downsampled by the server), or from `starts` on."""
+    def series_calls(
+        run_id: str, starts: dict[str, int] | None, sharded: bool = False
+    ) -> dict[str, Callable[[], Any]]:
+        """The line charts' series: whole (downsampled by the server), or from `starts` on. With
+        sharded gradients the global norms are the ranks' combined (rank 0 alone has its shard's)."""
         calls: dict[str, Callable[[], Any]] = {}
         for name, key in SERIES_KEYS.items():
             start = None if starts is None else starts[name]
-            calls[name] = lambda key=key, start=start: api.series(run_id, key, start=start)
+            fetch = api.combined_series if sharded and name in COMBINED_WHEN_SHARDED else api.series
+            calls[name] = lambda key=key, start=start, fetch=fetch: fetch(run_id, key, start=start)
         return calls
 
     def run_alerts(run_id: str) -> tuple[list[dict[str, Any]], ApiError | None]:

@@ -292,6 +292,7 @@ class FakeApi:
         self.events = events
         self.alerts = list(alerts)
         self.ranks = {"data": [], "count": 0, "world_size": 1, "gradients": "local"}
+        self.combined: dict = {}  # key -> {"steps", "values"} from /ranks/series
         self.requests: list[httpx.Request] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -311,6 +312,10 @@ class FakeApi:
             return httpx.Response(200, json={"key": key, "rank": 0, "downsampled": False, **body})
         if path == run_path + "/ranks":
             return httpx.Response(200, json=self.ranks)
+        if path == run_path + "/ranks/series":
+            key = request.url.params["key"]
+            body = self.combined.get(key, {"steps": [], "values": []})
+            return httpx.Response(200, json={"key": key, "combine": "l2", "downsampled": False, **body})
         if path == run_path + "/histograms":
             layer = request.url.params["layer"]
             if layer not in LAYERS:
@@ -1839,3 +1844,19 @@ def test_a_distributed_run_shows_its_ranks_and_a_crashed_one_stands_out(fake_api
     assert "2 ranks, gradients sharded" in header
     assert "rank 0 \u00b7 node-a \u00b7 finished" in header
     assert "rank 1 \u00b7 <b>node-b</b> \u00b7 crashed" in header and "rank-chip bad" in header  # text, flagged
+
+
+def test_a_sharded_run_draws_its_global_norm_combined_over_the_ranks(fake_api):
+    fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
+    fake_api.series["grad/global_norm"] = {"steps": [0, 1, 2], "values": [0.3, 0.4, 0.5]}  # rank 0's shard
+    fake_api.combined["grad/global_norm"] = {"steps": [0, 1, 2], "values": [1.0, 1.1, 1.2]}
+    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2,
+                      "data": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]}
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
+    ).server.test_client()
+    norms = apply_patch(refresh(client)["grad-norm-graph"]["figure"])
+    assert norms["data"][0]["y"] == [1.0, 1.1, 1.2]  # the combined norm, not rank 0's shard
+    fake_api.ranks["gradients"] = "replicated"  # DDP: every rank has the whole gradient
+    norms = apply_patch(refresh(client)["grad-norm-graph"]["figure"])
+    assert norms["data"][0]["y"] == [0.3, 0.4, 0.5]
