@@ -256,18 +256,7 @@ class ApiClient:
         """What the current token may do: {"open", "project", "scope"} (GET /api/v1/auth/whoami);
         ApiError with status_code 401 when the server needs a token and has none or a bad one.
         token: check this token instead of the current one (signing in)."""
-        if token is None:
-            return self._request("GET", "/api/v1/auth/whoami")
-        try:
-            response = self._client.get(
-                self.base_url + "/api/v1/auth/whoami", headers=self._headers | {"Authorization": f"Bearer {token}"}
-            )
-        except httpx.HTTPError as exc:
-            raise ApiUnavailable(f"gradwatch API at {self.base_url} did not answer: {exc}") from exc
-        if response.status_code >= 400:
-            detail = _detail(response)
-            raise ApiError(f"GET /api/v1/auth/whoami → {response.status_code}: {detail}", response.status_code, detail)
-        return response.json()
+        return self._request("GET", "/api/v1/auth/whoami", token=token)
 
     def rule_types(self) -> list[Json]:
         """The server's rule types: {"type", "severity", "description", "default_rule", "params":
@@ -340,11 +329,14 @@ class ApiClient:
         *,
         json: Json | None = None,
         run_id: str | None = None,
+        token: str | None = None,
     ) -> Json:
-        """One API call; the JSON object it answers ({} for 204 No Content), or an ApiError."""
+        """One API call; the JSON object it answers ({} for 204 No Content), or an ApiError.
+        token: send this one instead of the current person's (checking a token at sign-in)."""
         url = self.base_url + path
         headers = self._headers
-        token = self._token_provider() if self._token_provider is not None else None
+        if token is None and self._token_provider is not None:
+            token = self._token_provider()
         if token:
             headers = headers | {"Authorization": f"Bearer {token}"}
         try:

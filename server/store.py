@@ -347,11 +347,9 @@ class Store:
                 point_columns = ("series_id", "rank", "step", "value", "flag")
                 if appending:  # nothing stored at these steps: no conflict to check for
                     bulk.insert(session, Point.__table__, point_columns, point_rows)
-                else:
-                    bulk.upsert(session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows)
-                if appending:
                     rollups.merge_new_points(session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows])
                 else:
+                    bulk.upsert(session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows)
                     rollups.refresh_points(session, batch.rank, steps_by_series)
             if batch.events:
                 session.execute(
