@@ -2,8 +2,13 @@
 
 No function here synchronises with the device (no .item(), .tolist(), .cpu(), no data-dependent
 Python branching); each returns tensors that the StepBuffer later moves to the host in one transfer.
-Host-side derivations from the transferred values (fp16 fractions, safe-scale band) live at the
-bottom and run on the sender thread.
+Host-side derivations from the transferred values live at the bottom and run on the sender thread.
+
+On the device: layer_norms (grad/norm, param/norm, grad/global_norm), update_ratios (update/ratio),
+unchanged_counts (the counts behind update/rounded_away_frac), log2_histograms (grad/hist).
+On the host: fp16_fractions (grad/underflow_frac, grad/precision_loss_frac, grad/overflow_frac),
+zero_fraction (grad/zero_frac), rounded_away_fraction (update/rounded_away_frac), safe_scale_band
+(amp/safe_scale_min, amp/safe_scale_max).
 """
 
 from __future__ import annotations
@@ -69,6 +74,35 @@ class Snapshot:
 def snapshot(params: Sequence[Any]) -> Snapshot:
     """Take a Snapshot of `params` (one copy of the model: memory bounded by the model's size)."""
     return Snapshot(params)
+
+
+def unchanged_counts(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) -> Any:
+    """Per layer, [elements whose stored value did not change in the step although their gradient
+    was non-zero and finite, elements with a non-zero finite gradient]: an int64 tensor [layers, 2].
+
+    Exact equality of the stored values (W_after == W_before): for bf16/fp16 weights an update below
+    half an ulp of W is rounded away; for fp32 weights it is ~never. A layer without a gradient
+    (None, or a sparse one) gives [0, 0]. Call before update_ratios, which spends the snapshot.
+    Costs three elementwise passes per layer; meant for sampled steps.
+    """
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for p, g, copy in zip(params, grads, before.copies):
+            if g is None or g.layout != torch.strided:
+                rows.append(torch.zeros(2, dtype=torch.int64, device=copy.device))
+                continue
+            g = g.detach()
+            stepped = (g != 0) & torch.isfinite(g)
+            unchanged = (copy == p.detach()) & stepped
+            rows.append(torch.stack((unchanged.sum(), stepped.sum())))
+    device = before.norms.device
+    if not rows:
+        return torch.zeros(0, 2, dtype=torch.int64, device=device)
+    if len({row.device for row in rows}) > 1:  # model parallel: gather the counts on one device
+        rows = [row.to(device, non_blocking=True) for row in rows]
+    return torch.stack(rows)
 
 
 def update_ratios(params: Sequence[Any], before: Snapshot) -> Any:
@@ -163,6 +197,19 @@ def fp16_fractions(row: Sequence[float], scale: float) -> tuple[float, float, fl
         if _bin_lower_edge(column) * scale > FP16_MAX:
             overflow += count
     return underflow / counted, precision_loss / counted, overflow / counted
+
+
+def zero_fraction(row: Sequence[float]) -> float:
+    """Fraction of one layer's gradient elements that are zero (|g| < 2^-126: zero or an fp32
+    subnormal), from its histogram row; NaN when the row counts nothing (no gradient at all)."""
+    total = sum(row)
+    return row[ZERO_COLUMN] / total if total else math.nan
+
+
+def rounded_away_fraction(unchanged: float, stepped: float) -> float:
+    """Fraction of a layer's elements with a non-zero finite gradient whose stored value did not
+    change in the optimizer step (unchanged_counts' two columns); NaN when no element had one."""
+    return unchanged / stepped if stepped else math.nan
 
 
 def safe_scale_band(rows: Sequence[Sequence[float]]) -> tuple[float, float]:

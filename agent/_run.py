@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ._batches import BatchLog, normalize_ids
 from ._buffer import StepBuffer
 from ._distributed import ProcessIdentity, process_identity
 from ._errors import FeatureSwitch, GradwatchWarning
@@ -128,7 +129,9 @@ class Run:
         # Guarded once here, not per call: log() and the flush check run on every step.
         self._guarded_log = self.features.guarded("log")(self._log)
         self._guarded_flush = self.features.guarded("flush")(self._flush)
+        self._guarded_log_batch = self.features.guarded("log_batch")(self._log_batch)
         self.buffer = StepBuffer()
+        self._batches = BatchLog()
         self.flush_interval = flush_interval
         self.flush_every_steps = flush_every_steps
         self._last_flush_time = time.monotonic()
@@ -167,7 +170,8 @@ class Run:
         options (see WatchOptions): layer_norms_every=20, histograms_every=100, update_ratio_every=100
         param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput,
         histogram_ranks="auto" (distributed: rank 0 alone for replicated gradients, every rank for
-        sharded ones; "all"; or a collection of ranks).
+        sharded ones; "all"; or a collection of ranks), dense_start_steps=200 (during the first N
+        steps the sampled quantities are also taken every max(1, every // 5) steps; 0 = off).
         """
         from ._watch import Watcher, WatchOptions
 
@@ -187,6 +191,19 @@ class Run:
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         """Record scalars (numbers or one-element tensors, kept on their device) at `step`."""
         self._guarded_log(data, step)
+
+    def log_batch(self, ids: Any, step: int | None = None) -> None:
+        """Remember which samples the step trained on: an int, a str, or a sequence of ints/strs
+        (sample indices, file names, "shard:offset"…), or an integer tensor on the CPU.
+
+        Kept on the host only, for the last 1024 steps, at most 64 ids per step (a step logged
+        several times, e.g. once per micro-batch, keeps the first 64) and 200 characters per string;
+        nothing is sent per step. When the step's `loss` (run.log) or `amp/loss` (the losses passed
+        to scaler.scale) is NaN or infinite, a `bad_batch` event at that step names them (at most
+        100 such events per run). Without step= the ids attach to the current step, as log() does.
+        Bad ids are ignored with a GradwatchWarning.
+        """
+        self._guarded_log_batch(ids, step)
 
     def finish(self, timeout: float = 10.0, status: str = "finished") -> None:
         """Flush, send what is queued (for at most `timeout` s) and close. Safe to call twice.
@@ -256,6 +273,14 @@ class Run:
             self.buffer.add_scalar(str(key), at, value)
         self._maybe_flush()
 
+    def _log_batch(self, ids: Any, step: int | None) -> None:
+        try:
+            normalized = normalize_ids(ids)
+        except (TypeError, ValueError) as exc:
+            warnings.warn(f"gradwatch: log_batch() ignored its ids: {exc}", GradwatchWarning, stacklevel=3)
+            return
+        self._batches.add(self.step if step is None else int(step), normalized)
+
     def _after_step(self) -> None:
         self._maybe_flush()
 
@@ -276,7 +301,7 @@ class Run:
         if not len(self.buffer) and status is None:
             return
         self._record_device_memory()
-        packet = self.buffer.take([w.derive for w in self._watchers], status)
+        packet = self.buffer.take([*(w.derive for w in self._watchers), self._batches.derive], status)
         self._sender.submit(packet)
 
 

@@ -6,13 +6,27 @@ and handed to the run's StepBuffer; the user's own calls run exactly as before (
 propagate unchanged, ours never reach them).
 
 Where each signal comes from:
-- optimizer step pre/post hooks: step counting without a scaler; the parameter snapshot and update
-  ratio; for non-fused optimizers under a GradScaler, "the optimizer really stepped" — so a skipped
-  step is known on the host with no device sync, and only skipped steps pay for localisation.
-- GradScaler (wrapped on the instance): unscale_ (gradients are unscaled from here on), step (scale
-  used, found_inf for fused optimizers whose step always runs), update (scale after, growth tracker).
+- optimizer step pre/post hooks: step counting without a scaler; the parameter snapshot, update
+  ratio and rounded-away updates; for non-fused optimizers under a GradScaler, "the optimizer really
+  stepped" — so a skipped step is known on the host with no device sync, and only skipped steps pay
+  for localisation.
+- GradScaler (wrapped on the instance): scale (the unscaled loss of each micro-batch), unscale_
+  (gradients are unscaled from here on), step (scale used, found_inf for fused optimizers whose step
+  always runs), update (scale after, growth tracker), load_state_dict (a resumed scaler).
 - clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm
-  (not with sharded gradients: there it is already the global norm, computed by a collective).
+  (not with sharded gradients: there it is already the global norm, computed by a collective); its
+  max_norm is sent as grad/clip_max_norm.
+
+Keys recorded here. Every step: amp/scale, amp/skipped, amp/growth_tracker, amp/loss (mean of the
+losses passed to scaler.scale in the step) and amp/micro_batches (how many), grad/global_norm,
+grad/global_norm_post_clip and grad/clip_max_norm (when clipping), lr, lr/1…, perf/step_time,
+perf/samples_per_sec, perf/tokens_per_sec. Per layer on sampled steps (WatchOptions; denser during
+the first dense_start_steps): grad/norm, param/norm, update/ratio, update/rounded_away_frac,
+grad/hist and from it grad/zero_frac, grad/underflow_frac, grad/precision_loss_frac,
+grad/overflow_frac (with their grad/global_* scalars) and amp/safe_scale_min / amp/safe_scale_max.
+Once, when watching an fp16 run starts: param/max_abs (each layer's largest |weight|).
+Events: skip, no_gradient, scaler_state_loaded, scale_below_one, and the misuse kinds
+clip_before_unscale, bf16_model_in_fp16, weights_exceed_fp16 (bad_batch comes from the Run).
 
 Distributed (see _distributed): every quantity is computed from this rank's local tensors only (a
 DTensor's local shard), so watching adds no collective. With sharded gradients the per-rank norms are
@@ -39,7 +53,8 @@ if TYPE_CHECKING:
     from ._run import Run
 
 SCALE_BEFORE = "_amp/scale_before"  # agent-internal keys (leading "_") never leave the process
-CLIP_MAX_NORM = "_grad/clip_max_norm"
+UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
+CLIP_MAX_NORM = "grad/clip_max_norm"
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"
 MAX_LAYERS_IN_EVENT = 50
 
@@ -50,6 +65,11 @@ class WatchOptions:
 
     Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
     gradient norms every 20 steps; parameter norms, histograms and update ratios every 100.
+
+    dense_start_steps: during the first this many optimizer steps (default 200; 0 = off) each
+    sampled quantity is also taken every max(1, every // 5) steps, so that problems present from the
+    start (a detached layer, underflowing adapters, bf16 weights that never change) show within ~20
+    steps; the steady-state cost is unchanged.
 
     histogram_ranks: which ranks of a distributed job take the gradient histograms. "auto" (default):
     rank 0 alone when gradients are replicated (DDP: every rank would send the same counts), every
@@ -64,12 +84,16 @@ class WatchOptions:
     samples_per_step: int | None = None
     tokens_per_step: int | None = None
     histogram_ranks: str | tuple[int, ...] | frozenset[int] = "auto"
+    dense_start_steps: int = 200
 
     def __post_init__(self) -> None:
         for name in ("layer_norms_every", "param_norms_every", "histograms_every", "update_ratio_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a whole number of steps >= 0 (0 = off), got {value!r}")
+        dense = self.dense_start_steps
+        if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+            raise ValueError(f"dense_start_steps must be a whole number of steps >= 0 (0 = off), got {dense!r}")
         for name in ("samples_per_step", "tokens_per_step"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
@@ -97,9 +121,15 @@ class WatchOptions:
             return rank == 0 or layout != _distributed.REPLICATED
         return rank in self.histogram_ranks  # type: ignore[operator]
 
-    @staticmethod
-    def due(every: int, step: int) -> bool:
-        return every > 0 and step % every == 0
+    def due(self, every: int, step: int) -> bool:
+        """Whether a quantity sampled every `every` optimizer steps (one of the *_every options; 0 =
+        off) is taken at `step`: every `every` steps, and every max(1, every // 5) steps while
+        step < dense_start_steps."""
+        if every <= 0:
+            return False
+        if step < self.dense_start_steps:
+            every = max(1, every // 5)
+        return step % every == 0
 
 
 class Watcher:
@@ -142,6 +172,7 @@ class Watcher:
         self._last_step_end: float | None = None
         self._scale_below_one_reported = False
         self._misuse_reported: set[str] = set()
+        self._missing_reported: tuple[str, ...] = ()  # the layers without a gradient last reported
 
         # Guarded once here, not per call: the wrappers are on the step's path.
         guard = run.features.guarded("step observation")
@@ -153,8 +184,10 @@ class Watcher:
             self._wrap(self.scaler, "unscale_", after=self._after_unscale)
             self._wrap(self.scaler, "step", before=self._before_scaler_step, after=self._after_scaler_step)
             self._wrap(self.scaler, "update", after=self._after_update)
+            self._wrap(self.scaler, "scale", after=self._after_scale)
+            self._wrap(self.scaler, "load_state_dict", after=self._after_scaler_load)
         _clip.register(self)
-        self._check_setup(model)
+        guard(self._check_setup)(model)  # its observations go through the same buffer as the step's
         run.features.guarded("rank report")(self._report_rank)()
 
     def remove(self) -> None:
@@ -191,6 +224,8 @@ class Watcher:
         self._global_norm: Any = None
         self._optimizer_stepped = False
         self._snapshot: list[Any] | None = None
+        self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
+        self._loss_count = 0
 
     # -- gradient observations --------------------------------------------------------------------
 
@@ -219,8 +254,20 @@ class Watcher:
             per_layer = _quantities.layer_norms(grads, self._like)
             self.run.buffer.add_tensor("grad/norm", step, per_layer)
             self._global_norm = _quantities.global_norm(per_layer)
+            self._report_missing_gradients(grads)
         if self.histograms_here and options.due(options.histograms_every, step):
             self.run.buffer.add_tensor("grad/hist", step, _quantities.log2_histograms(grads, self._like))
+
+    def _report_missing_gradients(self, grads: list[Any]) -> None:
+        """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a
+        stray .detach() or an unused module: no gradient at all, as opposed to one of all zeros)."""
+        missing = tuple(name for name, grad in zip(self.layer_names, grads) if grad is None)
+        if missing == self._missing_reported:
+            return
+        self._missing_reported = missing
+        self.run.buffer.add_event(self.run.step, "no_gradient", {
+            "layers": list(missing[:MAX_LAYERS_IN_EVENT]), "count": len(missing),
+        })
 
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is self.optimizer:
@@ -249,7 +296,9 @@ class Watcher:
             return
         if self._global_norm is None and not self.partial_norms and type(total_norm) is self._torch.Tensor:
             self._global_norm = total_norm.detach()  # the user's own pre-clip norm, reused
-        self.run.buffer.add_scalar(CLIP_MAX_NORM, self.run.step, float(max_norm))
+        # The threshold as given: a number stays on the host, a tensor on its device (no sync).
+        threshold = max_norm if isinstance(max_norm, self._torch.Tensor) else float(max_norm)
+        self.run.buffer.add_scalar(CLIP_MAX_NORM, self.run.step, threshold)
 
     # -- optimizer hooks --------------------------------------------------------------------------
 
@@ -262,15 +311,41 @@ class Watcher:
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
         step = self.run.step
         if self._snapshot is not None:
+            params = self._local_params()
+            # Counted before update_ratios, which turns the snapshot's copies into the differences.
             self.run.buffer.add_tensor(
-                "update/ratio", step, _quantities.update_ratios(self._local_params(), self._snapshot)
+                UNCHANGED_COUNTS, step, _quantities.unchanged_counts(params, self._grads(), self._snapshot)
             )
+            self.run.buffer.add_tensor("update/ratio", step, _quantities.update_ratios(params, self._snapshot))
             self._snapshot = None
         if self.scaler is None:
             self._finish_step()
             self.run._after_step()
 
     # -- GradScaler -------------------------------------------------------------------------------
+
+    def _after_scale(self, *args: Any, **kwargs: Any) -> None:
+        """Sum the one-element losses passed to scaler.scale this step (a device add, no sync): their
+        mean is amp/loss, as passed (a loss divided by the accumulation steps stays divided)."""
+        outputs = args[0] if args else kwargs.get("outputs")
+        if not isinstance(outputs, self._torch.Tensor) or outputs.numel() != 1:
+            return  # a list/tuple of losses, or not a loss: left alone
+        loss = outputs.detach().reshape(()).float()
+        if self._loss_sum is None:
+            self._loss_sum = loss  # read at the end of the step, after the mean's division
+        else:
+            self._loss_sum = self._loss_sum + loss.to(self._loss_sum.device, non_blocking=True)
+        self._loss_count += 1
+
+    def _after_scaler_load(self, *args: Any, **kwargs: Any) -> None:
+        """A `scaler_state_loaded` event: the steps after it are a new calibration, not a scale jump.
+        The scale is read from the state dict argument (host values), never from the device."""
+        state = args[0] if args else kwargs.get("state_dict")
+        data: dict[str, Any] = {}
+        scale = state.get("scale") if isinstance(state, dict) else None
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            data["scale"] = float(scale)
+        self.run.buffer.add_event(self.run.step, "scaler_state_loaded", data)
 
     def _before_scaler_step(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is not self.optimizer:
@@ -324,6 +399,9 @@ class Watcher:
             # point unscaled; unchanged since backward, as nothing clipped them).
             self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
         buffer.add_scalar("grad/global_norm", step, self._global_norm)
+        if self._loss_count:
+            buffer.add_scalar("amp/loss", step, self._loss_sum / self._loss_count)
+            buffer.add_scalar("amp/micro_batches", step, float(self._loss_count))
         if options.due(options.param_norms_every, step):
             buffer.add_tensor("param/norm", step, _quantities.layer_norms(self._local_params(), self._like))
         for i, group in enumerate(self.optimizer.param_groups):
@@ -367,12 +445,18 @@ class Watcher:
                 config_dtype=str(config_dtype),
                 bf16_parameters=bf16_params,
             )
-        local = [p for p in self._local_params() if p.numel()]
-        if local:
-            # Checked on the sender thread once the value has arrived: no device sync here.
+        local = self._local_params()
+        if any(p.numel() for p in local):
+            # Checked on the sender thread once the value has arrived: no device sync here. The per-layer
+            # maxima (param/max_abs, once) let the server name the layer likely to overflow fp16.
             with torch.no_grad():
-                largest = torch.stack([p.detach().abs().amax().float() for p in local]).amax()
-            self.run.buffer.add_scalar(MAX_ABS_WEIGHT, self.run.step, largest)
+                zero = torch.zeros((), dtype=torch.float32, device=self._like.device)
+                per_layer = torch.stack([
+                    p.detach().abs().amax().float().to(zero.device, non_blocking=True) if p.numel() else zero
+                    for p in local
+                ])
+            self.run.buffer.add_tensor("param/max_abs", self.run.step, per_layer)
+            self.run.buffer.add_scalar(MAX_ABS_WEIGHT, self.run.step, per_layer.amax())
 
     def _report_rank(self) -> None:
         """A distributed run's "rank" event: who this rank is and how its gradients are laid out
@@ -405,8 +489,9 @@ class Watcher:
     # -- host side, on the sender thread ----------------------------------------------------------
 
     def derive(self, resolved: Resolved) -> None:
-        """Host-side quantities from the transferred values: skip events, fp16 fractions, the
-        safe-scale band, post-clip norm, scale-below-1 events; drops update ratios of skipped steps."""
+        """Host-side quantities from the transferred values: skip events, fp16 and zero fractions,
+        rounded-away updates, the safe-scale band, post-clip norm, scale-below-1 events; drops the
+        update ratios and rounded-away fractions of skipped steps."""
         scalars, vectors = resolved.scalars, resolved.vectors
         resolved.layers = self.layer_names
         for step, largest in scalars.get(MAX_ABS_WEIGHT, []):
@@ -430,6 +515,13 @@ class Watcher:
             resolved.events.append({"step": step, "kind": "skip", "data": data})
         if "update/ratio" in vectors and skipped_steps:
             vectors["update/ratio"] = [(s, v) for s, v in vectors["update/ratio"] if s not in skipped_steps]
+        rounded_away = [
+            (step, [_quantities.rounded_away_fraction(unchanged, stepped) for unchanged, stepped in rows])
+            for step, rows in resolved.matrices.get(UNCHANGED_COUNTS, [])
+            if step not in skipped_steps
+        ]
+        if rounded_away:
+            vectors["update/rounded_away_frac"] = rounded_away
         if not self._scale_below_one_reported:
             for step, value in scalars.get("amp/scale", []):
                 if value < 1.0:
@@ -452,6 +544,9 @@ class Watcher:
     def _derive_fp16_fractions(self, resolved: Resolved, scale_at: dict[int, float]) -> None:
         histograms = resolved.matrices.get("grad/hist", [])
         for step, rows in histograms:
+            resolved.vectors.setdefault("grad/zero_frac", []).append(
+                (step, [_quantities.zero_fraction(row) for row in rows])
+            )
             scale = scale_at.get(step, 1.0) if self.scaler is not None else None
             if scale is None:
                 continue

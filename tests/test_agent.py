@@ -182,9 +182,10 @@ def test_watch_removes_every_wrapper_on_finish():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = _run().watch(model, optimizer, scaler=scaler)
-    assert "step" in vars(scaler)
+    wrapped = {"scale", "unscale_", "step", "update", "load_state_dict"}
+    assert wrapped <= set(vars(scaler))
     run.finish()
-    assert not {"step", "update", "unscale_"} & set(vars(scaler))
+    assert not wrapped & set(vars(scaler))
 
 
 def test_offline_mode_writes_a_spool_file(tmp_path, monkeypatch):

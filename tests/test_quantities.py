@@ -204,7 +204,9 @@ def test_throughput_from_samples_per_step():
     assert rates and all(rates[s] == pytest.approx(8 / times[s]) for s in rates)
 
 
-@pytest.mark.parametrize("bad", [{"layer_norms_every": -1}, {"histograms_every": 1.5}, {"samples_per_step": 0}])
+@pytest.mark.parametrize("bad", [
+    {"layer_norms_every": -1}, {"histograms_every": 1.5}, {"samples_per_step": 0}, {"dense_start_steps": -5},
+])
 def test_watch_options_are_validated(bad):
     run = _run(RecordingTransport())
     with pytest.raises(ValueError, match=next(iter(bad))):
