@@ -71,11 +71,17 @@ class _BodyTooLarge(Exception):
 def _alerts(settings: Settings, store: Store) -> tuple[OutboxWorker | None, AlertService]:
     """The alert engine hooked into ingest, the API's alert service and (optionally) the delivery worker."""
     worker: OutboxWorker | None = None
-    engine = AlertEngine(settings.public_url)
+    engine = AlertEngine(
+        settings.public_url, group_wait_steps=settings.incident_group_wait_steps,
+        group_wait_s=settings.incident_group_wait_s,
+    )
     if settings.alert_worker:
         worker = OutboxWorker(
             store.engine, settings,
-            periodic=((settings.heartbeat_check_interval_s, engine.check_heartbeats),),
+            periodic=(
+                (settings.heartbeat_check_interval_s, engine.check_heartbeats),
+                (settings.incident_check_interval_s, engine.notify_due_incidents),
+            ),
         )
         engine.on_enqueued = worker.wake
     store.after_ingest.append(engine.after_ingest)

@@ -271,6 +271,43 @@ class Alert(Base):
     resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     resolution_notified: Mapped[bool] = mapped_column(Boolean, default=False)
     acknowledged_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # migration 0005
+    incident_id: Mapped[int | None] = mapped_column(  # migration 0008
+        Integer, ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+
+
+class Incident(Base):
+    """Findings of one cause in one run, grouped (gradwatch.server.alerts.incidents): notified once,
+    updated as rules join or resolve, resolved as one. notify_step / notify_after: when the group wait
+    ends (the run reached that step, or that time passed); notified_at once it was sent."""
+
+    __tablename__ = "incidents"
+    __table_args__ = (Index(None, "run_id", "status"), Index(None, "project", "created_at"),
+                      Index(None, "notified_at", "status"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(String(200))
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
+    family: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # open | resolved
+    severity: Mapped[str] = mapped_column(String(16))
+    cause_key: Mapped[str] = mapped_column(String(64))
+    title: Mapped[str] = mapped_column(String(500))
+    cause: Mapped[str] = mapped_column(Text)
+    next_steps_json: Mapped[str] = mapped_column(Text, default="[]")
+    rules_json: Mapped[str] = mapped_column(Text, default="[]")
+    layers_json: Mapped[str] = mapped_column(Text, default="[]")  # the layers the diagnosis names
+    findings_json: Mapped[str] = mapped_column(Text, default="[]")
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    notify_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    notify_after: Mapped[float | None] = mapped_column(Float, nullable=True)
+    notified_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    link: Mapped[str] = mapped_column(String(1000))
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Webhook(Base):
@@ -285,6 +322,7 @@ class Webhook(Base):
     secret: Mapped[str | None] = mapped_column(String(500), nullable=True)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[float] = mapped_column(Float)
+    send_resolved: Mapped[bool] = mapped_column(Boolean, default=False)  # migration 0008
 
 
 class Delivery(Base):
@@ -301,7 +339,10 @@ class Delivery(Base):
     alert_id: Mapped[int | None] = mapped_column(
         Integer, ForeignKey("alerts.id", ondelete="CASCADE"), nullable=True
     )
-    event: Mapped[str] = mapped_column(String(32))  # alert.firing | alert.resolved | test
+    incident_id: Mapped[int | None] = mapped_column(  # migration 0008
+        Integer, ForeignKey("incidents.id", ondelete="CASCADE"), nullable=True
+    )
+    event: Mapped[str] = mapped_column(String(32))  # incident.firing | incident.resolved | test
     payload: Mapped[str] = mapped_column(Text)  # the exact body sent, rendered once at enqueue time
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -383,10 +383,62 @@ class AlertOut(BaseModel):
     created_at: str | None
     resolved_at: str | None
     acknowledged_at: str | None = Field(default=None, description="when someone acknowledged it, if anyone did")
+    incident_id: int | None = Field(default=None, description="the incident this alert is part of")
 
 
 class AlertList(BaseModel):
     data: list[AlertOut]
+    count: int
+
+
+class IncidentFinding(BaseModel):
+    rule: str
+    title: str
+    step: int
+    last_step: int | None = None
+    severity: str
+    status: str | None = None
+    alert_id: int | None = None
+    evidence: dict[str, Any]
+
+
+class IncidentOut(BaseModel):
+    """Findings of one cause in one run, grouped and notified once (see gradwatch.server.alerts.incidents)."""
+
+    id: int
+    project: str
+    run_id: str
+    run_name: str
+    status: Literal["open", "resolved"]
+    severity: str
+    family: str = Field(description="precision | divergence | data | stalled | liveness")
+    cause_key: str
+    title: str = Field(description="a short headline")
+    cause: str = Field(description="the most likely cause, in one sentence")
+    next_steps: list[str] = Field(description="what to do, with numbers")
+    rules: list[str] = Field(description="the rule types that fired in this incident")
+    layers: list[str] = Field(default_factory=list, description="the layers the diagnosis names, most likely first")
+    findings: list[IncidentFinding]
+    first_step: int
+    last_step: int
+    resolved_step: int | None
+    link: str = Field(description="the run page at the incident's first step")
+    created_at: str | None
+    updated_at: str | None
+    resolved_at: str | None
+    notified_at: str | None = Field(description="when its one notification was sent (null: not yet, or never)")
+
+
+class IncidentList(BaseModel):
+    data: list[IncidentOut]
+    count: int
+
+
+class RunHealth(BaseModel):
+    """A run's verdict and its incidents, newest first."""
+
+    verdict: Literal["healthy", "warning", "critical"]
+    data: list[IncidentOut]
     count: int
 
 
@@ -400,6 +452,9 @@ class WebhookIn(BaseModel):
         default=None, description="signs each request: X-Gradwatch-Signature (HMAC-SHA256)"
     )
     enabled: bool = True
+    send_resolved: bool = Field(
+        default=False, description="also POST when an incident resolves (default: one notification per incident)"
+    )
 
 
 class WebhookOut(BaseModel):
@@ -409,6 +464,7 @@ class WebhookOut(BaseModel):
     format: str
     signed: bool = Field(description="true when the webhook has a secret (never returned)")
     enabled: bool
+    send_resolved: bool = False
     created_at: str
 
 

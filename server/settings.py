@@ -52,3 +52,8 @@ class Settings:
     outbox_backoff_base_s: float = 5.0  # retry n waits base * 2^(n-1) seconds…
     outbox_backoff_max_s: float = 1800.0  # …at most this
     heartbeat_check_interval_s: float = 30.0
+    # Incidents (alerts.incidents): findings that arrive while the run advances this many steps past an
+    # incident's first step, or within this many seconds, join its one notification.
+    incident_group_wait_steps: int = 10
+    incident_group_wait_s: float = 5.0
+    incident_check_interval_s: float = 1.0

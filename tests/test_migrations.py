@@ -91,3 +91,34 @@ def test_foreign_database_is_refused(sqlite_url):
     with pytest.raises(SchemaError, match="no gradwatch schema version"):
         prepare_schema(engine, sqlite_url)
     engine.dispose()
+
+
+def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_url):
+    import json
+
+    from alembic import command
+    from gradwatch.server.alerts.rules import DEFAULT_RULES, make_rule
+    from gradwatch.server.database import _alembic_config
+
+    engine = make_engine(database_url)
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0007")
+        connection.execute(text("INSERT INTO alert_projects (project, created_at) VALUES ('old', 0)"))
+        for rule_type, params in (("skip_storm", {"count": 10, "window": 100, "ignore_first": 50}),
+                                  ("scale_drop", {"factor": 8.0, "window": 100})):
+            connection.execute(text(
+                "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps, created_at, "
+                "updated_at) VALUES ('old', :type, :type, :params, true, 100, 0, 0)"
+            ), {"type": rule_type, "params": json.dumps(params)})
+        command.upgrade(config, "head")
+        rows = connection.execute(text("SELECT type, params_json FROM alert_rules WHERE project = 'old'")).all()
+    by_type = {rule_type: json.loads(params) for rule_type, params in rows}
+    assert set(by_type) == set(DEFAULT_RULES) - {"rank_disagreement", "heartbeat", "scale_floor", "non_finite"} | {
+        "skip_storm", "scale_drop"}
+    assert len(rows) == len(by_type)  # each type once
+    for rule_type, params in by_type.items():
+        assert make_rule(rule_type, params).values == params  # the migration's values are valid, complete
+    assert by_type["skip_storm"] == {"count": 4, "window": 50, "ignore_first": 0}
+    engine.dispose()

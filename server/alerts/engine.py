@@ -1,5 +1,5 @@
 """The alert engine: feeds each stored batch to the rules of its run, inside the ingest transaction,
-and turns findings into alerts and outbox deliveries.
+turns findings into alerts, and alerts into incidents (incidents.py), which are what is notified.
 
 Exactly once per batch: Store.ingest calls after_ingest() only for a batch it has not seen, in the
 same transaction that stores it, so a crash loses both or neither. Evaluator state lives per
@@ -20,11 +20,11 @@ from sqlalchemy import event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Delivery, Event, Run, Webhook
+from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Event, Run
 from ..schemas import BatchIn
 from ..store import dump_json
-from .rules import CLEAR, DEFAULT_RULES, RULE_TYPES, Finding, RuleType, StepData, make_rule
-from .webhooks import render
+from .incidents import Incidents
+from .rules import CLEAR, DEFAULT_RULES, MISUSE_EVENTS, RULE_TYPES, Finding, RuleType, StepData, make_rule
 
 __all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
 
@@ -56,10 +56,31 @@ HINTS = {
     "exited (e.g. DeepSpeed's 'Current loss scale already at minimum'). Check its logs.",
     "rank_disagreement": "Ranks disagree on skipping a step, so their weights diverge: their found-inf checks are "
     "not synchronised. With FSDP use ShardedGradScaler; every rank must unscale_/step the same optimizer.",
+    "scaler_calibration": "The GradScaler never finds a working scale: a layer overflows fp16 whatever the scale "
+    "(often a model trained in bf16, or activations beyond 65504). Train in bf16 or keep that layer in fp32.",
+    "loss_non_finite": "The loss is NaN/Inf before any scaling: a bad sample or an unstable op in the forward pass "
+    "(log of 0, division by 0). Drop the batch named in the evidence (log ids with run.log_batch) and check the loss.",
+    "misuse": "A setup mistake: follow the fix named in the evidence.",
+    "loss_spike": "The loss jumped and stays up: lower the learning rate by half and rewind to the checkpoint before "
+    "the spike; look for an lr change just before it.",
+    "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the config.",
+    "clip_saturation": "The clip fires on every step, so it sets the step size: with gradient accumulation divide "
+    "the loss by the number of micro-batches; otherwise raise max_norm or lower the learning rate.",
+    "clip_saturation_accumulation": "Each step accumulates several micro-batches and the clip fires every time: "
+    "divide the loss by the number of micro-batches before backward.",
+    "dead_layers": "Layers get no gradient: a .detach(), torch.no_grad() or unused branch cuts them off the loss.",
+    "dead_layers_none": "These layers' .grad stays None: a .detach(), torch.no_grad() or an unused branch cuts them "
+    "off the loss. Freeze them on purpose with requires_grad_(False), or find the detach.",
+    "dead_layers_zero": "These layers' gradients are exactly zero: a multiplication by zero, dead ReLUs, or fp16 "
+    "underflow (with a GradScaler).",
+    "not_learning": "Weights stop changing: updates are rounded away (weights stored in bf16/fp16; keep fp32 master "
+    "weights) or the learning rate is 0.",
 }
-# Misuse the agent reports as events; when a run has one, its hint comes first in the rules it explains.
-MISUSE_EVENTS = ("clip_before_unscale", "bf16_model_in_fp16", "weights_exceed_fp16")
-_EXPLAINED_BY_MISUSE = {"scale_drop", "skip_storm", "scale_floor", "non_finite", "no_scale_growth", "grad_norm_spike", "underflow"}
+# When a run has a misuse event, its hint comes first in the rules it explains.
+_EXPLAINED_BY_MISUSE = {
+    "scale_drop", "skip_storm", "scale_floor", "non_finite", "no_scale_growth", "grad_norm_spike", "underflow",
+    "scaler_calibration", "clip_saturation", "not_learning",
+}
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -85,6 +106,7 @@ def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
         "hint": alert.hint,
         "evidence": json.loads(alert.evidence_json),
         "link": alert.link,
+        "incident_id": alert.incident_id,
         "created_at": _iso(alert.created_at),
         "resolved_at": _iso(alert.resolved_at),
         "acknowledged_at": _iso(alert.acknowledged_at),
@@ -118,10 +140,17 @@ class AlertEngine:
     """Evaluates rules on ingest (after_ingest) and on the clock (check_heartbeats); records alerts
     and enqueues their webhook deliveries in the caller's transaction."""
 
-    def __init__(self, public_url: str, on_enqueued: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, public_url: str, on_enqueued: Callable[[], None] | None = None,
+        group_wait_steps: int = 10, group_wait_s: float = 5.0,
+    ) -> None:
         self.public_url = public_url.rstrip("/")
         self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
         self._projects_ready: set[str] = set()
+        self.incidents = Incidents(
+            self.link, lambda session, _rows: self.notify_after_commit(session),
+            group_wait_steps=group_wait_steps, group_wait_s=group_wait_s,
+        )
 
     # -- rules of a project -----------------------------------------------------------------------
 
@@ -171,39 +200,52 @@ class AlertEngine:
                 rules.append((row, make_rule(row.type, json.loads(row.params_json))))
             except (ValueError, TypeError):
                 logger.exception("gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type)
-        if not rules:
-            return
-        scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
-        vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
-            rule.key for _, rule in rules if "key" in rule.values
-        }
-        if batch.status is not None and batch.status != "running":
-            self._run_ended(session, run, [(row, rule) for row, rule in rules if rule.periodic])
-        steps = step_data(batch, scalar_keys, vector_keys)
-        if not steps:
-            return
-        layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
-        work = [(row, rule, fed) for row, rule in rules if (fed := [data for data in steps if rule.reads(data)])]
-        # Every state this batch needs, locked in one query (in rule order, the same in every process).
-        states = {
-            state.rule_id: state
-            for state in session.scalars(
-                select(AlertRuleState)
-                .where(AlertRuleState.rule_id.in_([row.id for row, _, _ in work]), AlertRuleState.run_id == run_id)
-                .order_by(AlertRuleState.rule_id)
-                .with_for_update()
-            )
-        } if work else {}
-        for row, rule, fed in work:
-            self._evaluate(session, run, row, rule, fed, layers, states.get(row.id))
+        ended = batch.status is not None and batch.status != "running"
+        touched: set[int] = set()
+        if rules:
+            scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
+            vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
+                rule.key for _, rule in rules if "key" in rule.values
+            }
+            if ended:
+                self._run_ended(session, run, [(row, rule) for row, rule in rules if rule.periodic], touched)
+            steps = step_data(batch, scalar_keys, vector_keys)
+            layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
+            # Steps grouped by what they hold: each rule is asked once per kind of step, not once per step.
+            kinds: dict[tuple[int, frozenset[str]], list[StepData]] = {}
+            for data in steps:
+                kinds.setdefault((data.rank, data.signature()), []).append(data)
+            work = []
+            for row, rule in rules:
+                wanted = [group for (rank, present), group in kinds.items() if rule.reads_signature(rank, present)]
+                if wanted:
+                    fed = wanted[0] if len(wanted) == 1 else sorted(
+                        (data for group in wanted for data in group), key=lambda d: (d.step, d.rank)
+                    )
+                    work.append((row, rule, fed[-1:] if rule.periodic else fed))  # the clock's rules: "alive"
+            # Every state this batch needs, locked in one query (in rule order, the same in every process).
+            states = {
+                state.rule_id: state
+                for state in session.scalars(
+                    select(AlertRuleState)
+                    .where(AlertRuleState.rule_id.in_([row.id for row, _, _ in work]), AlertRuleState.run_id == run_id)
+                    .order_by(AlertRuleState.rule_id)
+                    .with_for_update()
+                )
+            } if work else {}
+            for row, rule, fed in work:
+                self._evaluate(session, run, row, rule, fed, layers, states.get(row.id), touched)
+        self.incidents.refresh(session, run, touched, _last_step(batch), ended)
 
-    def _run_ended(self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]]) -> None:
+    def _run_ended(
+        self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]], touched: set[int]
+    ) -> None:
         """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
         for row, rule in periodic:
             state = self._load_state(session, row, rule, run.id)
             document = json.loads(state.state_json)
             if document["alert"] is not None:
-                self._resolve(session, run, document, run.last_step)
+                self._resolve(session, document, run.last_step, touched)
                 state.state_json = json.dumps(document)
                 state.updated_at = time.time()
 
@@ -221,41 +263,49 @@ class AlertEngine:
 
     def _evaluate(
         self, session: Session, run: Run, row: AlertRule, rule: RuleType, fed: list[StepData], layers: list[str],
-        state: AlertRuleState | None = None,
+        state: AlertRuleState | None, touched: set[int],
     ) -> None:
         if state is None:
             state = self._load_state(session, row, rule, run.id)
         document = json.loads(state.state_json)
         last = document["last"]
         verdicts = []
+        observe, evaluation = rule.observe, document["eval"]
         try:  # pure: a failing rule is logged and skipped, it never blocks ingest
             for data in fed:
                 rank = str(data.rank)
                 if data.step <= last.get(rank, -1):
                     continue  # a replayed or out-of-order step was evaluated already
                 last[rank] = data.step
-                verdicts.append((data.step, rule.observe(document["eval"], data, layers)))
+                verdict = observe(evaluation, data, layers)
+                if verdict is not None and (verdict is not CLEAR or document["alert"] is not None or verdicts):
+                    verdicts.append((data.step, verdict))
         except Exception:
             logger.exception("gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id)
             return
         for step, verdict in verdicts:
             if isinstance(verdict, Finding):
-                self._fire(session, run, row, rule, document, verdict)
+                self._fire(session, run, row, rule, document, verdict, touched)
             elif verdict is CLEAR and document["alert"] is not None:
-                self._resolve(session, run, document, step)
+                self._resolve(session, document, step, touched)
         state.state_json = json.dumps(document)
         state.updated_at = time.time()
 
     # -- alerts -----------------------------------------------------------------------------------
 
     def _fire(
-        self, session: Session, run: Run, row: AlertRule, rule: RuleType, document: dict[str, Any], finding: Finding
+        self, session: Session, run: Run, row: AlertRule, rule: RuleType, document: dict[str, Any], finding: Finding,
+        touched: set[int],
     ) -> None:
-        if document["alert"] is not None:  # de-duplicated: the open alert counts it
+        evidence = dump_json(finding.evidence | {"link": self.link(run.id, finding.step)})
+        if document["alert"] is not None:  # de-duplicated: the open alert counts it and shows the latest finding
             session.execute(
                 update(Alert).where(Alert.id == document["alert"])
-                .values(occurrences=Alert.occurrences + 1, last_step=finding.step)
+                .values(occurrences=Alert.occurrences + 1, last_step=finding.step, title=finding.title[:500],
+                        evidence_json=evidence)
             )
+            if document.get("incident") is not None:
+                touched.add(document["incident"])
             return
         previous = document.get("last_alert")
         fired = document.get("fired_step")
@@ -268,21 +318,26 @@ class AlertEngine:
             ).rowcount
             if reopened:
                 document["alert"] = previous
+                self.incidents.reopen(session, document.get("incident"))
+                if document.get("incident") is not None:
+                    touched.add(document["incident"])
                 return
         alert = Alert(
             rule_id=row.id, run_id=run.id, project=run.project, type=rule.name, severity=rule.severity,
             status="firing", open_key=_open_key(row.id, run.id), step=finding.step, last_step=finding.step,
             occurrences=1, title=finding.title[:500], hint=self._hint(session, run.id, rule.name, finding),
-            evidence_json=dump_json(finding.evidence | {"link": self.link(run.id, finding.step)}),
-            link=self.link(run.id, finding.step), created_at=time.time(), resolution_notified=False,
+            evidence_json=evidence, link=self.link(run.id, finding.step), created_at=time.time(),
+            resolution_notified=False,
         )
         session.add(alert)
         session.flush()
+        incident = self.incidents.attach(session, run, alert, rule.family)
         document["alert"] = document["last_alert"] = alert.id
+        document["incident"] = incident.id
         document["fired_step"] = finding.step
-        self._enqueue(session, alert, run, "alert.firing")
+        touched.add(incident.id)
 
-    def _resolve(self, session: Session, run: Run, document: dict[str, Any], step: int | None) -> None:
+    def _resolve(self, session: Session, document: dict[str, Any], step: int | None, touched: set[int]) -> None:
         alert = session.get(Alert, document["alert"])
         document["alert"] = None
         if alert is None or alert.status != "firing":
@@ -291,10 +346,10 @@ class AlertEngine:
         alert.open_key = None
         alert.resolved_at = time.time()
         alert.resolved_step = step
+        alert.resolution_notified = True  # incidents notify; an alert's own resolution is not sent
         session.flush()
-        if not alert.resolution_notified:
-            alert.resolution_notified = True
-            self._enqueue(session, alert, run, "alert.resolved")
+        if alert.incident_id is not None:
+            touched.add(alert.incident_id)
 
     def link(self, run_id: str, step: int | None) -> str:
         base = f"{self.public_url}/dashboard/runs/{run_id}"
@@ -316,22 +371,6 @@ class AlertEngine:
             if isinstance(hint, str) and kind not in causes:
                 causes[kind] = f"Likely cause ({kind.replace('_', ' ')}): {hint}"
         return " ".join([*causes.values(), base]).strip()
-
-    def _enqueue(self, session: Session, alert: Alert, run: Run, event_name: str) -> None:
-        webhooks = session.scalars(
-            select(Webhook).where(Webhook.project == run.project, Webhook.enabled.is_(True)).order_by(Webhook.id)
-        ).all()
-        if not webhooks:
-            return
-        document = alert_document(alert, run.name)
-        now = time.time()
-        for webhook in webhooks:
-            session.add(Delivery(
-                webhook_id=webhook.id, alert_id=alert.id, event=event_name,
-                payload=render(webhook.format, event_name, _json_ready(document)),
-                status="pending", attempts=0, next_attempt_at=now, created_at=now,
-            ))
-        self.notify_after_commit(session)
 
     def notify_after_commit(self, session: Session) -> None:
         if self.on_enqueued is not None and not session.info.get("gradwatch_notify"):
@@ -371,16 +410,25 @@ class AlertEngine:
                     f"no data for {silent / 60:.0f} min (last step {run.last_step})",
                     {"steps": [run.last_step], "last_seen": _iso(run.updated_at), "silent_s": round(silent, 1)},
                 )
-                self._fire(session, run, row, rule, document, finding)
+                touched: set[int] = set()
+                self._fire(session, run, row, rule, document, finding, touched)
                 state.state_json = json.dumps(document)
                 state.updated_at = now
+                self.incidents.refresh(session, run, touched, -1, ended=True)  # nothing more to wait for
                 opened += 1
         return opened
+
+    def notify_due_incidents(self, session: Session, now: float) -> int:
+        """The periodic task: incidents whose wall-clock group wait is over are notified."""
+        return self.incidents.notify_due(session, now)
+
+
+def _last_step(batch: BatchIn) -> int:
+    """The highest step a batch carries (its run has reached at least that)."""
+    steps = [max(s.steps) for s in batch.scalars if s.steps] + [max(v.steps) for v in batch.vectors if v.steps]
+    steps += [e.step for e in batch.events]
+    return max(steps, default=-1)
 
 
 def _open_key(rule_id: int, run_id: str) -> str:
     return f"{rule_id}/{run_id}"
-
-
-def _json_ready(document: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(dump_json(document))

@@ -13,10 +13,11 @@ from sqlalchemy.orm import Session
 
 from ..database import Transactions
 from ..errors import InvalidRequest, NotFound
-from ..models import Alert, AlertRule, AlertRuleState, Delivery, Run, Webhook
+from ..models import Alert, AlertRule, AlertRuleState, Delivery, Incident, Run, Webhook
 from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
 from ..settings import Settings
 from .engine import AlertEngine, alert_document
+from .incidents import incident_document, verdict
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
 from .webhooks import render, validate_url
 
@@ -178,13 +179,48 @@ class AlertService:
             run = session.get(Run, alert.run_id)
             return alert_document(alert, run.name if run else alert.run_id)
 
+    # -- incidents --------------------------------------------------------------------------------
+
+    def list_incidents(
+        self, project: str | None, run_id: str | None, status: str | None, limit: int, offset: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Incidents, newest first, and how many match before limit/offset."""
+        with self._transaction() as session:
+            query = select(Incident, Run.name).join(Run, Run.id == Incident.run_id)
+            if project is not None:
+                query = query.where(Incident.project == project)
+            if run_id is not None:
+                query = query.where(Incident.run_id == run_id)
+            if status is not None:
+                query = query.where(Incident.status == status)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.execute(query.order_by(Incident.id.desc()).limit(limit).offset(offset)).all()
+            return [incident_document(incident, name) for incident, name in rows], total
+
+    def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, str]:
+        """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
+        with self._transaction() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"run {run_id!r} does not exist")
+            rows = session.scalars(select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc())).all()
+            documents = [incident_document(incident, run.name) for incident in rows]
+            return documents[:limit], len(documents), verdict(documents)
+
+    def get_incident(self, incident_id: int) -> dict[str, Any]:
+        with self._transaction() as session:
+            incident = self._require(session, Incident, incident_id, "incident")
+            run = session.get(Run, incident.run_id)
+            return incident_document(incident, run.name if run else incident.run_id)
+
     # -- webhooks and deliveries ------------------------------------------------------------------
 
     @staticmethod
     def _webhook(row: Webhook) -> dict[str, Any]:
         return {
             "id": row.id, "project": row.project, "url": row.url, "format": row.format,
-            "signed": bool(row.secret), "enabled": row.enabled, "created_at": _iso(row.created_at),
+            "signed": bool(row.secret), "enabled": row.enabled, "send_resolved": row.send_resolved,
+            "created_at": _iso(row.created_at),
         }
 
     def create_webhook(self, webhook: WebhookIn) -> dict[str, Any]:
@@ -195,7 +231,7 @@ class AlertService:
         with self._transaction() as session:
             row = Webhook(
                 project=webhook.project, url=webhook.url, format=webhook.format, secret=webhook.secret,
-                enabled=webhook.enabled, created_at=time.time(),
+                enabled=webhook.enabled, send_resolved=webhook.send_resolved, created_at=time.time(),
             )
             session.add(row)
             session.flush()
@@ -224,12 +260,12 @@ class AlertService:
             webhook = self._require(session, Webhook, webhook_id, "webhook")
             now = time.time()
             sample = {
-                "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "rule_id": None,
-                "type": "test", "severity": "info", "status": "firing", "step": None, "last_step": None,
-                "resolved_step": None, "occurrences": 0, "title": "gradwatch test notification",
-                "hint": "Nothing to do: this checks that the webhook receives gradwatch alerts.",
-                "evidence": {}, "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
-                "created_at": _iso(now), "resolved_at": None,
+                "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "status": "open",
+                "severity": "info", "family": "test", "cause_key": "test", "title": "gradwatch test notification",
+                "cause": "Nothing to do: this checks that the webhook receives gradwatch incidents.",
+                "next_steps": [], "rules": [], "findings": [], "first_step": None, "last_step": None,
+                "resolved_step": None, "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
+                "created_at": _iso(now), "updated_at": _iso(now), "resolved_at": None, "notified_at": None,
             }
             delivery = Delivery(
                 webhook_id=webhook.id, alert_id=None, event="test", payload=render(webhook.format, "test", sample),

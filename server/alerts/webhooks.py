@@ -35,69 +35,100 @@ def validate_url(url: str, allowed_hosts: tuple[str, ...] | None = None) -> str:
     return url
 
 
-def _headline(event: str, alert: dict[str, Any]) -> str:
+def _headline(event: str, incident: dict[str, Any]) -> str:
     if event == "test":
         return "gradwatch test notification: this webhook works"
-    state = "RESOLVED" if event == "alert.resolved" else alert["severity"].upper()
-    return f"[{state}] {alert['project']}/{alert['run_name']}: {alert['title']}"
+    state = "RESOLVED" if event == "incident.resolved" else str(incident["severity"]).upper()
+    return f"[{state}] {incident['project']}/{incident['run_name']}: {incident['title']} ({_step_text(incident)})"
 
 
-def render(fmt: str, event: str, alert: dict[str, Any]) -> str:
-    """The request body (JSON text) for one event about one alert (a plain dict, as the API shows it)."""
+def render(fmt: str, event: str, incident: dict[str, Any]) -> str:
+    """The request body (JSON text) for one event about one incident (a plain dict, as the API shows it):
+    the headline, the one-sentence cause, the evidence with numbers and layers, the next steps, the link."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown webhook format {fmt!r}; use one of {', '.join(FORMATS)}")
-    headline = _headline(event, alert)
+    headline = _headline(event, incident)
     if fmt == "json":
-        body: dict[str, Any] = {"event": event, "text": headline, "alert": alert}
+        body: dict[str, Any] = {"event": event, "text": headline, "incident": incident}
     elif fmt == "slack":
-        body = {"text": headline, "blocks": _slack_blocks(event, headline, alert)}
+        body = {"text": headline, "blocks": _slack_blocks(event, headline, incident)}
     else:
-        body = {"content": headline[:2000], "embeds": [_discord_embed(event, alert)]}
+        body = {"content": headline[:2000], "embeds": [_discord_embed(event, incident)]}
     return json.dumps(body, allow_nan=False, separators=(",", ":"))
 
 
-def _step_text(alert: dict[str, Any]) -> str:
-    if alert.get("status") == "resolved" and alert.get("resolved_step") is not None:
-        return f"step {alert['step']} → resolved at step {alert['resolved_step']}"
-    return f"step {alert['step']}" if alert.get("step") is not None else "no step"
+def _step_text(incident: dict[str, Any]) -> str:
+    first, last = incident.get("first_step"), incident.get("last_step")
+    if first is None:
+        return "no step"
+    where = f"step {first}" if last in (None, first) else f"steps {first}-{last}"
+    if incident.get("status") == "resolved" and incident.get("resolved_step") is not None:
+        where += f", resolved at step {incident['resolved_step']}"
+    return where
 
 
-def _slack_blocks(event: str, headline: str, alert: dict[str, Any]) -> list[dict[str, Any]]:
+def _layers(incident: dict[str, Any]) -> list[str]:
+    names: list[str] = []
+    for finding in incident.get("findings") or []:
+        for name in (finding.get("evidence") or {}).get("layers") or []:
+            if name not in names:
+                names.append(str(name))
+    return names
+
+
+def _evidence_lines(incident: dict[str, Any], most: int = 6) -> list[str]:
+    return [f"{f['rule']} (step {f['step']}): {f['title']}" for f in (incident.get("findings") or [])[:most]]
+
+
+def _slack_blocks(event: str, headline: str, incident: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{headline}*"}}]
     if event == "test":
         return blocks
-    layers = alert.get("evidence", {}).get("layers") or []
+    blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": incident["cause"][:3000]}})
     fields = [
-        {"type": "mrkdwn", "text": f"*Rule*\n{alert['type']}"},
-        {"type": "mrkdwn", "text": f"*Where*\n{_step_text(alert)}"},
+        {"type": "mrkdwn", "text": "*Rules*\n" + ", ".join(incident.get("rules") or [])},
+        {"type": "mrkdwn", "text": f"*Where*\n{_step_text(incident)}"},
     ]
+    layers = _layers(incident)
     if layers:
         fields.append({"type": "mrkdwn", "text": "*Layers*\n" + ", ".join(f"`{name}`" for name in layers[:5])})
     blocks.append({"type": "section", "fields": fields})
-    blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"What to try: {alert['hint']}"}]})
+    evidence = _evidence_lines(incident)
+    if evidence:
+        blocks.append({"type": "section", "text": {"type": "mrkdwn",
+                                                   "text": ("*Evidence*\n" + "\n".join(f"• {line}" for line in evidence))[:3000]}})
+    steps = incident.get("next_steps") or []
+    if steps:
+        blocks.append({"type": "section", "text": {"type": "mrkdwn",
+                                                   "text": ("*Next steps*\n" + "\n".join(f"• {step}" for step in steps))[:3000]}})
     blocks.append({
         "type": "actions",
-        "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": alert["link"]}],
+        "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": incident["link"]}],
     })
     return blocks
 
 
-def _discord_embed(event: str, alert: dict[str, Any]) -> dict[str, Any]:
+def _discord_embed(event: str, incident: dict[str, Any]) -> dict[str, Any]:
     if event == "test":
         return {"title": "gradwatch test", "description": "This webhook receives gradwatch alerts.", "color": _COLORS["info"]}
-    color = _COLORS["resolved"] if event == "alert.resolved" else _COLORS.get(alert["severity"], _COLORS["warning"])
-    layers = alert.get("evidence", {}).get("layers") or []
+    color = _COLORS["resolved"] if event == "incident.resolved" else _COLORS.get(incident["severity"], _COLORS["warning"])
     fields = [
-        {"name": "Rule", "value": alert["type"], "inline": True},
-        {"name": "Where", "value": _step_text(alert), "inline": True},
+        {"name": "Rules", "value": (", ".join(incident.get("rules") or []) or "-")[:1024], "inline": True},
+        {"name": "Where", "value": _step_text(incident), "inline": True},
     ]
+    layers = _layers(incident)
     if layers:
         fields.append({"name": "Layers", "value": ", ".join(layers[:5])[:1024], "inline": False})
-    fields.append({"name": "What to try", "value": alert["hint"][:1024], "inline": False})
+    evidence = _evidence_lines(incident)
+    if evidence:
+        fields.append({"name": "Evidence", "value": "\n".join(evidence)[:1024], "inline": False})
+    steps = incident.get("next_steps") or []
+    if steps:
+        fields.append({"name": "Next steps", "value": "\n".join(f"• {step}" for step in steps)[:1024], "inline": False})
     return {
-        "title": alert["title"][:256],
-        "url": alert["link"],
-        "description": f"{alert['project']} / {alert['run_name']}",
+        "title": incident["title"][:256],
+        "url": incident["link"],
+        "description": f"{incident['project']} / {incident['run_name']}: {incident['cause']}"[:4096],
         "color": color,
         "fields": fields,
     }

@@ -14,7 +14,10 @@ from ..schemas import (
     AlertRulePatch,
     DeliveryList,
     DeliveryOut,
+    IncidentList,
+    IncidentOut,
     RuleTypeList,
+    RunHealth,
     WebhookIn,
     WebhookList,
     WebhookOut,
@@ -118,6 +121,43 @@ def acknowledge_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDe
     """Mark an alert as seen; it stays firing until its condition clears."""
     principal.require(alerts.get_alert(alert_id)["project"], "write", f"alert {alert_id}")
     return AlertOut(**alerts.acknowledge(alert_id))
+
+
+@router.get("/incidents")
+def list_incidents(
+    alerts: AlertsDep,
+    store: StoreDep,
+    principal: PrincipalDep,
+    project: str | None = None,
+    run_id: str | None = None,
+    status: Literal["open", "resolved"] | None = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> IncidentList:
+    """Incidents (alerts of one cause grouped, notified once), newest first, with cause and next steps."""
+    if run_id is not None:
+        authorize_run(store, principal, run_id, "read")
+    else:
+        project = principal.only_project(project)
+    records, total = alerts.list_incidents(project, run_id, status, limit, offset)
+    return IncidentList(data=[IncidentOut(**i) for i in records], count=total)
+
+
+@router.get("/incidents/{incident_id}")
+def get_incident(incident_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> IncidentOut:
+    incident = alerts.get_incident(incident_id)
+    principal.require(incident["project"], "read", f"incident {incident_id}")
+    return IncidentOut(**incident)
+
+
+@router.get("/runs/{run_id}/incidents")
+def run_incidents(
+    run_id: str, alerts: AlertsDep, store: StoreDep, principal: PrincipalDep, limit: Limit = 100
+) -> RunHealth:
+    """A run's verdict (healthy / warning / critical: the worst open incident) and its incidents."""
+    authorize_run(store, principal, run_id, "read")
+    records, total, verdict = alerts.run_health(run_id, limit)
+    return RunHealth(verdict=verdict, data=[IncidentOut(**i) for i in records], count=total)
 
 
 def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: RowId, scope: Scope) -> dict:

@@ -1,0 +1,272 @@
+"""Incidents: one cause, one notification (Prometheus Alertmanager's group_by / group_wait, per run).
+
+An alert that opens joins an open incident of its run when it is of the same family (rules.RuleType.
+family: precision, divergence, data, stalled, liveness) or starts within GROUP_WINDOW_STEPS of the
+incident's first step (an lr jump, the loss spike and the skip storm it causes are one incident);
+otherwise it opens a new incident. An incident is notified once, when its group wait ends: the run
+reached first_step + group_wait_steps, or group_wait_s passed with no data (a crashed run), or the run
+ended. By then the rules that fire together have joined, and diagnosis.diagnose() names the cause.
+Later findings update the incident without a new notification; it resolves when all its alerts have,
+and one that resolves before its notification was due is never sent (a blip, not an incident).
+
+Everything here runs in the caller's transaction (ingest, or the outbox worker's periodic task).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..models import Alert, Delivery, Event, Incident, Point, Run, Series, VectorPoint, Webhook
+from ..store import decode_float, dump_json, unpack
+from .diagnosis import RunContext, diagnose
+from .rules import MISUSE_EVENTS, RULE_TYPES
+from .webhooks import render
+
+__all__ = ["GROUP_WINDOW_STEPS", "Incidents", "incident_document", "verdict"]
+
+GROUP_WINDOW_STEPS = 50
+MAX_FINDINGS = 30
+
+
+def _iso(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
+    """An incident as the API returns it and webhooks carry it."""
+    return {
+        "id": incident.id,
+        "project": incident.project,
+        "run_id": incident.run_id,
+        "run_name": run_name,
+        "status": incident.status,
+        "severity": incident.severity,
+        "family": incident.family,
+        "cause_key": incident.cause_key,
+        "title": incident.title,
+        "cause": incident.cause,
+        "next_steps": json.loads(incident.next_steps_json),
+        "rules": json.loads(incident.rules_json),
+        "layers": json.loads(incident.layers_json),
+        "findings": json.loads(incident.findings_json),
+        "first_step": incident.first_step,
+        "last_step": incident.last_step,
+        "resolved_step": incident.resolved_step,
+        "link": incident.link,
+        "created_at": _iso(incident.created_at),
+        "updated_at": _iso(incident.updated_at),
+        "resolved_at": _iso(incident.resolved_at),
+        "notified_at": _iso(incident.notified_at),
+    }
+
+
+def verdict(incidents: Iterable[dict[str, Any]]) -> str:
+    """A run's health from its incidents: the worst severity of the open ones, else healthy."""
+    severities = {i["severity"] for i in incidents if i["status"] == "open"}
+    return "critical" if "critical" in severities else "warning" if severities else "healthy"
+
+
+class Incidents:
+    """Groups a run's alerts into incidents and notifies each once (see the module docstring)."""
+
+    def __init__(
+        self, link: Callable[[str, int | None], str], enqueue: Callable[[Session, list[Any]], None],
+        group_wait_steps: int = 10, group_wait_s: float = 5.0,
+    ) -> None:
+        self.link = link
+        self.enqueue = enqueue  # called with the new Delivery rows (to wake the outbox after commit)
+        self.group_wait_steps = group_wait_steps
+        self.group_wait_s = group_wait_s
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def attach(self, session: Session, run: Run, alert: Alert, family: str) -> Incident:
+        """The incident an alert that just opened belongs to (an open one that matches, or a new one)."""
+        step = alert.step if alert.step is not None else 0
+        candidates = session.scalars(
+            select(Incident).where(Incident.run_id == run.id, Incident.status == "open").order_by(Incident.id)
+        ).all()
+        for incident in candidates:
+            same_family = incident.family == family
+            nearby = family != "liveness" and incident.family != "liveness" and (
+                incident.first_step - GROUP_WINDOW_STEPS <= step <= incident.first_step + GROUP_WINDOW_STEPS
+            )
+            if same_family or nearby:
+                alert.incident_id = incident.id
+                return incident
+        now = time.time()
+        incident = Incident(
+            project=run.project, run_id=run.id, family=family, status="open", severity=alert.severity,
+            cause_key=alert.type, title=alert.title[:500], cause=alert.title, next_steps_json="[]",
+            rules_json=json.dumps([alert.type]), layers_json="[]", findings_json="[]", first_step=step, last_step=step,
+            notify_step=step + self.group_wait_steps, notify_after=now + self.group_wait_s,
+            link=self.link(run.id, step), created_at=now, updated_at=now,
+        )
+        session.add(incident)
+        session.flush()
+        alert.incident_id = incident.id
+        return incident
+
+    def reopen(self, session: Session, incident_id: int | None) -> None:
+        """An alert of this incident fired again within its cooldown: the incident is open again."""
+        incident = session.get(Incident, incident_id) if incident_id is not None else None
+        if incident is not None and incident.status == "resolved":
+            incident.status = "open"
+            incident.resolved_at = None
+            incident.resolved_step = None
+
+    # -- summary and notification -----------------------------------------------------------------
+
+    def refresh(self, session: Session, run: Run, incident_ids: set[int], reached_step: int, ended: bool) -> None:
+        """Rebuild the summaries of the touched incidents, then notify the run's incidents whose group
+        wait is over (the run reached their notify_step, or ended)."""
+        for incident_id in sorted(incident_ids):
+            incident = session.get(Incident, incident_id)
+            if incident is not None:
+                self._summarise(session, run, incident)
+        pending = session.scalars(
+            select(Incident).where(
+                Incident.run_id == run.id, Incident.status == "open", Incident.notified_at.is_(None)
+            ).order_by(Incident.id).with_for_update()
+        ).all()
+        for incident in pending:
+            if ended or (incident.notify_step is not None and reached_step >= incident.notify_step):
+                self._notify(session, run, incident, "incident.firing")
+
+    def notify_due(self, session: Session, now: float) -> int:
+        """The periodic task: notify open incidents whose wall-clock group wait is over (a run that
+        stopped reporting right after a finding still gets its notification)."""
+        due = session.scalars(
+            select(Incident).where(
+                Incident.notified_at.is_(None), Incident.status == "open", Incident.notify_after <= now
+            ).order_by(Incident.id).limit(100).with_for_update(skip_locked=True)
+        ).all()
+        for incident in due:
+            run = session.get(Run, incident.run_id)
+            if run is not None:
+                self._summarise(session, run, incident)
+                self._notify(session, run, incident, "incident.firing")
+        return len(due)
+
+    def _summarise(self, session: Session, run: Run, incident: Incident) -> None:
+        alerts = session.scalars(select(Alert).where(Alert.incident_id == incident.id).order_by(Alert.step, Alert.id)).all()
+        if not alerts:
+            return
+        findings = [
+            {"rule": a.type, "title": a.title, "step": a.step if a.step is not None else incident.first_step,
+             "last_step": a.last_step, "severity": a.severity, "status": a.status, "alert_id": a.id,
+             "evidence": json.loads(a.evidence_json)}
+            for a in alerts
+        ][:MAX_FINDINGS]
+        context = self.context(session, run, incident.first_step, max(a.last_step or 0 for a in alerts))
+        diagnosis = diagnose(findings, context)
+        incident.severity = diagnosis.severity
+        incident.cause_key = diagnosis.cause_key[:64]
+        incident.title = diagnosis.title[:500]
+        incident.cause = diagnosis.cause
+        incident.next_steps_json = dump_json({"steps": diagnosis.next_steps})[len('{"steps":'):-1]
+        incident.rules_json = json.dumps(sorted({a.type for a in alerts}, key=lambda t: list(RULE_TYPES).index(t)
+                                                if t in RULE_TYPES else len(RULE_TYPES)))
+        incident.findings_json = dump_json({"f": findings})[len('{"f":'):-1]
+        incident.layers_json = json.dumps(diagnosis.layers[:20])
+        incident.first_step = min(f["step"] for f in findings)
+        incident.last_step = max(a.last_step or a.step or 0 for a in alerts)
+        incident.link = self.link(run.id, incident.first_step)
+        incident.updated_at = time.time()
+        if incident.status == "open" and all(a.status == "resolved" for a in alerts):
+            incident.status = "resolved"
+            incident.resolved_at = time.time()
+            incident.resolved_step = max((a.resolved_step for a in alerts if a.resolved_step is not None), default=None)
+            if incident.notified_at is not None:
+                self._notify(session, run, incident, "incident.resolved")
+
+    def _notify(self, session: Session, run: Run, incident: Incident, event: str) -> None:
+        if event == "incident.firing":
+            if incident.notified_at is not None:
+                return
+            incident.notified_at = time.time()
+        webhooks = session.scalars(
+            select(Webhook).where(Webhook.project == run.project, Webhook.enabled.is_(True)).order_by(Webhook.id)
+        ).all()
+        if event == "incident.resolved":
+            webhooks = [w for w in webhooks if w.send_resolved]
+        if not webhooks:
+            return
+        document = json.loads(dump_json(incident_document(incident, run.name)))
+        now = time.time()
+        rows = [
+            Delivery(
+                webhook_id=webhook.id, alert_id=None, incident_id=incident.id, event=event,
+                payload=render(webhook.format, event, document), status="pending", attempts=0,
+                next_attempt_at=now, created_at=now,
+            )
+            for webhook in webhooks
+        ]
+        session.add_all(rows)
+        self.enqueue(session, rows)
+
+    # -- what the run showed ----------------------------------------------------------------------
+
+    @staticmethod
+    def context(session: Session, run: Run, first_step: int, last_step: int) -> RunContext:
+        """The run's misuse events, lr around the incident, loss scale, safe-scale band and clip settings."""
+        keys = ("lr", "amp/scale", "amp/safe_scale_min", "amp/safe_scale_max", "amp/micro_batches",
+                "grad/clip_max_norm", "param/max_abs")
+        series = dict(session.execute(
+            select(Series.key, Series.id).where(Series.run_id == run.id, Series.key.in_(keys))
+        ).all())
+
+        def points(key: str, start: int, end: int, limit: int = 200, latest: bool = False) -> list[tuple[int, float]]:
+            if key not in series:
+                return []
+            query = select(Point.step, Point.value, Point.flag).where(
+                Point.series_id == series[key], Point.rank == 0, Point.step >= start, Point.step <= end
+            ).order_by(Point.step.desc() if latest else Point.step).limit(limit)
+            return [(step, decode_float(value, flag)) for step, value, flag in session.execute(query)]
+
+        def latest(key: str, at: int) -> float | None:
+            found = points(key, -1, at, limit=1, latest=True)
+            return found[0][1] if found else None
+
+        misuse: dict[str, dict[str, Any]] = {}
+        for kind, data_json in session.execute(
+            select(Event.kind, Event.data_json).where(Event.run_id == run.id, Event.kind.in_(MISUSE_EVENTS))
+            .order_by(Event.step, Event.id).limit(20)
+        ):
+            misuse.setdefault(kind, json.loads(data_json))
+        low, high = latest("amp/safe_scale_min", last_step), latest("amp/safe_scale_max", last_step)
+        lr_start = first_step - 60
+        lr_peak_before, lr_points_before = None, 0
+        if "lr" in series:
+            lr_peak_before, lr_points_before = session.execute(
+                select(func.max(Point.value), func.count()).where(
+                    Point.series_id == series["lr"], Point.rank == 0, Point.step < lr_start
+                )
+            ).one()
+        max_abs: list[tuple[str, float]] = []
+        if "param/max_abs" in series:
+            row = session.execute(
+                select(VectorPoint.data).where(VectorPoint.series_id == series["param/max_abs"], VectorPoint.rank == 0)
+                .order_by(VectorPoint.step).limit(1)
+            ).scalar()
+            if row is not None:
+                max_abs = list(zip(json.loads(run.layers_json), unpack(row, "d")))
+        return RunContext(
+            fp16_scaler="amp/scale" in series,
+            misuse=misuse,
+            lr=points("lr", lr_start, max(first_step, last_step) + 1),
+            lr_peak_before=lr_peak_before,
+            lr_points_before=int(lr_points_before or 0),
+            max_abs_weights=max_abs,
+            scale=latest("amp/scale", first_step),
+            safe_scale=(low, high) if low is not None and high is not None else None,
+            micro_batches=latest("amp/micro_batches", last_step),
+            clip_max_norm=latest("grad/clip_max_norm", last_step),
+        )
