@@ -2,7 +2,8 @@
 
 A planned disturbance makes the loss scale really drop: for a few steps the embeddings are blown up
 so the fp16 forward/backward overflows, the GradScaler finds inf gradients, skips those optimizer
-steps and halves its scale each time. Everything is recorded through the public agent API.
+steps and halves its scale each time; the server groups what its rules find into one incident (the
+run page's verdict). Everything is recorded through the public agent API.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def train(run: Any, cfg: DemoConfig, log: Any = print) -> None:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         run.log({"loss": loss})
+        run.log_batch(range(step * cfg.batch_size, (step + 1) * cfg.batch_size))  # the batch's sample ids
         scaler.step(optimizer)
         scaler.update()
         if step % 50 == 0 or step == cfg.steps - 1:

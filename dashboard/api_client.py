@@ -2,8 +2,8 @@
 
 Bodies come back as the API writes them (plain dicts and lists); non-finite floats stay the strings
 "NaN", "Infinity", "-Infinity" and are turned into gaps or markers by the figure builders. Besides
-reading runs, the client manages alerts: rules, alerts (and acknowledging them), webhooks and their
-test deliveries.
+reading runs, the client reads incidents (a run's verdict) and manages alerts: rules, alerts (and
+acknowledging them), webhooks and their test deliveries.
 
 Errors, one rooted hierarchy:
 
@@ -29,6 +29,7 @@ __all__ = [
     "MAX_HISTOGRAM_STEPS",
     "MAX_SERIES_POINTS",
     "MAX_VECTOR_STEPS",
+    "VERDICTS",
     "ApiClient",
     "ApiError",
     "ApiUnavailable",
@@ -41,6 +42,8 @@ MAX_SERIES_POINTS = 2000
 MAX_VECTOR_STEPS = 500
 MAX_HISTOGRAM_STEPS = 200
 KEY_KINDS = ("scalar", "vector", "histogram")
+VERDICTS = ("healthy", "warning", "critical")  # a run's health as GET /runs/{id}/incidents judges it
+INCIDENT_STATUSES = ("open", "resolved")
 DEFAULT_TIMEOUT_S = 5.0
 
 Json = dict[str, Any]
@@ -246,6 +249,39 @@ class ApiClient:
             offset=offset,
         )
         body = self._request("GET", "/api/v1/alerts", params)
+        return list(body.get("data", [])), int(body.get("count", 0))
+
+    # -- incidents ---------------------------------------------------------------------------------
+
+    def run_incidents(self, run_id: str) -> tuple[list[Json], str | None]:
+        """A run's incidents, newest first, and its verdict: "healthy", "warning" or "critical"
+        (GET /api/v1/runs/{id}/incidents); the verdict is None when the server sends none of those.
+
+        An incident groups the findings of one cause: id, status ("open" or "resolved"), severity,
+        cause (one sentence), title, first_step, last_step, resolved_step, rules, findings ({"rule",
+        "title", "step", "severity", "evidence"}), next_steps, link, created_at… A 404 (an unknown run,
+        or a server without incidents) is an ApiError with status_code 404, not RunNotFound: the run
+        page asks this of runs it has just read.
+        """
+        body = self._request("GET", _run_path(run_id, "incidents"))
+        verdict = body.get("verdict")
+        return list(body.get("data", [])), verdict if verdict in VERDICTS else None
+
+    def incidents(
+        self,
+        *,
+        project: str | None = None,
+        run_id: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> tuple[list[Json], int]:
+        """Incidents, newest first, and how many match (GET /api/v1/incidents). status: "open" or
+        "resolved" (None: both)."""
+        if status not in (None, *INCIDENT_STATUSES):
+            raise ValueError(f"status must be one of {INCIDENT_STATUSES} or None, got {status!r}")
+        params = _present(project=project, run_id=run_id, status=status, limit=limit, offset=offset)
+        body = self._request("GET", "/api/v1/incidents", params)
         return list(body.get("data", [])), int(body.get("count", 0))
 
     def acknowledge_alert(self, alert_id: int) -> Json:

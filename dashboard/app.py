@@ -6,7 +6,9 @@ Pages (one dcc.Location, routed by a callback on its pathname), with the default
     /dashboard/runs/{run_id}[?step=N]   run page: loss, loss scale with skipped steps and the fp16 safe
                                         band, grad norm, lr; per-layer heatmaps; a layer's histogram at a
                                         step and over steps; events and alerts; config and metadata;
-                                        agent health. ?step=N (alert links) marks step N from the start
+                                        agent health; first of all the verdict (healthy, warning,
+                                        critical) and its incidents (see `verdict`). ?step=N (alert
+                                        links) marks step N from the start
     /dashboard/compare?runs=id1,id2     one scalar key of several runs overlaid by step
     /dashboard/alerts                   alerts, rules and webhooks (see `alerts_page`)
 
@@ -35,7 +37,7 @@ import httpx
 import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
-from . import alerts_page, figures, live, signin
+from . import alerts_page, figures, live, signin, verdict
 from .api_client import ApiClient, ApiError, RunNotFound
 from .views import (
     alert_state,
@@ -401,6 +403,7 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             )
             calls["events"] = lambda: api.events(run_id)
             calls["alerts"] = lambda: run_alerts(run_id)
+            calls["incidents"] = lambda: run_incidents(run_id)
             fetched = fetch_all(calls)
             events, event_count = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
@@ -416,14 +419,21 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         health = {name: _latest(fetched["health/" + name]) for name in AGENT_HEALTH_KEYS}
         alerts, alerts_error = fetched["alerts"]
         timeline = _events_table(events, event_count, alerts, alerts_error)
+        # The verdict and incidents sit in the header's slot: right below the header, above the charts.
+        incidents, run_verdict, incidents_error = fetched["incidents"]
+        header = [
+            _run_header(run, health, ranks),
+            verdict.verdict_banner(run_verdict, incidents, incidents_error),
+            verdict.incidents_section(incidents, run_href),
+        ]
         if appended is not None:
             charts, scale_data, new_cursor = appended
-            return (_run_header(run, health, ranks), *charts, timeline, ended, ended, scale_data, new_cursor)
+            return (header, *charts, timeline, ended, ended, scale_data, new_cursor)
         marker = figures.step_marker_shapes(selected_step)
         drawn = {name: fetched[name] for name in SERIES_KEYS}
         charts = _line_charts(drawn, skips, run_id)
         return (
-            _run_header(run, health, ranks),
+            header,
             *(keep_view(_with_shapes(figure, marker)) for figure in charts.values()),
             timeline,
             ended,
@@ -453,6 +463,13 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             return api.alerts(run_id=run_id, limit=EVENTS_TABLE_ROWS)[0], None
         except ApiError as exc:
             return [], exc
+
+    def run_incidents(run_id: str) -> tuple[list[dict[str, Any]], str | None, ApiError | None]:
+        # Likewise without the incidents API (a 404 from an older server): "verdict unavailable".
+        try:
+            return (*api.run_incidents(run_id), None)
+        except ApiError as exc:
+            return [], None, exc
 
     def append_new_points(
         cursor: dict[str, Any], fetched: dict[str, Any], skips: list[dict[str, Any]]
@@ -1141,9 +1158,10 @@ def _events_table(
         notes.append(html.P(f"Alerts could not be loaded: {alerts_error}", className="muted"))
     if not events and not alerts:
         return [html.P("No events: no skipped steps, no warnings, no alerts.", className="muted"), *notes]
-    entries = [("event", index, event) for index, event in enumerate(events)]
+    condensed = verdict.condense_events(events)  # a streak of skipped steps is one row
+    entries = [("event", index, event) for index, event in enumerate(condensed)]
     entries += [("alert", index, alert) for index, alert in enumerate(alerts)]
-    entries.sort(key=lambda entry: _step_or_minus_one(entry[2].get("step")), reverse=True)
+    entries.sort(key=lambda entry: _timeline_step(entry[2]), reverse=True)
     shown = entries[:EVENTS_TABLE_ROWS]
     rows = [
         _alert_row(item, f"alert-{index}") if source == "alert" else _event_row(item, f"event-{index}")
@@ -1151,7 +1169,9 @@ def _events_table(
     ]
     header = html.Thead(html.Tr([html.Th("Step"), html.Th("Kind"), html.Th("Details"), html.Th("Hint")]))
     children: list[Any] = [html.Table([header, html.Tbody(rows)], className="table events"), *notes]
-    hidden_events = count - sum(1 for source, _, _ in shown if source == "event")
+    hidden_events = count - sum(
+        (item.get("streak") or {}).get("count", 1) for source, _, item in shown if source == "event"
+    )
     if hidden_events > 0:
         children.append(
             html.P(
@@ -1160,6 +1180,12 @@ def _events_table(
             )
         )
     return children
+
+
+def _timeline_step(item: dict[str, Any]) -> int:
+    """Where an event or alert stands in the timeline: its step; a skip streak's last step."""
+    streak = item.get("streak")
+    return _step_or_minus_one(streak["last_step"] if streak else item.get("step"))
 
 
 def _step_or_minus_one(step: Any) -> int:
@@ -1181,11 +1207,19 @@ def _step_button(step: Any, row: str) -> Any:
 def _event_row(event: dict[str, Any], row: str) -> html.Tr:
     kind = str(event.get("kind", ""))
     data = event.get("data") if isinstance(event.get("data"), dict) else {}
+    streak = event.get("streak")  # skips at consecutive steps, condensed into one row
+    label = f"{kind} ×{streak['count']}" if streak else kind
+    step_cell: Any = _step_button(event.get("step"), row)
+    if streak:
+        step_cell = [step_cell, "–", _step_button(streak["last_step"], row + "-last")]
+        details: Any = html.Span(streak["text"], title="\n".join(streak["layers"]) or None)
+    else:
+        details = _event_details(kind, data)
     return html.Tr(
         [
-            html.Td(_step_button(event.get("step"), row), className="num"),
-            html.Td(html.Span(kind, className="badge badge-bad" if kind == "skip" else "badge badge-warn")),
-            html.Td(_event_details(kind, data), className="layers"),
+            html.Td(step_cell, className="num"),
+            html.Td(html.Span(label, className="badge badge-bad" if kind == "skip" else "badge badge-warn")),
+            html.Td(details, className="layers streak" if streak else "layers"),
             html.Td(str(data.get("hint") or ""), className="hint-cell"),
         ]
     )

@@ -62,8 +62,8 @@ def test_rule_made_in_the_ui_fires_on_a_training_run_and_shows_on_alerts_page_an
     # Parameters and defaults come from the server's rule types.
     page.locator("#rule-project").fill("ui-alerts")
     _choose(page, "rule-type", "skip_storm (critical)")
-    assert _param(page, "#rules-card", "count").input_value() == "10"
-    assert _param(page, "#rules-card", "ignore_first").input_value() == "50"
+    assert _param(page, "#rules-card", "count").input_value() == "4"
+    assert _param(page, "#rules-card", "ignore_first").input_value() == "0"
     page.locator("#rule-type-doc").get_by_text("skipped optimizer steps", exact=False).wait_for()
 
     # A threshold the server refuses: its 422 message is shown next to the form.
@@ -100,7 +100,8 @@ def test_rule_made_in_the_ui_fires_on_a_training_run_and_shows_on_alerts_page_an
     timeline_alert = page.locator("#events-table tr.alert-row").filter(has_text="skip_storm")
     timeline_alert.wait_for(timeout=WAIT_MS)
     # Its step marks the charts like an event's does: mark another step first, then the alert's.
-    page.locator("#events-table tr:not(.alert-row)").get_by_role("button", name="10", exact=True).click()
+    skip_row = page.locator("#events-table tr:not(.alert-row)").filter(has_text="skip")
+    skip_row.get_by_role("button", name="10", exact=True).first.click()
     _wait_for_marker(page, 10)
     timeline_alert.get_by_role("button", name="11", exact=True).click()
     _wait_for_marker(page, 11)
@@ -222,9 +223,9 @@ def test_user_supplied_names_and_evidence_are_shown_as_text(full_server, browser
         assert api.post("/api/v1/webhooks", json=webhook).status_code == 201
         run = api.post("/api/v1/runs", json={"project": HOSTILE, "name": HOSTILE}).json()
         skips = [{"step": step, "kind": "skip", "data": {"scale_before": 1024.0, "scale_after": 512.0,
-                                                         "non_finite_layers": [layer]}} for step in (3, 4)]
-        batch = {"seq": 0, "layers": [layer],
-                 "scalars": [{"key": "amp/skipped", "steps": [0, 1, 2, 3, 4], "values": [0, 0, 0, 1, 1]}],
+                                                         "non_finite_layers": [layer]}} for step in (12, 13)]
+        batch = {"seq": 0, "layers": [layer],  # 12 clean steps end the scaler's calibration, then two skips
+                 "scalars": [{"key": "amp/skipped", "steps": list(range(14)), "values": [0] * 12 + [1, 1]}],
                  "events": skips}
         assert api.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
         assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["count"] >= 1

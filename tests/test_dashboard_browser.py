@@ -86,7 +86,7 @@ def test_unknown_run_page_says_so(full_server, browser_page):
 
 
 def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(full_server, browser_page):
-    options = {"layer_norms_every": 5, "histograms_every": 10, "update_ratio_every": 10}
+    options = {"layer_norms_every": 5, "histograms_every": 10, "update_ratio_every": 10, "dense_start_steps": 0}
     with gradwatch.init(project="browser", name="layers", server=full_server.url, flush_interval=0.05,
                         config={"lr": 0.01, "note": "<b>text</b>"}) as run:
         train(30, run=run, overflow_steps=(12,), watch_options=options)
@@ -120,7 +120,7 @@ def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(f
     assert sum(bar["y"]) + zeros == 32 * 32  # every element of hidden.weight's gradient is counted once
 
     # Clicking an event's step marks it on the charts and moves the histogram to the nearest step.
-    page.locator("#events-table").get_by_role("button", name="12", exact=True).click()
+    page.locator("#events-table").get_by_role("button", name="12", exact=True).first.click()
     page.wait_for_function(
         "() => (document.querySelector('#loss-graph .js-plotly-plot').layout.shapes || [])"
         ".some(s => s.x0 === 12)",

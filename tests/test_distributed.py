@@ -270,7 +270,7 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
 def test_ddp_under_torchrun_shares_one_run_with_equal_per_rank_norms(server, api, tmp_path):
     """torchrun --standalone: no run id given; the ranks derive it from TORCHELASTIC_RUN_ID."""
     job = _job(server, tmp_path, project="ddp-torchrun", parallel="ddp", steps=6, fp16=True,
-               watch={"layer_norms_every": 1, "histograms_every": 2}, out=str(tmp_path))
+               watch={"layer_norms_every": 1, "histograms_every": 2, "dense_start_steps": 0}, out=str(tmp_path))
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(f"""
         import sys
