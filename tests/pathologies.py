@@ -1,0 +1,952 @@
+"""Seeded CPU training scenarios that go wrong the way real jobs do, with their ground truth.
+
+Each scenario is a function `scenario(new_run=None) -> Scenario`. It trains a tiny model for a few
+hundred optimizer steps through a real mechanism (a scheduler bug, a corrupt record, a loop-order or
+dtype mistake; never an inf written by hand) and measures with plain torch, independently of
+gradwatch, what went wrong and from which step: `Scenario.pathology` (None for a healthy control),
+`onset_step`, the affected parameter names, and per optimizer step the loss, the pre-clip global
+gradient norm (unscaled), the learning rate, the skipped flag and the loss scale, so another tool
+can be fed exactly the same values.
+
+`new_run(name=..., config=...)` starts a gradwatch run (e.g. functools.partial(gradwatch.init,
+project=..., server=url)); the scenario watches its model with it and logs the loss each step like a
+user would, and finishes it. Steps are numbered like gradwatch's: the first optimizer step is 0 and
+each optimizer step, skipped or not, advances by one.
+
+The second part of this module reads the notifications a gradwatch server sent about a run (the
+generic JSON webhook payload, per alert today or per incident) and judges them against a scenario;
+tests/test_pathologies.py and bench/diagnosis.py share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+RunFactory = Callable[..., Any]  # (name=..., config=..., run_id=None) -> gradwatch Run
+
+# A notification must name a step at most this many steps after the onset to count as a detection.
+DETECTION_WINDOW = 30
+
+
+class ScenarioError(AssertionError):
+    """The mechanism did not produce what the scenario promises (e.g. another torch rounds otherwise)."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ScenarioError(message)
+
+
+@dataclass
+class Scenario:
+    """What one scenario did, measured by the scenario itself (no gradwatch involved)."""
+
+    name: str
+    pathology: str | None  # None: a healthy control
+    onset_step: int | None  # first optimizer step where the problem is present
+    layers: list[str] = field(default_factory=list)  # affected parameter names, if the cause has any
+    precision: str = "fp32"
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # unscaled, before clipping (inf/nan kept)
+    lrs: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    scales: list[float | None] = field(default_factory=list)  # loss scale after update; None: no scaler
+    run_ids: list[str] = field(default_factory=list)  # gradwatch runs (one; two ids alike for a resume)
+    agent_stats: list[dict[str, Any]] = field(default_factory=list)  # each run's SenderStats at finish
+    facts: dict[str, Any] = field(default_factory=dict)  # the mechanism's own measurements
+    seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def healthy(self) -> bool:
+        return self.pathology is None
+
+
+class _Trace:
+    """Per-step records of one scenario; `step` is the next optimizer step's number."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+
+    @property
+    def step(self) -> int:
+        return len(self.scenario.losses)
+
+    def add(self, loss: torch.Tensor | float, grad_norm: float, lr: float, skipped: bool = False,
+            scale: float | None = None) -> None:
+        s = self.scenario
+        s.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+        s.grad_norms.append(float(grad_norm))
+        s.lrs.append(float(lr))
+        s.skipped.append(bool(skipped))
+        s.scales.append(scale)
+
+
+# -- building blocks -----------------------------------------------------------------------------------
+
+
+def _mlp(seed: int, sizes: tuple[int, ...] = (16, 32, 32, 4)) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+class _Task:
+    """A fixed random teacher labelling Gaussian inputs; batch(step) is the same for the same step."""
+
+    def __init__(self, seed: int, features: int = 16, classes: int = 4, batch: int = 32) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.teacher = torch.randn(features, classes, generator=generator)
+        self.seed, self.features, self.batch_size = seed, features, batch
+
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 64 + micro)
+        x = torch.randn(self.batch_size, self.features, generator=generator)
+        return x, (x @ self.teacher).argmax(dim=1)
+
+
+def _grad_norm(parameters: Any, divide_by: float = 1.0) -> float:
+    """L2 norm over every gradient (float64, on the host), divided by the loss scale if given."""
+    grads = [p.grad.detach().double() for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    return (torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) / divide_by).item()
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+@contextlib.contextmanager
+def _gradwatch(new_run: RunFactory | None, scenario: Scenario, model: nn.Module,
+               optimizer: torch.optim.Optimizer, scaler: Any = None, run_id: str | None = None,
+               start_step: int = 0, **config: Any) -> Iterator[Any]:
+    """A watching run for the block (None without new_run), finished at its end."""
+    if new_run is None:
+        yield None
+        return
+    options = {"run_id": run_id} if run_id else {}
+    run = new_run(name=scenario.name, config={"scenario": scenario.name, **config}, **options)
+    run.step = start_step
+    run.watch(model, optimizer, scaler=scaler)
+    scenario.run_ids.append(run.id)
+    try:
+        yield run
+    finally:
+        run.finish()
+        stats = run.stats
+        scenario.agent_stats.append({"sent": stats.sent, "queued": stats.queued, "spooled": stats.spooled,
+                                     "dropped": stats.dropped, "last_error": stats.last_error})
+
+
+def _log(run: Any, loss: torch.Tensor) -> None:
+    if run is not None:
+        run.log({"loss": loss.detach()})
+
+
+def _fp16_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               loss: torch.Tensor, trace: _Trace, clip: float | None = 1.0) -> None:
+    """The textbook fp16 step (scale, backward, unscale_, clip, step, update), recorded."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = _grad_norm(model.parameters())
+    if clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+    lr, before = _lr(optimizer), scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    after = scaler.get_scale()
+    trace.add(loss, norm, lr, skipped=after < before, scale=after)
+
+
+def _fp32_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, trace: _Trace,
+               clip: float | None = 1.0) -> None:
+    loss.backward()
+    norm = _grad_norm(model.parameters())
+    if clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+    lr = _lr(optimizer)
+    optimizer.step()
+    trace.add(loss, norm, lr)
+
+
+class _ChangeMeter:
+    """Fraction of each parameter's elements an optimizer step left bit-identical."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.snapshot: list[torch.Tensor] = []
+
+    def before(self) -> None:
+        self.snapshot = [p.detach().clone() for _, p in self.params]
+
+    def after(self) -> dict[str, float]:
+        return {n: (p.detach() == old).double().mean().item() for (n, p), old in zip(self.params, self.snapshot)}
+
+
+def _first(flags: list[bool]) -> int | None:
+    return next((i for i, flag in enumerate(flags) if flag), None)
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _timed(function: Callable[..., Scenario]) -> Callable[..., Scenario]:
+    def timed(new_run: RunFactory | None = None) -> Scenario:
+        started = time.perf_counter()
+        scenario = function(new_run)
+        scenario.seconds = time.perf_counter() - started
+        return scenario
+
+    timed.__name__, timed.__doc__ = function.__name__, function.__doc__
+    return timed
+
+
+# -- pathologies ---------------------------------------------------------------------------------------
+
+
+def restart_schedule(step: int, restart_at: int, factor: float = 1.0, warmup_steps: int = 0) -> float:
+    """LambdaLR multiplier of a warm restart at `restart_at`: `factor` x the base lr, reached after
+    `warmup_steps` of linear warmup."""
+    if step < restart_at:
+        return 1.0
+    if warmup_steps and step - restart_at < warmup_steps:
+        return factor * (step - restart_at + 1) / warmup_steps
+    return factor
+
+
+@_timed
+def lr_jump(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 + GradScaler + AdamW at lr 1e-3; a warm restart at step 250 meant to warm up over 300 steps
+    gets 300 as its *factor* (a positional-argument slip), so the lr jumps 300x and training diverges."""
+    s = Scenario("lr_jump", "lr_jump", None, precision="fp16")
+    trace, task, model = _Trace(s), _Task(1), _mlp(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: restart_schedule(step, 250, 300))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=100)
+    with _gradwatch(new_run, s, model, optimizer, scaler, lr=1e-3) as run:
+        for step in range(350):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp16_step(model, optimizer, scaler, loss, trace)
+            scheduler.step()
+    s.onset_step = _first([i > 0 and lr > 10 * s.lrs[i - 1] for i, lr in enumerate(s.lrs)])
+    before = [g for g in s.grad_norms[200:250] if _finite(g)]
+    after = s.grad_norms[s.onset_step:s.onset_step + 30] if s.onset_step is not None else []
+    s.facts = {"lr_before": s.lrs[0], "lr_after": s.lrs[-1], "skips_after_onset": sum(s.skipped[250:]),
+               "grad_norm_before_median": sorted(before)[len(before) // 2],
+               "grad_norm_after_max": max((g for g in after if _finite(g)), default=math.inf)}
+    _require(s.onset_step == 250, f"the lr jump is at step {s.onset_step}, expected 250")
+    _require(s.facts["grad_norm_after_max"] > 10 * s.facts["grad_norm_before_median"] or
+             s.facts["skips_after_onset"] > 5, f"no divergence after the lr jump: {s.facts}")
+    return s
+
+
+@_timed
+def clip_before_unscale(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 loop that calls clip_grad_norm_(1.0) BEFORE scaler.unscale_: the clip compares the scaled
+    norm (S x ||g||) with 1.0, fires on every step and shrinks the true gradient to 1/S."""
+    s = Scenario("clip_before_unscale", "clip_before_unscale", None, precision="fp16")
+    trace, task, model = _Trace(s), _Task(2), _mlp(2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=100)
+    fired: list[bool] = []
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(250):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            norm = _grad_norm(model.parameters(), divide_by=scale)
+            scaled_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the mistake: before unscale_
+            scaler.unscale_(optimizer)
+            lr = _lr(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            after = scaler.get_scale()
+            trace.add(loss, norm, lr, skipped=after < scale, scale=after)
+            fired.append(bool(torch.isfinite(scaled_norm)) and float(scaled_norm) > 1.0 and after >= scale)
+    s.onset_step = _first(fired)
+    s.facts = {"clip_fired_fraction": sum(fired) / len(fired),
+               "median_true_norm": sorted(g for g in s.grad_norms if _finite(g))[len(s.grad_norms) // 2]}
+    _require(s.onset_step is not None and s.facts["clip_fired_fraction"] > 0.9, f"clip did not fire: {s.facts}")
+    return s
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update (alpha / r) * B @ A."""
+
+    def __init__(self, features: int, rank: int, alpha: float, b_std: float) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, features)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(rank, features) / features**0.5)
+        self.lora_B = nn.Parameter(torch.randn(features, rank) * b_std)  # small, not zero: gradients flow
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+
+class _Adapted(nn.Module):
+    def __init__(self, features: int = 64, rank: int = 32) -> None:
+        super().__init__()
+        self.q = LoRALinear(features, rank, alpha=1.0, b_std=1e-3)
+        self.v = LoRALinear(features, rank, alpha=1.0, b_std=1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v(torch.tanh(self.q(x)))
+
+
+def _adapter_zero_fractions(model: nn.Module) -> dict[str, float]:
+    return {n: (p.grad == 0).double().mean().item() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@_timed
+def adapter_underflow(new_run: RunFactory | None = None) -> Scenario:
+    """LoRA fine-tuning in fp16 autocast close to convergence (small alpha/r, small activations, a
+    modest GradScaler(init_scale=2**8) with growth effectively off): most adapter gradient elements
+    round to exactly 0 in the fp16 backward, while in fp32 none do."""
+    s = Scenario("adapter_underflow", "adapter_underflow", None, precision="fp16")
+
+    def build() -> tuple[_Adapted, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+        torch.manual_seed(3)
+        model = _Adapted()
+        correction = torch.randn(64, 64) * 1e-4 / 8  # the small change the fine-tune has to learn
+
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            generator = torch.Generator().manual_seed(3_000_000 + step)
+            x = torch.randn(64, 64, generator=generator) * 0.01  # small activations (embeddings, std 0.01)
+            with torch.no_grad():
+                target = model(x) + x @ correction * 100 + 1e-4 * torch.randn(64, 64, generator=generator)
+            return x, target
+
+        return model, batch
+
+    # fp32 reference: the same model and batches, a few steps, no autocast.
+    reference, batch = build()
+    reference_zeros = []
+    for step in range(3):
+        x, target = batch(step)
+        reference.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(reference(x), target).backward()
+        reference_zeros.append(_adapter_zero_fractions(reference))
+
+    trace = _Trace(s)
+    model, batch = build()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1_000_000)
+    zero_fractions: list[dict[str, float]] = []
+    with _gradwatch(new_run, s, model, optimizer, scaler, lora_r=32, lora_alpha=1) as run:
+        for step in range(200):
+            x, target = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), target)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            zero_fractions.append(_adapter_zero_fractions(model))
+            norm = _grad_norm(model.parameters())
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lr, before = _lr(optimizer), scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            trace.add(loss, norm, lr, skipped=scaler.get_scale() < before, scale=scaler.get_scale())
+    sizes = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    total = sum(sizes.values())
+
+    def overall(fractions: dict[str, float]) -> float:
+        return sum(fractions[n] * sizes[n] for n in fractions) / total
+
+    s.onset_step = _first([overall(f) > 0.5 for f in zero_fractions])
+    at_onset = zero_fractions[s.onset_step] if s.onset_step is not None else {}
+    s.layers = sorted(n for n, f in at_onset.items() if f > 0.5)
+    s.facts = {"zero_fraction_fp16": round(sum(overall(f) for f in zero_fractions) / len(zero_fractions), 3),
+               "zero_fraction_fp32": round(max(overall(f) for f in reference_zeros), 3),
+               "per_layer_fp16": {n: round(f, 3) for n, f in at_onset.items()}}
+    _require(s.facts["zero_fraction_fp16"] > 0.5 and s.facts["zero_fraction_fp32"] < 0.01,
+             f"adapter gradients do not underflow in fp16 only: {s.facts}")
+    return s
+
+
+class _Records(torch.utils.data.Dataset):
+    """Parsed records: feature 0 is a byte count the pipeline log-transforms (log1p would be right)."""
+
+    def __init__(self, count: int, corrupt: int | None) -> None:
+        generator = torch.Generator().manual_seed(4)
+        self.raw = torch.rand(count, 16, generator=generator) * 1000 + 1
+        self.raw[:, 0] = torch.randint(1, 10_000, (count,), generator=generator).float()
+        if corrupt is not None:
+            self.raw[corrupt, 0] = 0.0  # a broken record: empty payload, size 0
+        self.teacher = torch.randn(16, 4, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        features = torch.log(self.raw[index]) - 3.5  # log of 0 is -inf for the broken record
+        label = (features.clamp(-10, 10) @ self.teacher).argmax()
+        return features, label, index
+
+
+@_timed
+def nan_loss_bad_sample(new_run: RunFactory | None = None) -> Scenario:
+    """A DataLoader over parsed records; one record is broken (size 0) and the preprocessing takes its
+    log: -inf reaches the model at the step whose batch holds it, the loss is NaN there, the NaN
+    gradients poison AdamW's state and every later loss is NaN too."""
+    s = Scenario("nan_loss_bad_sample", "nan_loss", None)
+    batch_size, bad_step = 16, 150
+
+    def sampler(dataset: Any) -> torch.utils.data.RandomSampler:
+        return torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(44))
+
+    corrupt = list(sampler(range(4096)))[bad_step * batch_size + 5]  # lands in the batch of step 150
+    data = _Records(4096, corrupt)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler(data))
+    trace, model = _Trace(s), _mlp(4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch_steps: dict[int, int] = {}
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step, (x, y, ids) in enumerate(loader):
+            if step == 200:
+                break
+            if run is not None and hasattr(run, "log_batch"):
+                run.log_batch(ids.tolist())
+            batch_steps.update(dict.fromkeys(ids.tolist(), step))
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp32_step(model, optimizer, loss, trace)
+    s.onset_step = _first([not _finite(loss) for loss in s.losses])
+    s.facts = {"corrupt_sample": corrupt, "corrupt_sample_step": batch_steps.get(corrupt),
+               "non_finite_losses": sum(not _finite(loss) for loss in s.losses)}
+    _require(s.onset_step == bad_step == s.facts["corrupt_sample_step"], f"NaN onset is off: {s.facts}")
+    return s
+
+
+@_timed
+def bf16_weights_stall(new_run: RunFactory | None = None) -> Scenario:
+    """model.to(torch.bfloat16) with no fp32 master weights and AdamW at lr 5e-5: each update is below
+    half a bf16 ulp of most weights (|w| ~ 0.05-0.2), rounds away, and the weights stop changing."""
+    s = Scenario("bf16_weights_stall", "weights_not_changing", None, precision="bf16-weights")
+    trace, task = _Trace(s), _Task(5)
+    model = _mlp(5, (16, 64, 64, 4)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    meter = _ChangeMeter(model)
+    unchanged: list[dict[str, float]] = []
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(200):
+            x, y = task.batch(step)
+            loss = nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            meter.before()
+            _fp32_step(model, optimizer, loss, trace)
+            unchanged.append(meter.after())
+    sizes = {n: p.numel() for n, p in meter.params}
+    overall = [sum(u[n] * sizes[n] for n in u) / sum(sizes.values()) for u in unchanged]
+    s.onset_step = _first([fraction > 0.5 for fraction in overall])
+    s.layers = sorted(n for n, f in unchanged[s.onset_step or 0].items() if f > 0.5)
+    s.facts = {"unchanged_fraction_mean": round(sum(overall) / len(overall), 3)}
+    _require(s.onset_step == 0 and s.facts["unchanged_fraction_mean"] > 0.5, f"weights did change: {s.facts}")
+    return s
+
+
+class _EncoderHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x).detach()  # left over from debugging a feature visualisation
+        return self.head(h)
+
+
+@_timed
+def stray_detach(new_run: RunFactory | None = None) -> Scenario:
+    """A forward with a stray .detach() after the encoder: the encoder's layers never get a gradient
+    (grad None) and only the head trains."""
+    s = Scenario("stray_detach", "no_gradient", None)
+    torch.manual_seed(6)
+    trace, task, model = _Trace(s), _Task(6), _EncoderHead()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    no_grad: list[list[str]] = []
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(200):
+            x, y = task.batch(step)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            loss.backward()
+            no_grad.append([n for n, p in model.named_parameters() if p.grad is None])
+            norm, lr = _grad_norm(model.parameters()), _lr(optimizer)
+            optimizer.step()
+            trace.add(loss, norm, lr)
+    s.onset_step = _first([bool(names) for names in no_grad])
+    s.layers = no_grad[0]
+    _require(s.onset_step == 0 and all(n.startswith("encoder.") for n in s.layers) and len(s.layers) == 4,
+             f"unexpected layers without gradient: {s.layers}")
+    return s
+
+
+@_timed
+def grad_accum_no_divide(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 gradient accumulation over 8 micro-batches that forgot loss / 8, with unscale_ then
+    clip_grad_norm_(1.0): the gradient is 8x too large and the clip fires on every step."""
+    s = Scenario("grad_accum_no_divide", "clip_saturation", None, precision="fp16")
+    trace, task, model = _Trace(s), _Task(7, batch=8), _mlp(7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=100)
+    accumulation, max_norm = 8, 1.0
+    with _gradwatch(new_run, s, model, optimizer, scaler, accumulation=accumulation) as run:
+        for step in range(100):
+            optimizer.zero_grad(set_to_none=True)
+            losses = []
+            for micro in range(accumulation):
+                x, y = task.batch(step, micro)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x).float(), y)  # the mistake: no / accumulation
+                scaler.scale(loss).backward()
+                losses.append(loss.detach())
+            mean_loss = torch.stack(losses).mean()
+            _log(run, mean_loss)
+            scaler.unscale_(optimizer)
+            norm = _grad_norm(model.parameters())
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            lr, before = _lr(optimizer), scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            trace.add(mean_loss, norm, lr, skipped=scaler.get_scale() < before, scale=scaler.get_scale())
+    clipped = [_finite(g) and g > max_norm for g in s.grad_norms]
+    s.onset_step = _first(clipped)
+    finite = [g for g in s.grad_norms if _finite(g)]
+    s.facts = {"clipped_fraction": round(sum(clipped) / len(clipped), 3),
+               "clipped_fraction_if_divided": round(sum(g / accumulation > max_norm for g in finite) / len(finite), 3)}
+    _require(s.facts["clipped_fraction"] > 0.9 and s.facts["clipped_fraction_if_divided"] < 0.5,
+             f"the clip does not saturate only because of the missing division: {s.facts}")
+    return s
+
+
+class _PretrainedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 64)
+        self.block = nn.Linear(64, 64)  # loaded from a bf16 checkpoint with outlier channels
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        h = h + self.block(h)
+        return self.head(nn.functional.layer_norm(h, (64,)))
+
+
+def _bf16_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    """A bf16 'pretrained' state dict: the block has a few outlier output channels (|w| ~ 4000),
+    as bf16-trained models do; their outputs exceed fp16's 65504, never bf16's range."""
+    torch.manual_seed(seed)
+    state = {k: v.to(torch.bfloat16) for k, v in _PretrainedBlock().state_dict().items()}
+    outliers = torch.zeros(64, 64)
+    outliers[:4] = 4000.0 * (torch.rand(4, 64) + 0.5)
+    state["block.weight"] = (state["block.weight"].float() + outliers).to(torch.bfloat16)
+    return state
+
+
+@_timed
+def overflow_layer(new_run: RunFactory | None = None) -> Scenario:
+    """A bf16-pretrained model fine-tuned in fp16 autocast with a GradScaler: the block's activations
+    overflow fp16 on every step, every step is skipped, the scale halves step after step (the
+    scaler's calibration never ends) and the model never trains."""
+    s = Scenario("overflow_layer", "fp16_overflow", None, precision="fp16")
+    trace, task = _Trace(s), _Task(8)
+    model = _PretrainedBlock()
+    model.load_state_dict({k: v.float() for k, v in _bf16_checkpoint(8).items()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    non_finite_modules: list[str] = []
+
+    def spot(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            if name not in non_finite_modules and not torch.isfinite(output).all():
+                non_finite_modules.append(name)
+        return hook
+
+    handles = [m.register_forward_hook(spot(n)) for n, m in model.named_children()]
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(120):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp16_step(model, optimizer, scaler, loss, trace)
+    for handle in handles:
+        handle.remove()
+    with torch.no_grad():
+        fp32_loss = nn.functional.cross_entropy(model(task.batch(0)[0]), task.batch(0)[1]).item()
+    s.onset_step = _first([skipped and not _finite(loss) for skipped, loss in zip(s.skipped, s.losses)])
+    first = non_finite_modules[0] if non_finite_modules else ""
+    s.layers = [n for n, _ in model.named_parameters() if n.startswith(f"{first}.")]
+    s.facts = {"skipped_fraction": sum(s.skipped) / len(s.skipped), "final_scale": s.scales[-1],
+               "first_overflowing_module": first, "fp32_loss": fp32_loss}
+    _require(s.onset_step == 0 and all(s.skipped) and first == "block" and _finite(fp32_loss),
+             f"the overflow is not the block's in fp16 only: {s.facts}")
+    return s
+
+
+def decay_to_zero(step: int, total_steps: int) -> float:
+    """LambdaLR multiplier: linear decay from 1 to 0 at `total_steps`."""
+    return max(0.0, 1.0 - step / total_steps)
+
+
+@_timed
+def lr_zero_scheduler(new_run: RunFactory | None = None) -> Scenario:
+    """A linear decay meant to end after 3 epochs of 100 steps is given steps_per_epoch as its total:
+    the lr reaches 0 at step 100 and the weights stop changing for the remaining 200 steps."""
+    s = Scenario("lr_zero_scheduler", "lr_zero", None)
+    trace, task, model = _Trace(s), _Task(9), _mlp(9)
+    epochs, steps_per_epoch = 3, 100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: decay_to_zero(step, steps_per_epoch))  # the mistake: not epochs * steps_per_epoch
+    meter = _ChangeMeter(model)
+    unchanged: list[bool] = []
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(epochs * steps_per_epoch):
+            x, y = task.batch(step)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            meter.before()
+            _fp32_step(model, optimizer, loss, trace)
+            unchanged.append(min(meter.after().values()) == 1.0)
+            scheduler.step()
+    s.onset_step = _first(unchanged)
+    s.layers = []
+    s.facts = {"first_zero_lr_step": _first([lr == 0.0 for lr in s.lrs]),
+               "unchanged_steps": sum(unchanged)}
+    _require(s.onset_step == s.facts["first_zero_lr_step"] == steps_per_epoch, f"stall onset is off: {s.facts}")
+    return s
+
+
+@_timed
+def lr_too_high_fp32(new_run: RunFactory | None = None) -> Scenario:
+    """fp32 regression with SGD + momentum whose linear warmup climbs to a peak lr 10x too high (0.5, a
+    config meant 0.05): once the lr passes the stability limit the loss climbs for good and the
+    gradient norm grows >1000x within 100 steps. Onset: the first step from which the loss stays above
+    twice its median of the 50 steps before (the climb is gradual: 1.5x would say step 123, 3x 171)."""
+    s = Scenario("lr_too_high_fp32", "grad_norm_growth", None)
+    trace, task, model = _Trace(s), _Task(10), _mlp(10, (16, 32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.002, total_iters=300)
+    with _gradwatch(new_run, s, model, optimizer, peak_lr=0.5) as run:
+        for step in range(300):
+            x, _ = task.batch(step)
+            loss = nn.functional.mse_loss(model(x), x @ task.teacher)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp32_step(model, optimizer, loss, trace, clip=None)
+            scheduler.step()
+            if len(s.losses) > 20 and not any(_finite(x) for x in s.losses[-20:]):
+                break  # diverged for good: the job would have been killed here
+    s.onset_step = _divergence_onset(s.losses)
+    onset = s.onset_step or 0
+    baseline = sorted(s.grad_norms[:20])[10]
+    window = s.grad_norms[onset:onset + 100]
+    s.facts = {"baseline_grad_norm": round(baseline, 4), "lr_at_onset": s.lrs[onset],
+               "max_growth_in_100_steps": max((g for g in window if _finite(g)), default=math.inf) / baseline}
+    _require(s.onset_step is not None and s.facts["max_growth_in_100_steps"] > 1000, f"no explosion: {s.facts}")
+    return s
+
+
+def _divergence_onset(losses: list[float], before: int = 50, factor: float = 2.0) -> int | None:
+    """The first step from which the loss never again falls below `factor` x the median loss of the
+    `before` steps preceding it (a non-finite loss counts as above): where a divergence starts."""
+    for t in range(before, len(losses)):
+        previous = sorted(x for x in losses[t - before:t] if _finite(x))
+        if previous and all(not _finite(x) or x > factor * previous[len(previous) // 2] for x in losses[t:]):
+            return t
+    return None
+
+
+# -- healthy controls ----------------------------------------------------------------------------------
+
+
+def _healthy_fp16(s: Scenario, new_run: RunFactory | None, seed: int, steps: int, **scaler_args: Any) -> None:
+    trace, task, model = _Trace(s), _Task(seed), _mlp(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", **scaler_args)
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(steps):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp16_step(model, optimizer, scaler, loss, trace)
+
+
+def _calibration_length(skipped: list[bool]) -> int:
+    return next((i for i, flag in enumerate(skipped) if not flag), len(skipped))
+
+
+def _learned(s: Scenario) -> bool:
+    finite = [loss for loss in s.losses if _finite(loss)]
+    return len(finite) == len(s.losses) and sum(finite[-20:]) / 20 < 0.8 * sum(finite[:20]) / 20
+
+
+@_timed
+def fp16_calibration(new_run: RunFactory | None = None) -> Scenario:
+    """GradScaler(init_scale=2**32), as Megatron starts: it backs off for its first steps, then trains."""
+    s = Scenario("fp16_calibration", None, None, precision="fp16")
+    _healthy_fp16(s, new_run, 11, 300, init_scale=2.0**32)
+    calibration = _calibration_length(s.skipped)
+    s.facts = {"calibration_skips": calibration, "later_skips": sum(s.skipped[calibration:])}
+    _require(calibration >= 8 and s.facts["later_skips"] <= 2 and _learned(s), f"not a clean calibration: {s.facts}")
+    return s
+
+
+@_timed
+def fp16_default_sawtooth(new_run: RunFactory | None = None) -> Scenario:
+    """Dynamic loss scaling over several growth intervals (growth_interval=50): the scale grows until a
+    step overflows, backs off once, grows again; isolated skips, a sawtooth."""
+    s = Scenario("fp16_default_sawtooth", None, None, precision="fp16")
+    _healthy_fp16(s, new_run, 12, 400, init_scale=2.0**18, growth_interval=50)
+    skips = [i for i, flag in enumerate(s.skipped) if flag]
+    s.facts = {"skip_steps": skips, "max_scale": max(x for x in s.scales if x is not None)}
+    isolated = all(b - a > 10 for a, b in itertools.pairwise(skips))
+    _require(len(skips) >= 3 and isolated and _learned(s), f"no sawtooth: {s.facts}")
+    return s
+
+
+@_timed
+def bf16_autocast(new_run: RunFactory | None = None) -> Scenario:
+    """bf16 autocast, fp32 weights, no scaler: what a healthy bf16 run looks like."""
+    s = Scenario("bf16_autocast", None, None, precision="bf16")
+    trace, task, model = _Trace(s), _Task(13), _mlp(13)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(300):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp32_step(model, optimizer, loss, trace)
+    _require(_learned(s), "bf16 run did not learn")
+    return s
+
+
+@_timed
+def warmup_cosine_restart(new_run: RunFactory | None = None) -> Scenario:
+    """Linear warmup (50 steps) then cosine annealing with warm restarts every 150 steps: each restart
+    raises the lr from ~0 back to its peak and the loss a little; healthy."""
+    s = Scenario("warmup_cosine_restart", None, None)
+    trace, task, model = _Trace(s), _Task(14), _mlp(14)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=50),
+        torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=150, eta_min=1e-5),
+    ], milestones=[50])
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(400):
+            x, y = task.batch(step)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp32_step(model, optimizer, loss, trace)
+            scheduler.step()
+    restarts = [i for i in range(1, len(s.lrs)) if s.lrs[i] > 5 * s.lrs[i - 1] and i > 50]
+    s.facts = {"restart_steps": restarts, "peak_lr": max(s.lrs)}
+    _require(len(restarts) == 2 and _learned(s), f"unexpected schedule: {s.facts}")
+    return s
+
+
+@_timed
+def resumed(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 training for 200 steps, a checkpoint (model, optimizer, scaler state, run id, step), then a
+    second gradwatch.init(run_id=<same id>) in the same process continuing at step 200 for 200 more."""
+    s = Scenario("resumed", None, None, precision="fp16")
+    trace, task = _Trace(s), _Task(15)
+    checkpoint = io.BytesIO()
+
+    def segment(start: int, stop: int, restore: dict[str, Any] | None) -> None:
+        model = _mlp(15)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=100)
+        run_id = None
+        if restore is not None:
+            model.load_state_dict(restore["model"])
+            optimizer.load_state_dict(restore["optimizer"])
+            scaler.load_state_dict(restore["scaler"])
+            run_id = restore["run_id"]
+        with _gradwatch(new_run, s, model, optimizer, scaler, run_id=run_id, start_step=start) as run:
+            for step in range(start, stop):
+                x, y = task.batch(step)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                optimizer.zero_grad(set_to_none=True)
+                _log(run, loss)
+                _fp16_step(model, optimizer, scaler, loss, trace)
+            if restore is None:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scaler": scaler.state_dict(), "run_id": run.id if run else None, "step": stop},
+                           checkpoint)
+
+    segment(0, 200, None)
+    checkpoint.seek(0)
+    state = torch.load(checkpoint, weights_only=False)
+    segment(state["step"], 400, state)
+    s.facts = {"skips": sum(s.skipped), "scale_at_resume": s.scales[199]}
+    _require(trace.step == 400 and _learned(s) and sum(s.skipped[200:]) <= 2, f"resume went wrong: {s.facts}")
+    _require(len(set(s.run_ids)) <= 1, f"the resume started a new run: {s.run_ids}")
+    return s
+
+
+PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
+    lr_jump, clip_before_unscale, adapter_underflow, nan_loss_bad_sample, bf16_weights_stall, stray_detach,
+    grad_accum_no_divide, overflow_layer, lr_zero_scheduler, lr_too_high_fp32,
+)
+HEALTHY: tuple[Callable[..., Scenario], ...] = (
+    fp16_calibration, fp16_default_sawtooth, bf16_autocast, warmup_cosine_restart, resumed,
+)
+SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}
+
+
+# -- judging what a server notified ------------------------------------------------------------------
+
+FIRING_EVENTS = ("incident.firing",)
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One firing notification (one incident) from a generic JSON webhook body."""
+
+    event: str
+    step: int | None
+    kind: str  # the incident's cause key (else its cause, else its rules)
+    layers: tuple[str, ...]
+    body: dict[str, Any]
+
+
+def _layers_in(value: Any) -> list[str]:
+    """Every string listed under a "layers" key anywhere in `value` (evidence, findings…), in order."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "layers" and isinstance(item, list):
+                found.extend(x for x in item if isinstance(x, str))
+            else:
+                found.extend(_layers_in(item))
+    elif isinstance(value, list):
+        for item in value:
+            found.extend(_layers_in(item))
+    return list(dict.fromkeys(found))
+
+
+def as_notification(body: Any) -> Notification | None:
+    """The firing notification in a generic JSON webhook body ({"event": "incident.firing", "incident":
+    {"first_step", "cause_key", "rules", "layers", "findings": [...]}}); None for resolutions and tests."""
+    if not isinstance(body, dict) or body.get("event") not in FIRING_EVENTS or not isinstance(body.get("incident"), dict):
+        return None
+    incident = body["incident"]
+    step = incident.get("first_step")
+    cause = incident.get("cause_key") or incident.get("cause")
+    kind = cause if isinstance(cause, str) and cause else ",".join(map(str, incident.get("rules") or []))
+    return Notification(body["event"], int(step) if isinstance(step, (int, float)) else None, kind,
+                        tuple(_layers_in(incident)), body)
+
+
+def notifications(bodies: list[Any]) -> list[Notification]:
+    return [n for n in map(as_notification, bodies) if n is not None]
+
+
+def names_layer(notified: tuple[str, ...] | list[str], affected: list[str]) -> bool:
+    """Whether a notified layer is one of the affected parameters or a module holding one."""
+    return any(layer == name or name.startswith(f"{layer}.") for layer in notified for name in affected)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one tool's notifications about one scenario compare with its ground truth."""
+
+    count: int
+    first_step: int | None
+    detected: bool  # a pathology: some notification at onset <= step <= onset + DETECTION_WINDOW
+    latency: int | None  # first detecting step - onset
+    layer_named: bool | None  # None where the scenario names no layers or nothing was detected
+
+    @property
+    def notified(self) -> bool:
+        return self.count > 0
+
+
+def judge(scenario: Scenario, notified: list[tuple[int | None, tuple[str, ...]]]) -> Verdict:
+    """Compare (step, layers) notifications with the scenario's ground truth."""
+    steps = [step for step, _ in notified if step is not None]
+    first = min(steps) if steps else None
+    if scenario.onset_step is None:
+        return Verdict(len(notified), first, False, None, None)
+    onset = scenario.onset_step
+    hits = [(step, layers) for step, layers in notified
+            if step is not None and onset <= step <= onset + DETECTION_WINDOW]
+    latency = min(step for step, _ in hits) - onset if hits else None
+    layer_named = None
+    if scenario.layers and hits:
+        layer_named = any(names_layer(layers, scenario.layers) for _, layers in hits)
+    return Verdict(len(notified), first, bool(hits), latency, layer_named)
+
+
+def settled_notifications(api: Any, project: str, bodies: Callable[[], list[Any]], timeout: float = 30.0,
+                          settle: float = 1.5, poll: float = 0.1, webhook_id: int | None = None) -> list[Notification]:
+    """Wait until the server has nothing left to deliver for `project` and `bodies()` (what the
+    receiver got) has stayed the same for `settle` seconds; then its firing notifications.
+
+    `api` is an httpx.Client on the server; webhook_id narrows the deliveries watched to one webhook.
+    AssertionError at `timeout` with what was seen."""
+    deadline = time.monotonic() + timeout
+    last: tuple[int, int] | None = None
+    stable_since = time.monotonic()
+    while True:
+        params = {"project": project, "limit": 100, **({"webhook_id": webhook_id} if webhook_id else {})}
+        response = api.get("/api/v1/deliveries", params=params)
+        response.raise_for_status()
+        deliveries = response.json()["data"]
+        waiting = [d for d in deliveries if d["status"] in ("pending", "sending")]
+        received = bodies()
+        delivered = sum(d["status"] == "delivered" for d in deliveries)
+        state = (len(deliveries), len(received))
+        now = time.monotonic()
+        if state != last or waiting or len(received) < delivered:
+            last, stable_since = state, now
+        elif now - stable_since >= settle:
+            return notifications(received)
+        if now > deadline:
+            raise AssertionError(f"deliveries for {project!r} did not settle within {timeout:.0f} s: "
+                                 f"{len(waiting)} waiting, {delivered} delivered, {len(received)} received")
+        time.sleep(poll)
