@@ -127,6 +127,10 @@ def test_every_default_is_a_known_type_and_defaults_validate():
         ("underflow", {"threshold": 2}, "threshold must be at most 1"),
         ("underflow", {"all_zero": 1}, "all_zero must be true or false"),
         ("scale_floor", {"floor": "x"}, "floor must be a number"),
+        # Bounded state and work per point, whatever a project configures.
+        ("grad_norm_spike", {"window": 1_000_000_000}, "window must be at most 10000"),
+        ("rank_disagreement", {"window": 10**7}, "window must be at most 10000"),
+        ("loss_non_finite", {"clear_after": 10**9}, "clear_after must be at most 1e+06"),
         ("scaler_calibration", {"settle_steps": 5}, "settle_steps must be at least 10"),
         ("grad_norm_spike", {"warmup": 50, "window": 20}, "warmup (50) cannot exceed window (20)"),
         ("grad_norm_spike", {"sustain": 6}, "sustain must be at most 5"),

@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 MAX_EVIDENCE_POINTS = 50
+# Bounds of the step-count parameters: what a rule keeps per run and does per point stays small whatever a
+# project configures (a rule's state lives in the ingest transaction).
+MAX_WINDOW = 10_000
+MAX_STEPS = 1_000_000
 MAX_EVIDENCE_LAYERS = 20
 
 
@@ -275,8 +279,8 @@ class ScalerCalibration(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "floor": Param(1.0, minimum=0.0, exclusive_minimum=True, doc="a calibration below this scale failed"),
-        "settle_steps": Param(25, minimum=CALIBRATION_CLEAN_STEPS, integer=True, doc="steps after the first applied one"),
-        "floor_skips": Param(5, minimum=2, integer=True, doc="skips in a row at an unchanged scale"),
+        "settle_steps": Param(25, minimum=CALIBRATION_CLEAN_STEPS, maximum=MAX_WINDOW, integer=True, doc="steps after the first applied one"),
+        "floor_skips": Param(5, minimum=2, maximum=MAX_WINDOW, integer=True, doc="skips in a row at an unchanged scale"),
     }
     scalar_keys = frozenset({"amp/scale", "amp/skipped"})
     event_kinds = frozenset({"scaler_state_loaded", "skip"})
@@ -343,7 +347,7 @@ class ScaleDrop(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "factor": Param(8.0, minimum=1.0, exclusive_minimum=True, doc="drop ratio (max in window / now)"),
-        "window": Param(100, minimum=1, integer=True, doc="steps"),
+        "window": Param(100, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps"),
     }
     scalar_keys = frozenset({"amp/scale", "amp/skipped"})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
@@ -397,9 +401,9 @@ class SkipStorm(RuleType):
         "(a single back-off right after the scale grew is the healthy sawtooth and does not count)."
     )
     params: ClassVar[dict[str, Param]] = {
-        "count": Param(4, minimum=1, integer=True, doc="skips"),
-        "window": Param(50, minimum=1, integer=True, doc="steps"),
-        "ignore_first": Param(0, minimum=0, integer=True, doc="steps not judged at the start (besides calibration)"),
+        "count": Param(4, minimum=1, maximum=MAX_WINDOW, integer=True, doc="skips"),
+        "window": Param(50, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps"),
+        "ignore_first": Param(0, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps not judged at the start (besides calibration)"),
     }
     scalar_keys = frozenset({"amp/skipped", "amp/scale"})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
@@ -482,7 +486,7 @@ class NonFinite(RuleType):
         "A non-finite gradient norm reached the weights (a step applied without a GradScaler to skip it), "
         "or, after the scaler's calibration and with a finite loss, `consecutive` steps in a row overflowed."
     )
-    params: ClassVar[dict[str, Param]] = {"consecutive": Param(3, minimum=1, integer=True, doc="steps in a row")}
+    params: ClassVar[dict[str, Param]] = {"consecutive": Param(3, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps in a row")}
     scalar_keys = frozenset({"grad/global_norm", "amp/skipped", "amp/scale", *LOSS_KEYS})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
@@ -536,7 +540,7 @@ class LossNonFinite(RuleType):
         "can cure. Names the step and, when the run logs batch ids (run.log_batch), the batch. Resolves "
         "after `clear_after` finite losses."
     )
-    params: ClassVar[dict[str, Param]] = {"clear_after": Param(100, minimum=1, integer=True, doc="finite steps")}
+    params: ClassVar[dict[str, Param]] = {"clear_after": Param(100, minimum=1, maximum=MAX_STEPS, integer=True, doc="finite steps")}
     scalar_keys = frozenset(LOSS_KEYS)
     event_kinds = frozenset({"bad_batch"})
     cooldown_steps = 0
@@ -648,8 +652,8 @@ class GradNormSpike(RuleType):
         "and the norm at least `min_ratio`x that median (a single odd batch is not a divergence)."
     )
     params: ClassVar[dict[str, Param]] = {
-        "window": Param(100, minimum=5, integer=True, doc="baseline steps"),
-        "warmup": Param(20, minimum=5, integer=True, doc="baseline steps needed before judging"),
+        "window": Param(100, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
+        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
         "z": Param(6.0, minimum=0.0, exclusive_minimum=True),
         "min_ratio": Param(10.0, minimum=1.0),
         "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
@@ -716,12 +720,12 @@ class LossSpike(RuleType):
         "scheduled restart) only a loss above the run's starting loss counts."
     )
     params: ClassVar[dict[str, Param]] = {
-        "window": Param(100, minimum=10, integer=True, doc="baseline steps"),
-        "warmup": Param(20, minimum=5, integer=True, doc="baseline steps needed before judging"),
+        "window": Param(100, minimum=10, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
+        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
         "z": Param(8.0, minimum=0.0, exclusive_minimum=True),
         "min_ratio": Param(2.0, minimum=1.0, doc="loss / baseline median (for a positive loss)"),
         "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
-        "restart_grace": Param(200, minimum=0, integer=True, doc="steps after a scheduled lr restart"),
+        "restart_grace": Param(200, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps after a scheduled lr restart"),
     }
     scalar_keys = frozenset({*LOSS_KEYS, "lr"})
 
@@ -798,7 +802,7 @@ class LrJump(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "factor": Param(30.0, minimum=1.0, exclusive_minimum=True, doc="lr(step) / lr(step - 1)"),
-        "warmup": Param(10, minimum=1, integer=True, doc="steps of lr history needed"),
+        "warmup": Param(10, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps of lr history needed"),
     }
     scalar_keys = frozenset({"lr"})
     cooldown_steps = 0
@@ -843,7 +847,7 @@ class ClipSaturation(RuleType):
         "(`min_ratio_accumulating` when each step accumulates several micro-batches)."
     )
     params: ClassVar[dict[str, Param]] = {
-        "window": Param(30, minimum=5, integer=True, doc="applied steps with clipping"),
+        "window": Param(30, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps with clipping"),
         "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         "min_ratio": Param(2.0, minimum=1.0),
         "min_ratio_accumulating": Param(1.25, minimum=1.0),
@@ -892,8 +896,8 @@ class NoScaleGrowth(RuleType):
     name = "no_scale_growth"
     description = "The loss scale has not grown for `intervals` growth intervals (recurring overflows)."
     params: ClassVar[dict[str, Param]] = {
-        "growth_interval": Param(2000, minimum=1, integer=True, doc="the GradScaler's growth_interval"),
-        "intervals": Param(5, minimum=1, integer=True),
+        "growth_interval": Param(2000, minimum=1, maximum=MAX_STEPS, integer=True, doc="the GradScaler's growth_interval"),
+        "intervals": Param(5, minimum=1, maximum=MAX_STEPS, integer=True),
     }
     scalar_keys = frozenset({"amp/scale"})
 
@@ -1004,7 +1008,7 @@ class UnderflowFraction(_PersistentLayers):
         "threshold": Param(0.1, minimum=0.0, maximum=1.0),
         "zero_fraction": Param(0.3, minimum=0.0, maximum=1.0),
         "precision_loss": Param(0.5, minimum=0.0, maximum=1.0),
-        "observations": Param(2, minimum=1, integer=True),
+        "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True),
         "all_zero": Param(False, doc="a layer whose gradients are all zero counts as underflowing"),
         "key": Param("grad/underflow_frac"),
     }
@@ -1050,7 +1054,7 @@ class DeadLayers(_PersistentLayers):
         "Trainable layers get no gradient (grad None or exactly zero: a stray .detach(), torch.no_grad(), an "
         "unused module) on `observations` gradient-norm samples in a row after the first applied step."
     )
-    params: ClassVar[dict[str, Param]] = {"observations": Param(2, minimum=1, integer=True)}
+    params: ClassVar[dict[str, Param]] = {"observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True)}
     scalar_keys = frozenset({"amp/skipped"})
     vector_keys = frozenset({"grad/norm"})
     event_kinds = frozenset({"no_gradient"})
@@ -1089,7 +1093,7 @@ class NotLearning(_PersistentLayers):
     )
     params: ClassVar[dict[str, Param]] = {
         "rounded_away": Param(0.5, minimum=0.0, maximum=1.0, exclusive_minimum=True),
-        "observations": Param(2, minimum=1, integer=True),
+        "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True),
     }
     scalar_keys = frozenset({"amp/skipped"})
     vector_keys = frozenset({"update/ratio", "update/rounded_away_frac"})
@@ -1145,7 +1149,7 @@ class RankDisagreement(RuleType):
     name = "rank_disagreement"
     severity = "critical"
     description = "Some ranks skipped a step that others applied (their found-inf checks disagree)."
-    params: ClassVar[dict[str, Param]] = {"window": Param(200, minimum=1, integer=True, doc="steps remembered")}
+    params: ClassVar[dict[str, Param]] = {"window": Param(200, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps remembered")}
     scalar_keys = frozenset({"amp/skipped"})
     all_ranks = True
 
