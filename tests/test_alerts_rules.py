@@ -537,7 +537,7 @@ def test_healthy_clipping_on_some_steps_is_silent():
 def test_clipping_every_step_at_4x_max_norm_fires():
     verdicts, _ = _feed(make_rule("clip_saturation"), _clip_steps([4.0] * 40, max_norm=0.5))
     step, finding = _findings(verdicts)[0]
-    assert step == 29
+    assert step == 19  # the default window: 20 clipped steps
     assert finding.evidence["median_ratio"] == 4.0 and finding.evidence["fraction_clipped"] == 1.0
     assert finding.evidence["max_norm"] == 0.5 and finding.cause == ""
 
@@ -545,7 +545,7 @@ def test_clipping_every_step_at_4x_max_norm_fires():
 def test_clipping_with_accumulated_micro_batches_fires_at_a_lower_ratio():
     accumulating = _clip_steps([1.5] * 40, **{"amp/micro_batches": 8.0})
     step, finding = _findings(_feed(make_rule("clip_saturation"), accumulating)[0])[0]
-    assert step == 29
+    assert step == 19
     assert finding.evidence["micro_batches"] == 8.0 and finding.cause == "clip_saturation_accumulation"
     assert _findings(_feed(make_rule("clip_saturation"), _clip_steps([1.5] * 40))[0]) == []
 

@@ -847,7 +847,7 @@ class ClipSaturation(RuleType):
         "(`min_ratio_accumulating` when each step accumulates several micro-batches)."
     )
     params: ClassVar[dict[str, Param]] = {
-        "window": Param(30, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps with clipping"),
+        "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps with clipping"),
         "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         "min_ratio": Param(2.0, minimum=1.0),
         "min_ratio_accumulating": Param(1.25, minimum=1.0),
