@@ -18,7 +18,8 @@ Where each signal comes from:
   max_norm is sent as grad/clip_max_norm.
 
 Keys recorded here. Every step: amp/scale, amp/skipped, amp/growth_tracker, amp/loss (mean of the
-losses passed to scaler.scale in the step) and amp/micro_batches (how many), grad/global_norm,
+losses passed to scaler.scale in the step), amp/micro_batches (backward passes in the step, from the
+last parameter's post-accumulate-grad hook; else the scale() calls), grad/global_norm,
 grad/global_norm_post_clip and grad/clip_max_norm (when clipping), lr, lr/1…, perf/step_time,
 perf/samples_per_sec, perf/tokens_per_sec. Per layer on sampled steps (WatchOptions; denser during
 the first dense_start_steps): grad/norm, param/norm, update/ratio, update/rounded_away_frac,
@@ -186,6 +187,12 @@ class Watcher:
             self._wrap(self.scaler, "update", after=self._after_update)
             self._wrap(self.scaler, "scale", after=self._after_scale)
             self._wrap(self.scaler, "load_state_dict", after=self._after_scaler_load)
+        if self.params:
+            # Backward passes per optimizer step (gradient accumulation), from one parameter's accumulation hook.
+            try:
+                self._handles.append(self.params[-1].register_post_accumulate_grad_hook(guard(self._on_backward)))
+            except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
+                run.features.disable("micro-batch counting", exc)
         _clip.register(self)
         guard(self._check_setup)(model)  # its observations go through the same buffer as the step's
         run.features.guarded("rank report")(self._report_rank)()
@@ -226,6 +233,7 @@ class Watcher:
         self._snapshot: list[Any] | None = None
         self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
         self._loss_count = 0
+        self._backwards = 0  # backward passes that reached the last parameter this step
 
     # -- gradient observations --------------------------------------------------------------------
 
@@ -337,6 +345,9 @@ class Watcher:
             self._loss_sum = self._loss_sum + loss.to(self._loss_sum.device, non_blocking=True)
         self._loss_count += 1
 
+    def _on_backward(self, _param: Any) -> None:
+        self._backwards += 1  # a host counter: the hook runs once per backward pass, no device work
+
     def _after_scaler_load(self, *args: Any, **kwargs: Any) -> None:
         """A `scaler_state_loaded` event: the steps after it are a new calibration, not a scale jump.
         The scale is read from the state dict argument (host values), never from the device."""
@@ -401,7 +412,9 @@ class Watcher:
         buffer.add_scalar("grad/global_norm", step, self._global_norm)
         if self._loss_count:
             buffer.add_scalar("amp/loss", step, self._loss_sum / self._loss_count)
-            buffer.add_scalar("amp/micro_batches", step, float(self._loss_count))
+        micro_batches = self._backwards or self._loss_count
+        if micro_batches:
+            buffer.add_scalar("amp/micro_batches", step, float(micro_batches))
         if options.due(options.param_norms_every, step):
             buffer.add_tensor("param/norm", step, _quantities.layer_norms(self._local_params(), self._like))
         for i, group in enumerate(self.optimizer.param_groups):

@@ -484,3 +484,20 @@ def test_no_host_sync_with_every_new_signal_on_every_step(monkeypatch):
     run.finish()
     assert counts["without"] > 0
     assert counts["with"] == counts["without"]
+
+
+def test_micro_batches_count_backward_passes_without_a_scaler():
+    """Gradient accumulation is seen in any loop (fp32/bf16, no GradScaler): backward passes per step."""
+    transport = RecordingTransport()
+    run = gradwatch.init(project="t", transport=transport, flush_interval=0.05)
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run.watch(model, optimizer)
+    for _ in range(3):
+        for _ in range(4):  # four micro-batches per optimizer step
+            nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run.finish()
+    assert transport.series("amp/micro_batches") == {0: 4.0, 1: 4.0, 2: 4.0}

@@ -535,11 +535,12 @@ def test_healthy_clipping_on_some_steps_is_silent():
 
 
 def test_clipping_every_step_at_4x_max_norm_fires():
-    verdicts, _ = _feed(make_rule("clip_saturation"), _clip_steps([4.0] * 40, max_norm=0.5))
+    verdicts, _ = _feed(make_rule("clip_saturation"), _clip_steps([4.0] * 250, max_norm=0.5))
     step, finding = _findings(verdicts)[0]
-    assert step == 19  # the default window: 20 clipped steps
+    assert step == 199  # without accumulation: 200 steps (early training often clips for a while)
     assert finding.evidence["median_ratio"] == 4.0 and finding.evidence["fraction_clipped"] == 1.0
     assert finding.evidence["max_norm"] == 0.5 and finding.cause == ""
+    assert _findings(_feed(make_rule("clip_saturation"), _clip_steps([2.5] * 250))[0]) == []  # below 3x
 
 
 def test_clipping_with_accumulated_micro_batches_fires_at_a_lower_ratio():
@@ -914,3 +915,16 @@ def test_signature_round_trip_and_url_validation():
         validate_url("ftp://example.com/x")
     with pytest.raises(ValueError, match="not allowed"):
         validate_url("https://evil.example/x", ("hooks.slack.com",))
+
+
+def test_layer_rules_ignore_skipped_steps_whose_gradients_overflowed():
+    """On a skipped step the gradients are inf/NaN or wiped out: zeros there say nothing about a layer."""
+    steps = [StepData(s, 0, scalars={"amp/skipped": 0.0}, vectors={"grad/norm": [1.0, 1.0]}) for s in range(12)]
+    steps += [StepData(s, 0, scalars={"amp/skipped": 1.0}, vectors={"grad/norm": [0.0, math.inf]}) for s in (12, 13, 14)]
+    steps += [StepData(15, 0, scalars={"amp/skipped": 0.0}, vectors={"grad/norm": [1.0, 1.0]})]
+    verdicts, _ = _feed(make_rule("dead_layers"), steps)
+    assert not any(isinstance(v, Finding) for _, v in verdicts)
+    under = [StepData(s, 0, scalars={"amp/skipped": 1.0},
+                      vectors={"grad/zero_frac": [0.9, 0.0], "grad/precision_loss_frac": [1.0, 0.0]}) for s in (3, 4)]
+    verdicts, _ = _feed(make_rule("underflow"), under)
+    assert not any(isinstance(v, Finding) for _, v in verdicts)

@@ -28,7 +28,9 @@ NEW_DEFAULT_RULES = {  # type: (params, cooldown_steps)
         {"window": 100, "warmup": 20, "z": 8.0, "min_ratio": 2.0, "sustain": 3, "restart_grace": 200}, 100
     ),
     "lr_jump": ({"factor": 30.0, "warmup": 10}, 0),
-    "clip_saturation": ({"window": 20, "fraction": 0.9, "min_ratio": 2.0, "min_ratio_accumulating": 1.25}, 100),
+    "clip_saturation": (
+        {"window": 20, "plain_window": 200, "fraction": 0.9, "min_ratio": 3.0, "min_ratio_accumulating": 1.25}, 100
+    ),
     "underflow": (
         {"threshold": 0.1, "zero_fraction": 0.3, "precision_loss": 0.5, "observations": 2, "all_zero": False,
          "key": "grad/underflow_frac"},

@@ -59,8 +59,10 @@ def _power(value: float | None) -> str:
 
 
 def _x(value: Any) -> str:
-    """A ratio for a sentence: 3.2e+02 style for numbers, "many" for a stored infinity or anything else."""
-    return f"{value:.3g}" if isinstance(value, (int, float)) and math.isfinite(value) else "many"
+    """A ratio for a sentence: 3.2, 47, 3,234; "many" for a stored infinity or anything else."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value)):
+        return "many"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _layers(findings: list[dict[str, Any]], *rules: str) -> list[str]:
@@ -296,20 +298,20 @@ def _divergence(by_rule: dict, findings: list, context: RunContext, misuse: dict
         if rule in by_rule:
             symptoms.append(f"{what} {_x(by_rule[rule]['evidence'].get('ratio'))}x its running median")
     if any(r in by_rule for r in ("skip_storm", "scale_drop", "scaler_calibration")):
-        symptoms.append("fp16 overflows making the scaler skip steps")
+        symptoms.append("fp16 overflows that make the scaler skip steps")
     if "loss_non_finite" in by_rule:
         symptoms.append(f"a {by_rule['loss_non_finite']['evidence'].get('values', ['NaN'])[0]} loss")
-    since = " since: " + ", ".join(symptoms) if symptoms else ""
+    since = " (" + "; ".join(symptoms) + ")" if symptoms else ""
     if trigger is not None:
         at, before, after = trigger
         rewind = at
         good_lr = before
         cause = (
-            f"The learning rate jumped {after / before:.3g}x at step {at} ({before:.3g} -> {after:.3g}): a scheduler "
-            f"or config bug, and the run diverges{since}."
+            f"The learning rate jumped {_x(after / before)}x at step {at} ({before:.3g} -> {after:.3g}): a scheduler "
+            f"or config bug, and the run diverges since{since}."
         )
-        title = f"the learning rate jumped {after / before:.3g}x at step {at}; the run diverges"
-        first_step = [f"Fix the schedule: the lr at step {at} is {after / before:.3g}x the step before."]
+        title = f"the learning rate jumped {_x(after / before)}x at step {at}; the run diverges"
+        first_step = [f"Fix the schedule: the lr at step {at} is {_x(after / before)}x the step before."]
     else:
         rewind = spikes if spikes is not None else step
         good_lr = _lr_at(context, rewind)

@@ -1,8 +1,9 @@
 """Incidents: one cause, one notification (Prometheus Alertmanager's group_by / group_wait, per run).
 
 An alert that opens joins an open incident of its run when it is of the same family (rules.RuleType.
-family: precision, divergence, data, stalled, liveness) or starts within GROUP_WINDOW_STEPS of the
-incident's first step (an lr jump, the loss spike and the skip storm it causes are one incident);
+family: precision, divergence, data, stalled, liveness), starts within GROUP_WINDOW_STEPS of the
+incident's first step (an lr jump, the loss spike and the skip storm it causes are one incident), or
+is a stalled layer while a divergence, overflow or NaN incident is open (the layers it killed);
 otherwise it opens a new incident. An incident is notified once, when its group wait ends: the run
 reached first_step + group_wait_steps, or group_wait_s passed with no data (a crashed run), or the run
 ended. By then the rules that fire together have joined, and diagnosis.diagnose() names the cause.
@@ -67,6 +68,15 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
     }
 
 
+def _onset(finding: dict[str, Any]) -> int:
+    evidence = finding["evidence"]
+    onset = evidence.get("onset_step", evidence.get("first_step")) if finding["rule"] in ONSET_RULES else None
+    return min(finding["step"], onset) if isinstance(onset, int) else finding["step"]
+
+
+ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_non_finite")
+
+
 def verdict(incidents: Iterable[dict[str, Any]]) -> str:
     """A run's health from its incidents: the worst severity of the open ones, else healthy."""
     severities = {i["severity"] for i in incidents if i["status"] == "open"}
@@ -98,7 +108,9 @@ class Incidents:
             nearby = family != "liveness" and incident.family != "liveness" and (
                 incident.first_step - GROUP_WINDOW_STEPS <= step <= incident.first_step + GROUP_WINDOW_STEPS
             )
-            if same_family or nearby:
+            # A run that diverged, overflows or computes NaN explains layers that stop learning after it.
+            consequence = family == "stalled" and incident.family in ("divergence", "precision", "data")
+            if same_family or nearby or consequence:
                 alert.incident_id = incident.id
                 return incident
         now = time.time()
@@ -176,7 +188,8 @@ class Incidents:
                                                 if t in RULE_TYPES else len(RULE_TYPES)))
         incident.findings_json = dump_json({"f": findings})[len('{"f":'):-1]
         incident.layers_json = json.dumps(diagnosis.layers[:20])
-        incident.first_step = min(f["step"] for f in findings)
+        # Where it began: a sustained rule's onset or a NaN loss's first step comes before the step it fired.
+        incident.first_step = min(_onset(f) for f in findings)
         incident.last_step = max(a.last_step or a.step or 0 for a in alerts)
         incident.link = self.link(run.id, incident.first_step)
         incident.updated_at = time.time()

@@ -261,6 +261,11 @@ class ScalerPhase:
         return "applied"
 
 
+def _times(ratio: float) -> str:
+    """A ratio for a title: 3.2x, 47x, 3,234x."""
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
+
+
 def _power_of_two(value: float) -> str:
     if value > 0 and math.isfinite(value):
         exponent = math.log2(value)
@@ -688,7 +693,7 @@ class GradNormSpike(RuleType):
             if hit and len(hits) >= self.sustain:
                 verdict = Finding(
                     data.step,
-                    f"gradient norm {norm:.3g} is {ratio:.3g}x its running median {10 ** median:.3g} "
+                    f"gradient norm {norm:.3g} is {_times(ratio)} its running median {10 ** median:.3g} "
                     f"(z={z:.1f}; {len(hits)} of the last {len(recent)} steps)",
                     {
                         "key": "grad/global_norm",
@@ -769,7 +774,7 @@ class LossSpike(RuleType):
             hits = [r for r in recent if r[1]]
             if hit and len(hits) >= self.sustain:
                 ratio = value / median if median > 0 else None
-                size = f"{ratio:.3g}x its running median" if ratio is not None else f"{z:.3g} deviations above its median"
+                size = f"{_times(ratio)} its running median" if ratio is not None else f"{z:.3g} deviations above its median"
                 verdict = Finding(
                     data.step,
                     f"{key} {value:.4g} is {size} {median:.4g} ({len(hits)} of the last {len(recent)} steps)",
@@ -831,7 +836,7 @@ class LrJump(RuleType):
         state["jump"] = [data.step, previous, lr, peak]
         return Finding(
             data.step,
-            f"the learning rate jumped {lr / previous:.3g}x at step {data.step} ({previous:.3g} -> {lr:.3g}; "
+            f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> {lr:.3g}; "
             f"the run's highest before was {peak:.3g})",
             {"key": "lr", "steps": [data.step - 1, data.step], "values": [previous, lr], "ratio": lr / previous,
              "previous_peak": peak},
@@ -842,14 +847,16 @@ class ClipSaturation(RuleType):
     name = "clip_saturation"
     family = "stalled"
     description = (
-        "clip_grad_norm_ cuts the gradient on nearly every step: of the last `window` applied steps at least "
-        "`fraction` had a pre-clip norm above max_norm, with a median norm/max_norm of at least `min_ratio` "
-        "(`min_ratio_accumulating` when each step accumulates several micro-batches)."
+        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation (several backward "
+        "passes per optimizer step): of the last `window` applied steps at least `fraction` clipped, with a "
+        "median norm/max_norm of at least `min_ratio_accumulating` (an undivided loss). Without it, over "
+        "`plain_window` steps and a median of at least `min_ratio` (early training often clips for a while)."
     )
     params: ClassVar[dict[str, Param]] = {
-        "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps with clipping"),
+        "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, accumulating"),
+        "plain_window": Param(200, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, otherwise"),
         "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
-        "min_ratio": Param(2.0, minimum=1.0),
+        "min_ratio": Param(3.0, minimum=1.0),
         "min_ratio_accumulating": Param(1.25, minimum=1.0),
     }
     scalar_keys = frozenset({"grad/global_norm", "grad/clip_max_norm", "amp/micro_batches"})
@@ -864,14 +871,17 @@ class ClipSaturation(RuleType):
         norm, max_norm = data.scalars.get("grad/global_norm"), data.scalars.get("grad/clip_max_norm")
         if not (_finite(norm) and _finite(max_norm) and max_norm > 0) or data.scalars.get("amp/skipped", 0) >= 0.5:
             return None
-        recent = (state["recent"] + [[data.step, norm / max_norm]])[-self.window:]
-        state["recent"] = recent
-        clipped = [r for r in recent if r[1] > 1.0]
-        if len(recent) < self.window:
-            return None
-        share = len(clipped) / len(recent)
-        median = _median([r[1] for r in recent])
         accumulating = state["micro_batches"] > 1
+        window = self.window if accumulating else self.plain_window
+        recent = state["recent"]
+        recent.append([data.step, norm / max_norm])
+        if len(recent) > max(self.window, self.plain_window):
+            del recent[0]
+        if len(recent) < window:
+            return None
+        recent = recent[-window:]
+        share = sum(1 for r in recent if r[1] > 1.0) / len(recent)
+        median = _median([r[1] for r in recent])
         threshold = self.min_ratio_accumulating if accumulating else self.min_ratio
         if share < self.fraction or median < threshold:
             return CLEAR if share < self.fraction / 2 else None
@@ -973,6 +983,11 @@ class _PersistentLayers(RuleType):
     def initial_state(self) -> dict[str, Any]:
         return {"streaks": {}, "applied": 0, "scaler": False}  # streaks: layer index -> observations in a row
 
+    @staticmethod
+    def skipped(data: StepData) -> bool:
+        """A skipped step's gradients overflowed: what they show about a layer means nothing."""
+        return data.scalars.get("amp/skipped", 0.0) >= 0.5
+
     def count_applied(self, state: dict[str, Any], data: StepData) -> int:
         """Applied optimizer steps before this one (every step, without a GradScaler)."""
         before = state["applied"]
@@ -1020,7 +1035,7 @@ class UnderflowFraction(_PersistentLayers):
         under = data.vectors.get(self.key)
         zeros = data.vectors.get("grad/zero_frac")
         subnormal = data.vectors.get("grad/precision_loss_frac")
-        if under is None and zeros is None:
+        if (under is None and zeros is None) or self.skipped(data):
             return None
         width = max(len(under or ()), len(zeros or ()))
         bad: dict[int, float] = {}
@@ -1065,7 +1080,7 @@ class DeadLayers(_PersistentLayers):
                 state["none"] = _names(event.get("layers"))
         applied_before = self.count_applied(state, data)
         row = data.vectors.get("grad/norm")
-        if row is None or applied_before < 1:
+        if row is None or applied_before < 1 or self.skipped(data):
             return None
         held = self.streaks(state, {i for i, v in enumerate(row) if v == 0.0}, len(row))
         if not held:
