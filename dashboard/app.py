@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
 import dash
+import flask
 import httpx
 import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, ctx, dcc, html
@@ -195,8 +196,15 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     # Independent API calls of one callback go out together: one page load waits for the slowest.
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gradwatch-dashboard")
 
+    def in_background(call: Callable[[], Any]) -> Any:
+        """Run `call` on the pool inside a copy of this request's context: the API client reads the
+        signed-in person's token from the request's cookie, and a worker thread has no request."""
+        if flask.has_request_context():
+            call = flask.copy_current_request_context(call)
+        return pool.submit(call)
+
     def fetch_all(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-        futures = {name: pool.submit(call) for name, call in calls.items()}
+        futures = {name: in_background(call) for name, call in calls.items()}
         return {name: future.result() for name, future in futures.items()}
 
     def run_href(run_id: str, step: Any = None) -> str:
@@ -295,7 +303,7 @@ def _register_callbacks(app: dash.Dash, api: ApiClient, prefix: str) -> None:
             "statuses": [s for s in statuses or [] if s in RUN_STATUSES],
             "tags": [t for t in (tag or "").replace(",", " ").split() if t],
         }
-        open_alerts = pool.submit(open_alerts_by_run)
+        open_alerts = in_background(open_alerts_by_run)
         try:
             if not search and sort == "newest":  # the API's own order: page on the server
                 runs, count = api.list_runs(limit=RUNS_PAGE_SIZE, offset=page * RUNS_PAGE_SIZE, **filters)

@@ -78,3 +78,52 @@ def test_signin_never_redirects_off_the_dashboard(full_server, sqlite_url):
         response = client.post("/dashboard/signin", data={"token": token, "next": "/dashboard/alerts"})
         assert response.headers["location"] == "/dashboard/alerts"
         assert "HttpOnly" in response.headers["set-cookie"] and "SameSite=Strict" in response.headers["set-cookie"]
+
+
+def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, chromium_path):
+    """The run page, the runs list, compare and alerts fetch in worker threads: they must carry the
+    signed-in person's token too (issue 14: they answered 401 and showed "?" badges)."""
+    import gradwatch
+    from playwright.sync_api import expect, sync_playwright
+    from training import train
+
+    engine = make_engine(sqlite_url)
+    tokens = Tokens(engine)
+    _, write_token = tokens.create("team", "write", "agents")
+    _, read_token = tokens.create("team", "read", "alice")
+    engine.dispose()
+    with gradwatch.init(project="team", name="signed-in", server=full_server.url, token=write_token,
+                        flush_interval=0.05) as run:
+        train(30, run=run, overflow_steps=(12, 13))
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto(f"{full_server.url}/dashboard/")
+        page.locator("#signin-token").fill(read_token)
+        page.locator("#signin-submit").click()
+        expect(page.get_by_text("signed-in", exact=True)).to_be_visible(timeout=WAIT_MS)
+        badge = page.locator(".alerts-badge").first
+        expect(badge).to_be_visible(timeout=WAIT_MS)
+        assert badge.inner_text() != "?"
+
+        page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
+        page.wait_for_function(
+            "() => { const g = document.querySelector('#loss-graph .js-plotly-plot');"
+            " return g && g.data && g.data.some(t => t.x && t.x.length === 30); }",
+            timeout=WAIT_MS,
+        )
+        expect(page.locator("#run-verdict")).to_have_attribute("data-verdict", "critical", timeout=WAIT_MS)
+        page.goto(f"{full_server.url}/dashboard/compare?runs={run.id}")
+        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=WAIT_MS)
+        page.goto(f"{full_server.url}/dashboard/alerts")
+        expect(page.locator("#alerts-table")).to_contain_text("signed-in", timeout=WAIT_MS)
+        for url in ("/dashboard/", f"/dashboard/runs/{run.id}", f"/dashboard/compare?runs={run.id}"):
+            page.goto(f"{full_server.url}{url}")
+            page.wait_for_timeout(1500)  # the first refresh has run
+            assert "401" not in page.inner_text("body"), url
+        browser.close()
+    assert problems == []
