@@ -21,7 +21,9 @@ def _server_settings(args: argparse.Namespace):
     public_url = getattr(args, "public_url", None)
     if public_url is None and hasattr(args, "port"):
         public_url = local_url(args.host, args.port)
-    options = {"public_url": public_url} if public_url else {}
+    options: dict = {"public_url": public_url} if public_url else {}
+    if getattr(args, "open", False):
+        options["open_after_revocation"] = True
     return Settings(database_url=args.database_url or default_database_url(), **options)
 
 
@@ -213,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--insecure", action="store_true",
         help="allow listening on a non-loopback address while no access tokens exist (a warning is printed)",
+    )
+    server.add_argument(
+        "--open", action="store_true",
+        help="serve without tokens again once every token is revoked (by default a server that has had "
+        "tokens keeps requiring them)",
     )
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)

@@ -121,7 +121,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.state.store = store
     app.state.on_shutdown = []  # callables run at shutdown, e.g. by the composition root
     app.state.alerts = alerts
-    app.state.tokens = Tokens(store.engine)
+    app.state.tokens = Tokens(store.engine, open_after_revocation=settings.open_after_revocation)
     app.state.live = live
 
     http_errors.install(app)

@@ -1,7 +1,8 @@
 """Access control: project-scoped bearer tokens with read or write scope.
 
-A server with no active token runs open (local mode: zero set-up, bound to 127.0.0.1). Once a token
-exists, every API request needs one: `Authorization: Bearer <token>` (WebSockets may pass
+A server that never had a token runs open (local mode: zero set-up, bound to 127.0.0.1). Once a token
+has been created, every API request needs one — also after every token is revoked (a revocation must
+never open a team's server; `gradwatch server --open` allows that explicitly): `Authorization: Bearer <token>` (WebSockets may pass
 `?token=` instead, since browsers cannot set headers on them). Write scope includes read. A token's
 project is "*" for every project (operators), or one project name. Only SHA-256 hashes of tokens are
 stored: they are 256-bit random strings, so a slow password hash would add nothing.
@@ -80,7 +81,10 @@ class TokenRecord:
 class Tokens:
     """Create, list, revoke and check tokens (the CLI and the API share this)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, open_after_revocation: bool = False) -> None:
+        """open_after_revocation: serve open again once every token is revoked (default: a server that
+        has had tokens keeps requiring them)."""
+        self._open_after_revocation = open_after_revocation
         self._transaction = Transactions(engine)
         self._lock = threading.Lock()
         self._open_until = 0.0  # monotonic time until which "no tokens" is cached
@@ -123,21 +127,26 @@ class Tokens:
                 row.revoked_at = time.time()
             return self._record(row)
 
-    def any_active(self) -> bool:
+    def required(self) -> bool:
+        """Whether requests need a token: a token was ever created (or, with open_after_revocation, one
+        is still active)."""
         with self._lock:
             if time.monotonic() < self._open_until:
                 return False
+        query = select(ApiToken.id)
+        if self._open_after_revocation:
+            query = query.where(ApiToken.revoked_at.is_(None))
         with self._transaction() as session:
-            active = session.scalar(select(ApiToken.id).where(ApiToken.revoked_at.is_(None)).limit(1)) is not None
-        if not active:
+            required = session.scalar(query.limit(1)) is not None
+        if not required:
             with self._lock:
                 self._open_until = time.monotonic() + _OPEN_CACHE_S
-        return active
+        return required
 
     def authenticate(self, token: str | None) -> Principal:
         """The principal for a request's token; Unauthenticated if one is needed and missing or bad."""
         if not token:
-            if not self.any_active():
+            if not self.required():
                 return Principal(open=True)
             raise Unauthenticated(
                 "this server requires a token: send 'Authorization: Bearer <token>' "
@@ -146,7 +155,7 @@ class Tokens:
         with self._transaction() as session:
             row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
             if row is None or row.revoked_at is not None:
-                if row is None and not self.any_active():
+                if row is None and not self.required():
                     return Principal(open=True)  # an open server ignores stray tokens
                 raise Unauthenticated("the token is not recognised or has been revoked")
             principal = Principal(open=False, project=row.project, scope=row.scope, token_id=row.id)  # type: ignore[arg-type]

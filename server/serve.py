@@ -94,7 +94,7 @@ def is_loopback(host: str) -> bool:
 
 def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
     """Refuse (or, with insecure, warn about) serving an open server on a non-loopback address."""
-    if is_loopback(host) or app.state.tokens.any_active():
+    if is_loopback(host) or app.state.tokens.required():
         return
     if not insecure:
         raise ExposureRefused(

@@ -41,6 +41,8 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    # A server that has had tokens keeps requiring them after all are revoked, unless this is set.
+    open_after_revocation: bool = False
     # Alerts and webhooks (see gradwatch.server.alerts).
     alert_worker: bool = True  # run the outbox/heartbeat worker thread in this process
     webhook_timeout_s: float = 10.0  # per POST

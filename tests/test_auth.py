@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -176,6 +177,9 @@ def test_token_cli_create_list_revoke_against_a_real_server(database_url, api_se
         revoked = _cli("token", "revoke", "1", "--database-url", database_url)
         assert revoked.returncode == 0 and "revoked token 1" in revoked.stdout
         assert client.get("/api/v1/runs", headers=_auth(token)).status_code == 401
+        # Revoking the last token never opens the server (issue 14: it answered anonymous requests).
+        assert client.get("/api/v1/runs").status_code == 401
+        assert client.delete("/api/v1/runs/anything").status_code == 401
     bad = _cli("token", "create", "--project", "alpha", "--scope", "admin", "--database-url", database_url)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     missing = _cli("token", "revoke", "42", "--database-url", database_url)
@@ -210,3 +214,21 @@ def test_tokens_in_request_paths_never_reach_the_log():
                                ("127.0.0.1:5000", "/api/v1/runs/r/live?key=loss&token=gw_secret123&rank=0"), None)
     _RedactTokens().filter(record)
     assert "gw_secret123" not in record.getMessage() and "token=[redacted]&rank=0" in record.getMessage()
+
+
+def test_open_after_revocation_only_when_asked(sqlite_url):
+    from conftest import free_port
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    for open_after_revocation, expected in ((False, 401), (True, 200)):
+        settings = Settings(database_url=sqlite_url, open_after_revocation=open_after_revocation)
+        server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
+        try:
+            tokens = server.server.config.app.state.tokens
+            record, _ = tokens.create("p", "read")
+            tokens.revoke(record.id)
+            time.sleep(0.1)
+            assert httpx.get(f"{server.url}/api/v1/runs", timeout=10).status_code == expected
+        finally:
+            server.stop()
