@@ -928,3 +928,19 @@ def test_layer_rules_ignore_skipped_steps_whose_gradients_overflowed():
                       vectors={"grad/zero_frac": [0.9, 0.0], "grad/precision_loss_frac": [1.0, 0.0]}) for s in (3, 4)]
     verdicts, _ = _feed(make_rule("underflow"), under)
     assert not any(isinstance(v, Finding) for _, v in verdicts)
+
+
+def test_slack_and_discord_payloads_cannot_ping_or_disguise_links():
+    import json
+
+    incident = {
+        "id": 1, "project": "p", "run_id": "r", "run_name": "<!channel> @everyone <https://evil.example|Click here>",
+        "status": "open", "severity": "critical", "title": "t", "cause": "c <@U123>", "next_steps": [], "rules": [],
+        "findings": [], "first_step": 3, "last_step": 3, "resolved_step": None, "link": "http://x/dashboard/runs/r",
+    }
+    slack = json.loads(render("slack", "incident.firing", incident))
+    text = json.dumps(slack)
+    assert "<!channel>" not in text and "<https://evil" not in text and "<@U123>" not in text
+    assert "&lt;!channel&gt;" in slack["text"]
+    discord = json.loads(render("discord", "incident.firing", incident))
+    assert discord["allowed_mentions"] == {"parse": []}

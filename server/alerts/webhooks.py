@@ -51,9 +51,11 @@ def render(fmt: str, event: str, incident: dict[str, Any]) -> str:
     if fmt == "json":
         body: dict[str, Any] = {"event": event, "text": headline, "incident": incident}
     elif fmt == "slack":
-        body = {"text": headline, "blocks": _slack_blocks(event, headline, incident)}
+        body = {"text": _slack_escape(headline), "blocks": _slack_blocks(event, headline, incident)}
     else:
-        body = {"content": headline[:2000], "embeds": [_discord_embed(event, incident)]}
+        # Run names and layers are user text: no @everyone / @here / role pings from them, ever.
+        body = {"content": headline[:2000], "embeds": [_discord_embed(event, incident)],
+                "allowed_mentions": {"parse": []}}
     return json.dumps(body, allow_nan=False, separators=(",", ":"))
 
 
@@ -80,7 +82,22 @@ def _evidence_lines(incident: dict[str, Any], most: int = 6) -> list[str]:
     return [f"{f['rule']} (step {f['step']}): {f['title']}" for f in (incident.get("findings") or [])[:most]]
 
 
+def _slack_escape(text: str) -> str:
+    """Slack's mrkdwn control characters escaped, so user text (run names, layers) cannot write
+    <!channel>, <@user> or a <https://link|disguised link>."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _slack_blocks(event: str, headline: str, incident: dict[str, Any]) -> list[dict[str, Any]]:
+    blocks = _slack_blocks_raw(event, headline, incident)
+    for block in blocks:
+        for item in [block.get("text"), *block.get("fields", [])]:
+            if isinstance(item, dict) and item.get("type") == "mrkdwn":
+                item["text"] = _slack_escape(item["text"])
+    return blocks
+
+
+def _slack_blocks_raw(event: str, headline: str, incident: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{headline}*"}}]
     if event == "test":
         return blocks
