@@ -12,6 +12,7 @@ import re
 import sys
 import threading
 import time
+from urllib.parse import unquote_plus
 
 import uvicorn
 from fastapi import FastAPI
@@ -113,15 +114,22 @@ def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
 class _RedactTokens(logging.Filter):
     """Access and WebSocket log lines show the request path; a ?token= in it must not reach the log."""
 
-    _pattern = re.compile(r"(token=)[^&\s\"]+")
+    # A query parameter: its name as sent (percent-encoded, any case), then its value.
+    _pattern = re.compile(r"([?&])([^=&\s\"]+)=([^&\s\"]*)")
+
+    @classmethod
+    def _redact(cls, text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            name = unquote_plus(match.group(2)).strip().lower()
+            return f"{match.group(1)}{match.group(2)}=[redacted]" if name == "token" else match.group(0)
+
+        return cls._pattern.sub(one, text)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(
-                self._pattern.sub(r"\1[redacted]", arg) if isinstance(arg, str) else arg for arg in record.args
-            )
+            record.args = tuple(self._redact(arg) if isinstance(arg, str) else arg for arg in record.args)
         elif isinstance(record.msg, str):
-            record.msg = self._pattern.sub(r"\1[redacted]", record.msg)
+            record.msg = self._redact(record.msg)
         return True
 
 

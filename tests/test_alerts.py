@@ -419,3 +419,24 @@ def test_a_blip_resolved_within_the_group_wait_is_never_sent_and_a_later_trigger
     assert api.delete(f"/api/v1/runs/{run['id']}").status_code == 204  # its alerts and deliveries go too
     assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["count"] == 0
     assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 0
+
+
+def test_disabled_webhooks_send_no_test_and_the_log_keeps_status_codes_only(alert_server, api, receiver):
+    receiver.status = 500
+    hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "quiet", "enabled": False}).json()
+    refused = api.post(f"/api/v1/webhooks/{hook['id']}/test")
+    assert refused.status_code == 422 and "disabled" in refused.json()["detail"]
+    live = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "quiet"}).json()
+    assert api.post(f"/api/v1/webhooks/{live['id']}/test").status_code == 202
+    receiver.wait_for(1)
+    deadline = time.monotonic() + 10
+    while (d := api.get(f"/api/v1/webhooks/{live['id']}/deliveries").json()["data"][0])["last_error"] is None:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.05)
+    assert d["response_status"] == 500 and d["last_error"] == "HTTP 500 Internal Server Error"  # no body
+    closed = api.post("/api/v1/webhooks", json={"url": f"http://127.0.0.1:{free_port()}/x", "project": "quiet"}).json()
+    api.post(f"/api/v1/webhooks/{closed['id']}/test")
+    while (d := api.get(f"/api/v1/webhooks/{closed['id']}/deliveries").json()["data"][0])["last_error"] is None:
+        assert time.monotonic() < deadline + 10, d
+        time.sleep(0.05)
+    assert d["last_error"] == "no HTTP response from the receiver (refused, unreachable or timed out)"

@@ -4,6 +4,7 @@ right token; listings limited to the token's project; a server without tokens st
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -214,6 +215,12 @@ def test_tokens_in_request_paths_never_reach_the_log():
                                ("127.0.0.1:5000", "/api/v1/runs/r/live?key=loss&token=gw_secret123&rank=0"), None)
     _RedactTokens().filter(record)
     assert "gw_secret123" not in record.getMessage() and "token=[redacted]&rank=0" in record.getMessage()
+    for path in ("/api/v1/runs/r/live?tok%65n=gw_secret123", "/api/v1/runs?TOKEN=gw_secret123&x=1",
+                 "/api/v1/runs?a=1&Token=gw_secret123"):  # parsed names, not spellings (issue 14)
+        record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "GET %s"',
+                                   ("127.0.0.1:5000", path), None)
+        _RedactTokens().filter(record)
+        assert "gw_secret123" not in record.getMessage(), path
 
 
 def test_open_after_revocation_only_when_asked(sqlite_url):
@@ -232,3 +239,20 @@ def test_open_after_revocation_only_when_asked(sqlite_url):
             assert httpx.get(f"{server.url}/api/v1/runs", timeout=10).status_code == expected
         finally:
             server.stop()
+
+
+def test_read_tokens_see_webhook_hosts_not_their_secret_urls(database_url, api_server):
+    engine = make_engine(database_url)
+    tokens = Tokens(engine)
+    _, write = tokens.create("alpha", "write")
+    _, read = tokens.create("alpha", "read")
+    engine.dispose()
+    url = "https://hooks.slack.com/services/T000/B000/SECRETSECRET"
+    with httpx.Client(base_url=api_server.url, timeout=30) as client:
+        hook = client.post("/api/v1/webhooks", json={"url": url, "project": "alpha"}, headers=_auth(write))
+        assert hook.status_code == 201 and hook.json()["url"] == url
+        for path in ("/api/v1/webhooks", f"/api/v1/webhooks/{hook.json()['id']}"):
+            seen = client.get(path, headers=_auth(read)).json()
+            shown = seen["data"][0]["url"] if "data" in seen else seen["url"]
+            assert shown == "https://hooks.slack.com/…" and "SECRET" not in json.dumps(seen)
+            assert "SECRET" in client.get(path, headers=_auth(write)).text  # writers manage them

@@ -9,6 +9,7 @@ lease ran out (its worker died mid-send) is claimable again. Only the token hold
 
 from __future__ import annotations
 
+import http
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from .webhooks import signature_headers, validate_url
 __all__ = ["OutboxWorker", "backoff_delay"]
 
 logger = logging.getLogger("gradwatch.alerts")
+_PHRASES = {status.value: status.phrase for status in http.HTTPStatus}
 
 
 def backoff_delay(attempts: int, base_s: float, max_s: float) -> float:
@@ -178,9 +180,12 @@ class OutboxWorker:
                 error = (f"HTTP {status} redirect to {response.headers.get('location', '?')!r} not followed; "
                          "point the webhook at the final URL")
             elif not 200 <= status < 300:
-                error = f"HTTP {status}: {response.text[:200]}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"[:500]
+                # The status code only: the receiver's body is never kept (a delivery log that showed it
+                # would let anyone with a webhook read what internal services answer).
+                error = f"HTTP {status}" + (f" {_PHRASES[status]}" if status in _PHRASES else "")
+        except httpx.HTTPError:
+            # One message for every transport failure: closed and open ports must not be told apart.
+            error = "no HTTP response from the receiver (refused, unreachable or timed out)"
         self._finish(claimed, status, error)
 
     def _finish(self, claimed: Claimed, status: int | None, error: str | None, final: bool = False) -> None:

@@ -258,6 +258,8 @@ class AlertService:
         """Enqueue a test notification to one webhook; the delivery log shows how it went."""
         with self._transaction() as session:
             webhook = self._require(session, Webhook, webhook_id, "webhook")
+            if not webhook.enabled:
+                raise InvalidRequest(f"webhook {webhook_id} is disabled: enable it to send a test")
             now = time.time()
             sample = {
                 "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "status": "open",

@@ -1,4 +1,5 @@
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
@@ -175,13 +176,22 @@ def create_webhook(webhook: WebhookIn, alerts: AlertsDep, principal: PrincipalDe
 
 @router.get("/webhooks")
 def list_webhooks(alerts: AlertsDep, principal: PrincipalDep, project: str | None = None) -> WebhookList:
-    hooks = alerts.list_webhooks(principal.only_project(project))
+    """A project's webhooks; read tokens see each URL's scheme and host only (Slack and Discord webhook
+    URLs are credentials)."""
+    hooks = [_shown(w, principal) for w in alerts.list_webhooks(principal.only_project(project))]
     return WebhookList(data=[WebhookOut(**w) for w in hooks], count=len(hooks))
 
 
 @router.get("/webhooks/{webhook_id}")
 def get_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
-    return WebhookOut(**_webhook(alerts, principal, webhook_id, "read"))
+    return WebhookOut(**_shown(_webhook(alerts, principal, webhook_id, "read"), principal))
+
+
+def _shown(hook: dict, principal: PrincipalDep) -> dict:
+    if principal.allows(hook["project"], "write"):
+        return hook
+    parts = urlsplit(hook["url"])
+    return hook | {"url": f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/…"}
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=status.HTTP_204_NO_CONTENT)
