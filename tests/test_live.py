@@ -483,3 +483,24 @@ def test_two_server_processes_stream_every_point_exactly_once(postgres_url, tmp_
                     assert list(zip(series["steps"], series["values"])) == expected[(key, rank)]
             events = client.get("/api/v1/runs/job/events").json()
             assert Counter((e["rank"], e["step"]) for e in events["data"]) == expected_events
+
+
+def test_revoking_a_token_closes_its_open_streams(database_url, api_server):
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine
+
+    engine = make_engine(database_url)
+    tokens = Tokens(engine)
+    write = tokens.create("alpha", "write")[1]
+    record, read = tokens.create("alpha", "read")
+    created = httpx.post(f"{api_server.url}/api/v1/runs", json={"id": "run-1", "project": "alpha"},
+                         headers={"Authorization": f"Bearer {write}"}, timeout=30)
+    assert created.status_code == 201, created.text
+    with _connect(api_server.url, "run-1", params={"token": read}) as ws:
+        assert json.loads(ws.recv(timeout=RECEIVE_S))["type"] == "status"
+        tokens.revoke(record.id)
+        engine.dispose()
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=RECEIVE_S)  # within ACCESS_RECHECK_S (2 s), not RECEIVE_S
+    assert closed.value.rcvd.code == 4401 and "revoked" in closed.value.rcvd.reason

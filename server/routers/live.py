@@ -144,17 +144,34 @@ async def live(websocket: WebSocket, run_id: str) -> None:
         wake.set()  # read at once: the backlog after `since`, and whatever was stored since the cursor
         receiver = asyncio.create_task(_until_disconnect(websocket))
         pusher = asyncio.create_task(_push(websocket, hub, cursor, wake))
+        access = asyncio.create_task(_keep_authorized(websocket, run_id))
         try:
-            await asyncio.wait((receiver, pusher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (receiver, pusher):
+            for task in (receiver, pusher, access):
                 task.cancel()
-            await asyncio.gather(receiver, pusher, return_exceptions=True)
+            await asyncio.gather(receiver, pusher, access, return_exceptions=True)
         failure = None if pusher.cancelled() else pusher.exception()
-        if isinstance(failure, NotFound):
+        lost = None if access.cancelled() else access.exception()
+        if isinstance(lost, Unauthenticated):
+            await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
+        elif isinstance(lost, Forbidden):
+            await _close(websocket, CLOSE_FORBIDDEN, str(lost))
+        elif isinstance(failure, NotFound) or isinstance(lost, NotFound):
             await _close(websocket, CLOSE_NOT_FOUND, f"run {run_id!r} was deleted")
         elif failure is not None and not isinstance(failure, WebSocketDisconnect):
             raise failure
+
+
+ACCESS_RECHECK_S = 2.0  # a revoked token's open stream closes within this long
+
+
+async def _keep_authorized(websocket: WebSocket, run_id: str) -> None:
+    """Check the stream's token again every ACCESS_RECHECK_S: revoking a token closes its open streams
+    (raises Unauthenticated / Forbidden / NotFound like the first check)."""
+    while True:
+        await anyio.sleep(ACCESS_RECHECK_S)
+        await anyio.to_thread.run_sync(_authorize, websocket, run_id)
 
 
 async def _until_disconnect(websocket: WebSocket) -> None:
