@@ -570,7 +570,8 @@ class LossNonFinite(RuleType):
             if kind == "bad_batch" and event.get("ids_logged"):
                 given = event.get("ids")
                 ids = list(given)[:MAX_EVIDENCE_LAYERS] if isinstance(given, list) else []
-        bad = (state["bad"] + [[data.step, key, str(value), ids]])[-MAX_EVIDENCE_POINTS:]
+        spelled = "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"  # as the wire spells them
+        bad = (state["bad"] + [[data.step, key, spelled, ids]])[-MAX_EVIDENCE_POINTS:]
         if len(state["bad"]) >= MAX_EVIDENCE_POINTS:
             bad = [state["bad"][0]] + bad[-MAX_EVIDENCE_POINTS + 1:]  # keep the first one: where it started
         state["bad"] = bad
