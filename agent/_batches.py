@@ -47,7 +47,7 @@ def normalize_ids(ids: Any) -> list[BatchId]:
             )
         if ids.dtype.is_floating_point or ids.dtype.is_complex:
             raise TypeError(f"ids must be integers, got a {ids.dtype} tensor")
-        ids = ids.reshape(-1)[:MAX_IDS_PER_STEP].tolist()
+        ids = ids.reshape(-1)[:MAX_IDS_PER_STEP].tolist()  # a CPU tensor (checked above): no device sync
     elif isinstance(ids, (bytes, bytearray, dict)) or not isinstance(ids, Iterable):
         raise TypeError(f"ids must be an int, a str or a sequence of them, got {type(ids).__name__}")
     out: list[BatchId] = []

@@ -14,6 +14,7 @@ import uuid
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from itertools import repeat
 from typing import Any
 
@@ -83,6 +84,11 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+def iso_time(seconds: float | None) -> str | None:
+    """A stored Unix time as the API shows it (ISO 8601, UTC); None stays None."""
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
 
 
 def dump_json(document: dict[str, Any]) -> str:

@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import event, literal, or_, select, update
@@ -22,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Event, Run
 from ..schemas import BatchIn
-from ..store import dump_json
+from ..store import dump_json, iso_time
 from .incidents import Incidents
 from .rules import CLEAR, DEFAULT_RULES, MISUSE_EVENTS, RULE_TYPES, Finding, RuleType, StepData, make_rule
 
@@ -83,9 +82,6 @@ _EXPLAINED_BY_MISUSE = {
 }
 
 
-def _iso(seconds: float | None) -> str | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
-
 
 def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
     """An alert as the API returns it and webhooks carry it."""
@@ -107,9 +103,9 @@ def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
         "evidence": json.loads(alert.evidence_json),
         "link": alert.link,
         "incident_id": alert.incident_id,
-        "created_at": _iso(alert.created_at),
-        "resolved_at": _iso(alert.resolved_at),
-        "acknowledged_at": _iso(alert.acknowledged_at),
+        "created_at": iso_time(alert.created_at),
+        "resolved_at": iso_time(alert.resolved_at),
+        "acknowledged_at": iso_time(alert.acknowledged_at),
     }
 
 
@@ -408,7 +404,7 @@ class AlertEngine:
                 finding = Finding(
                     run.last_step if run.last_step is not None else 0,
                     f"no data for {silent / 60:.0f} min (last step {run.last_step})",
-                    {"steps": [run.last_step], "last_seen": _iso(run.updated_at), "silent_s": round(silent, 1)},
+                    {"steps": [run.last_step], "last_seen": iso_time(run.updated_at), "silent_s": round(silent, 1)},
                 )
                 touched: set[int] = set()
                 self._fire(session, run, row, rule, document, finding, touched)

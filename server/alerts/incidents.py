@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..models import Alert, Delivery, Event, Incident, Point, Run, Series, VectorPoint, Webhook
-from ..store import decode_float, dump_json, unpack
+from ..store import decode_float, dump_json, iso_time, unpack
 from .diagnosis import RunContext, diagnose
 from .rules import MISUSE_EVENTS, RULE_TYPES
 from .webhooks import render
@@ -35,9 +34,6 @@ __all__ = ["GROUP_WINDOW_STEPS", "Incidents", "incident_document", "verdict"]
 GROUP_WINDOW_STEPS = 50
 MAX_FINDINGS = 30
 
-
-def _iso(seconds: float | None) -> str | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
 
 
 def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
@@ -61,10 +57,10 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
         "last_step": incident.last_step,
         "resolved_step": incident.resolved_step,
         "link": incident.link,
-        "created_at": _iso(incident.created_at),
-        "updated_at": _iso(incident.updated_at),
-        "resolved_at": _iso(incident.resolved_at),
-        "notified_at": _iso(incident.notified_at),
+        "created_at": iso_time(incident.created_at),
+        "updated_at": iso_time(incident.updated_at),
+        "resolved_at": iso_time(incident.resolved_at),
+        "notified_at": iso_time(incident.notified_at),
     }
 
 

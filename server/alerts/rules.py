@@ -637,6 +637,13 @@ RECENT = 5  # the sustained rules look at this many latest observations
 BASELINE_REFRESH = 10  # steps between recomputations of a baseline's median and spread (sorting is O(window))
 
 
+def _append_bounded(items: list[Any], item: Any, most: int) -> None:
+    """Append, then keep the last `most` items, in place: no copy of the window per point."""
+    items.append(item)
+    if len(items) > most:
+        del items[: len(items) - most]
+
+
 def _baseline_stats(state: dict[str, Any], step: int, baseline: list[list[float]]) -> tuple[float, float]:
     """(median, MAD-based spread) of the baseline's values but its latest RECENT ones, cached in
     state["stats"] for BASELINE_REFRESH steps: the baseline moves slowly, and ingest must stay cheap
@@ -710,9 +717,7 @@ class GradNormSpike(RuleType):
             elif not hits:
                 verdict = CLEAR
         state["recent"] = recent
-        baseline.append([data.step, x])
-        if len(baseline) > self.window:
-            del baseline[: len(baseline) - self.window]  # in place: no copy of the window per point
+        _append_bounded(baseline, [data.step, x], self.window)
         return verdict
 
 
@@ -792,9 +797,7 @@ class LossSpike(RuleType):
                 )
             elif not hits:
                 verdict = CLEAR
-        baseline.append([data.step, value])
-        if len(baseline) > self.window:
-            del baseline[: len(baseline) - self.window]  # in place: no copy of the window per point
+        _append_bounded(baseline, [data.step, value], self.window)
         return verdict
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
@@ -16,6 +15,7 @@ from ..errors import InvalidRequest, NotFound
 from ..models import Alert, AlertRule, AlertRuleState, Delivery, Incident, Run, Webhook
 from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
 from ..settings import Settings
+from ..store import iso_time
 from .engine import AlertEngine, alert_document
 from .incidents import incident_document, verdict
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
@@ -23,9 +23,6 @@ from .webhooks import render, validate_url
 
 __all__ = ["AlertService"]
 
-
-def _iso(seconds: float | None) -> str | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
 
 
 class AlertService:
@@ -220,7 +217,7 @@ class AlertService:
         return {
             "id": row.id, "project": row.project, "url": row.url, "format": row.format,
             "signed": bool(row.secret), "enabled": row.enabled, "send_resolved": row.send_resolved,
-            "created_at": _iso(row.created_at),
+            "created_at": iso_time(row.created_at),
         }
 
     def create_webhook(self, webhook: WebhookIn) -> dict[str, Any]:
@@ -267,7 +264,7 @@ class AlertService:
                 "cause": "Nothing to do: this checks that the webhook receives gradwatch incidents.",
                 "next_steps": [], "rules": [], "findings": [], "first_step": None, "last_step": None,
                 "resolved_step": None, "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
-                "created_at": _iso(now), "updated_at": _iso(now), "resolved_at": None, "notified_at": None,
+                "created_at": iso_time(now), "updated_at": iso_time(now), "resolved_at": None, "notified_at": None,
             }
             delivery = Delivery(
                 webhook_id=webhook.id, alert_id=None, event="test", payload=render(webhook.format, "test", sample),
@@ -283,9 +280,9 @@ class AlertService:
         return {
             "id": row.id, "webhook_id": row.webhook_id, "alert_id": row.alert_id, "event": row.event,
             "status": row.status, "attempts": row.attempts,
-            "next_attempt_at": _iso(row.next_attempt_at) if row.status == "pending" else None,
+            "next_attempt_at": iso_time(row.next_attempt_at) if row.status == "pending" else None,
             "response_status": row.response_status, "last_error": row.last_error,
-            "created_at": _iso(row.created_at), "delivered_at": _iso(row.delivered_at),
+            "created_at": iso_time(row.created_at), "delivered_at": iso_time(row.delivered_at),
         }
 
     def list_deliveries(
