@@ -393,7 +393,7 @@ class Sender:
         assert self.transport is not None
         try:
             if not self._run_created:
-                self.transport.create_run(self.run_document)
+                self._adopt(self.transport.create_run(self.run_document))
                 self._run_created = True
             if isinstance(batch, bytes):
                 send_encoded = getattr(self.transport, "send_encoded", None)
@@ -418,6 +418,15 @@ class Sender:
             self._last_error = f"{type(exc).__name__}: {exc}"
             self._warn_unreachable(exc)
             return _RETRY
+
+    def _adopt(self, created: Any) -> None:
+        """Send to the id the server gave the run: it differs from ours only when another project had
+        our id already (the server never lets one project squat another's ids)."""
+        given = created.get("id") if isinstance(created, dict) else None
+        if isinstance(given, str) and given and given != self.run_id:
+            logger.warning("gradwatch: run id %s is another project's on the server; this run is stored as %s",
+                           self.run_id, given)
+            self.run_id = given
 
     def _warn_unreachable(self, exc: BaseException) -> None:
         if not self._failing:  # once per outage

@@ -33,7 +33,7 @@ class TransportError(Exception):
 
 
 class Transport(Protocol):
-    def create_run(self, run: dict[str, Any]) -> None: ...
+    def create_run(self, run: dict[str, Any]) -> Any: ...
 
     def send_batch(self, run_id: str, batch: dict[str, Any]) -> Any: ...
 
@@ -53,9 +53,10 @@ class HttpTransport:
         self.timeout = timeout
         self.compress = compress
 
-    def create_run(self, run: dict[str, Any]) -> None:
-        """Create (or find) the run on the server; idempotent."""
-        self._post("/api/v1/runs", json.dumps(run, allow_nan=False).encode())
+    def create_run(self, run: dict[str, Any]) -> dict[str, Any]:
+        """Create (or find) the run on the server; idempotent. Returns the run as stored (its "id" is
+        the one to send batches to)."""
+        return self._post("/api/v1/runs", json.dumps(run, allow_nan=False).encode())
 
     def send_batch(self, run_id: str, batch: dict[str, Any]) -> dict[str, Any]:
         """Store one batch; returns the server's acknowledgement ({"duplicate", "points", "events"})."""

@@ -75,18 +75,19 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
     project = "every project" if record.project == "*" else f"project {record.project!r}"
-    print(f"created {record.scope} token {record.id} ({record.name!r}) for {project}.")
-    print("It is shown only this once; the server keeps only its hash. Agents: GRADWATCH_TOKEN=<token>.")
+    scopes = "every scope" if record.scope == "*" else f"scope {record.scope}"
+    print(f"created token {record.id} ({record.name!r}) with {scopes} for {project}.")
+    print("It is shown only this once; the server keeps only its hash. Agents (ingest scope): GRADWATCH_TOKEN=<token>.")
     print(token)  # the last word of the output, for scripts: TOKEN=$(gradwatch token create ... | tail -1)
     return 0
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
     records = _tokens(args).list(args.project, include_revoked=args.all)
-    print(f"{'id':>4}  {'scope':<5}  {'project':<20}  {'name':<24}  {'prefix':<10}  {'created':<20}  "
+    print(f"{'id':>4}  {'scope':<12}  {'project':<20}  {'name':<24}  {'prefix':<10}  {'created':<20}  "
           f"{'last used':<20}  revoked")
     for r in records:
-        print(f"{r.id:>4}  {r.scope:<5}  {r.project:<20.20}  {r.name:<24.24}  {r.prefix:<10}  {_when(r.created_at):<20}  "
+        print(f"{r.id:>4}  {r.scope:<12}  {r.project:<20.20}  {r.name:<24.24}  {r.prefix:<10}  {_when(r.created_at):<20}  "
               f"{_when(r.last_used_at):<20}  {_when(r.revoked_at) if r.revoked_at else '-'}")
     if not records:
         print("(no tokens: the server runs open, for 127.0.0.1 only)")
@@ -224,12 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)
 
-    token = commands.add_parser("token", help="access tokens (project-scoped, read or write)")
+    token = commands.add_parser("token", help="access tokens (project-scoped; scopes ingest, read, admin)")
     token_commands = token.add_subparsers(dest="token_command", required=True)
     create = token_commands.add_parser("create", help="create a token; prints it once, as the last line")
     create.add_argument("--project", required=True, help="the project it may access ('*' for every project)")
-    create.add_argument("--scope", required=True, choices=("read", "write"),
-                        help="read: dashboard and API reads; write: agents (includes read)")
+    create.add_argument(
+        "--scope", required=True,
+        help="one or more of ingest (training jobs: create runs, send data), read (dashboards, API reads), "
+        "admin (rules, webhooks, deletes, renames, acknowledgements; includes read), comma-separated, "
+        "or '*' for all. 'write' (the old scope) means ingest,read",
+    )
     create.add_argument("--name", default=None, help="a label, e.g. 'ci agents' or 'alice dashboard'")
     _add_database_option(create)
     create.set_defaults(func=_cmd_token_create)

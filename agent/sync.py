@@ -86,8 +86,14 @@ def _sync_file(
         elif record.type == "batch" and record.run_id:
             batches.setdefault((record.run_id, record.rank, record.seq), record)
     points_before, skipped_before = report.points_sent, report.skipped
-    for document in runs.values():
-        if _retrying(lambda d=document: transport.create_run(d), backoff, give_up_after, report) != _OK:
+    stored_as: dict[str, str] = {}  # the agent's run id -> the server's (they differ when the id was taken)
+    for run_id, document in runs.items():
+        def create(document: dict[str, Any] = document, run_id: str = run_id) -> None:
+            created = transport.create_run(document)
+            given = created.get("id") if isinstance(created, dict) else None
+            stored_as[run_id] = given if isinstance(given, str) and given else run_id
+
+        if _retrying(create, backoff, give_up_after, report) != _OK:
             return
     send_encoded = getattr(transport, "send_encoded", None)
     for (run_id, rank, seq), record in sorted(batches.items(), key=lambda item: item[0][2]):
@@ -101,7 +107,7 @@ def _sync_file(
             continue
         answer: dict[str, Any] = {}
 
-        def send(body: bytes = body, run_id: str = run_id, answer: dict[str, Any] = answer) -> None:
+        def send(body: bytes = body, run_id: str = stored_as.get(run_id, run_id), answer: dict[str, Any] = answer) -> None:
             if send_encoded is not None:
                 result = send_encoded(run_id, body)
             else:

@@ -289,7 +289,7 @@ class ApiClient:
         return self._request("POST", f"/api/v1/alerts/{_int_id(alert_id)}/acknowledge")
 
     def whoami(self, token: str | None = None) -> Json:
-        """What the current token may do: {"open", "project", "scope"} (GET /api/v1/auth/whoami);
+        """What the current token may do: {"open", "project", "scope", "scopes"} (GET /api/v1/auth/whoami);
         ApiError with status_code 401 when the server needs a token and has none or a bad one.
         token: check this token instead of the current one (signing in)."""
         return self._request("GET", "/api/v1/auth/whoami", token=token)

@@ -122,7 +122,7 @@ def create_dash_app(
         the browser requests pages and assets below it (mount the WSGI app there, e.g. with
         a2wsgi.WSGIMiddleware(app.server) at "/dashboard").
     token: an API token, sent as a Bearer token; None when the server needs none. A read-scope token
-        shows everything; the Alerts page's changes (rules, acknowledging, webhooks) need write scope,
+        shows everything; the Alerts page's changes (rules, acknowledging, webhooks) need admin scope,
         and what the server refuses is shown next to the form.
     http_client: an httpx.Client for API calls (tests pass one with a MockTransport); the caller owns it.
     """

@@ -70,7 +70,7 @@ def signin_page(prefix: str, next_path: str, error: str | None, signed_in: bool)
             html.H1("Sign in"),
             html.P(
                 "This gradwatch server requires an access token. Paste a read token to look at your "
-                "project's runs (a write token also lets you change alert rules and webhooks). It is "
+                "project's runs (an admin token also lets you change alert rules and webhooks). It is "
                 "kept only for this browser session."
             ),
             html.P(error, className="error-text", id="signin-error") if error else None,

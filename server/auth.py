@@ -1,11 +1,20 @@
-"""Access control: project-scoped bearer tokens with read or write scope.
+"""Access control: project-scoped bearer tokens, each with a set of scopes.
+
+Scopes (least privilege: give each holder only what it needs):
+    ingest  create runs and post batches: what every training job's agent gets
+    read    see runs, series, alerts, incidents, rules; webhooks with their URL masked
+    admin   change what others rely on: rules, webhooks, deletes, renames, acknowledgements (includes read)
+    *       every scope, present and future (operators)
+A token's project is "*" for every project (operators), or one project name. Tokens made before scopes
+had "write", which migration 0009 turned into "ingest,read": agents and dashboards keep working, and
+nothing that could once wipe a project's history or silence its alerts keeps that power unasked.
 
 A server that never had a token runs open (local mode: zero set-up, bound to 127.0.0.1). Once a token
-has been created, every API request needs one — also after every token is revoked (a revocation must
-never open a team's server; `gradwatch server --open` allows that explicitly): `Authorization: Bearer <token>` (WebSockets may pass
-`?token=` instead, since browsers cannot set headers on them). Write scope includes read. A token's
-project is "*" for every project (operators), or one project name. Only SHA-256 hashes of tokens are
-stored: they are 256-bit random strings, so a slow password hash would add nothing.
+has been created, every API request needs one, also after every token is revoked (a revocation must
+never open a team's server; `gradwatch server --open` allows that explicitly): `Authorization: Bearer
+<token>` (WebSockets may pass `?token=` instead, since browsers cannot set headers on them). Only
+SHA-256 hashes of tokens are stored: they are 256-bit random strings, so a slow password hash would
+add nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +32,17 @@ from .database import Transactions
 from .errors import Forbidden, InvalidRequest, NotFound, Unauthenticated
 from .models import ApiToken
 
-Scope = Literal["read", "write"]
+Scope = Literal["ingest", "read", "admin"]
+SCOPES: tuple[Scope, ...] = ("ingest", "read", "admin")
+EVERY_SCOPE = "*"
+# What each scope lets a token do, for error messages and the CLI's help.
+SCOPE_PURPOSE = {
+    "ingest": "create runs and send training data",
+    "read": "read runs, series and alerts",
+    "admin": "change rules, webhooks, runs and acknowledgements",
+}
+# Names a person may type for a set of scopes; "write" is what tokens had before scopes existed.
+SCOPE_ALIASES = {"write": ("ingest", "read"), "all": (EVERY_SCOPE,)}
 ALL_PROJECTS = "*"
 TOKEN_PREFIX = "gw_"
 _USED_WRITE_INTERVAL_S = 60.0  # last_used_at is written at most this often per token
@@ -34,36 +53,71 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def parse_scopes(text: str) -> str:
+    """A scope list as typed ("ingest", "read,admin", "write", "*") in its stored form: known scopes,
+    comma-separated in a fixed order, "*" for all of them; InvalidRequest saying what is wrong."""
+    names: list[str] = []
+    for word in text.replace(" ", ",").split(","):
+        word = word.strip().lower()
+        if word:
+            names.extend(SCOPE_ALIASES.get(word, (word,)))
+    unknown = [n for n in names if n != EVERY_SCOPE and n not in SCOPES]
+    if not names or unknown:
+        raise InvalidRequest(
+            f"scope must be one or more of {', '.join(SCOPES)} (comma-separated) or '*' for all, "
+            f"not {text!r}" + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
+        )
+    chosen = set(names)
+    if "admin" in chosen:
+        chosen.add("read")  # administering what you cannot see is no use
+    if EVERY_SCOPE in chosen or chosen >= set(SCOPES):
+        return EVERY_SCOPE
+    return ",".join(s for s in SCOPES if s in chosen)
+
+
+def _scope_set(stored: str) -> frozenset[str]:
+    return frozenset(SCOPES) if stored == EVERY_SCOPE else frozenset(stored.split(","))
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who is asking: `open` (the server has no tokens) or a token's project and scope."""
+    """Who is asking: `open` (the server has no tokens) or a token's project and scopes."""
 
     open: bool
     project: str | None = None
-    scope: Scope | None = None
+    scope: str | None = None  # stored form: "ingest,read", "*"…
     token_id: int | None = None
 
+    @property
+    def scopes(self) -> frozenset[str]:
+        return frozenset(SCOPES) if self.open or self.scope is None else _scope_set(self.scope)
+
+    def sees(self, project: str) -> bool:
+        """Whether the token belongs to the project at all (else its resources are as if absent)."""
+        return self.open or self.project in (ALL_PROJECTS, project)
+
     def allows(self, project: str, scope: Scope) -> bool:
-        if self.open:
-            return True
-        if scope == "write" and self.scope != "write":
-            return False
-        return self.project in (ALL_PROJECTS, project)
+        return self.open or (self.sees(project) and scope in self.scopes)
 
     def require(self, project: str, scope: Scope, what: str = "this") -> None:
         if self.allows(project, scope):
             return
-        if scope == "write" and self.scope != "write":
-            raise Forbidden(f"a read token cannot change data; {what} needs a write token for project {project!r}")
-        raise Forbidden(f"this token is for project {self.project!r}; {what} belongs to another project")
+        if not self.sees(project):
+            raise Forbidden(f"this token is for project {self.project!r}; {what} belongs to another project")
+        raise Forbidden(
+            f"{what} needs a token with {scope} scope ({SCOPE_PURPOSE[scope]}); this one has "
+            f"{', '.join(sorted(self.scopes))}. An operator creates one with "
+            f"`gradwatch token create --project {project} --scope {scope}`"
+        )
 
-    def only_project(self, project: str | None) -> str | None:
+    def only_project(self, project: str | None, scope: Scope = "read") -> str | None:
         """The project a listing is limited to: the token's own, or the one asked for if allowed."""
-        if self.open or self.project == ALL_PROJECTS:
+        if self.open:
             return project
-        if project is not None and project != self.project:
+        if project is not None and not self.sees(project):
             raise Forbidden(f"this token is for project {self.project!r}, not {project!r}")
-        return self.project
+        self.require(project or str(self.project), scope, "this listing")
+        return project if self.project == ALL_PROJECTS else self.project
 
 
 @dataclass(frozen=True)
@@ -92,8 +146,7 @@ class Tokens:
 
     def create(self, project: str, scope: str, name: str = "") -> tuple[TokenRecord, str]:
         """A new token: (its record, the token itself: shown once, never stored)."""
-        if scope not in ("read", "write"):
-            raise InvalidRequest(f"scope must be 'read' or 'write', not {scope!r}")
+        scope = parse_scopes(scope)
         if not project or len(project) > 200:
             raise InvalidRequest("project must be 1 to 200 characters ('*' for every project)")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -150,7 +203,7 @@ class Tokens:
                 return Principal(open=True)
             raise Unauthenticated(
                 "this server requires a token: send 'Authorization: Bearer <token>' "
-                "(an operator creates one with `gradwatch token create --project NAME --scope read|write`)"
+                "(an operator creates one with `gradwatch token create --project NAME --scope ingest|read|admin`)"
             )
         with self._transaction() as session:
             row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
@@ -158,7 +211,7 @@ class Tokens:
                 if row is None and not self.required():
                     return Principal(open=True)  # an open server ignores stray tokens
                 raise Unauthenticated("the token is not recognised or has been revoked")
-            principal = Principal(open=False, project=row.project, scope=row.scope, token_id=row.id)  # type: ignore[arg-type]
+            principal = Principal(open=False, project=row.project, scope=row.scope, token_id=row.id)
             now = time.time()
             if now - self._last_used.get(row.id, 0.0) > _USED_WRITE_INTERVAL_S:
                 self._last_used[row.id] = now

@@ -61,6 +61,11 @@ class Run(Base):
     last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Names of the entries of the run's per-layer vectors, in the model's order (JSON list).
     layers_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
+    # The id the agent asked for when it was another project's already (migration 0009); the run is
+    # then stored under a fresh id, found again by (project, requested_id).
+    requested_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+    __table_args__ = (Index("uq_runs_project_requested_id", "project", "requested_id", unique=True),)
 
 
 class Series(Base):
@@ -359,14 +364,14 @@ class Delivery(Base):
 
 
 class ApiToken(Base):
-    """A bearer token for one project ("*": every project) with read or write scope. Only the SHA-256
+    """A bearer token for one project ("*": every project) with scopes (ingest, read, admin; "*": all). Only the SHA-256
     of the token is stored; prefix (its first characters) lets people tell tokens apart in listings."""
 
     __tablename__ = "api_tokens"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     project: Mapped[str] = mapped_column(String(200))
-    scope: Mapped[str] = mapped_column(String(16))  # read | write
+    scope: Mapped[str] = mapped_column(String(16))  # "ingest,read", "read,admin", "*"… (auth.parse_scopes)
     name: Mapped[str] = mapped_column(String(200))
     prefix: Mapped[str] = mapped_column(String(16))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)

@@ -101,7 +101,7 @@ def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
         raise ExposureRefused(
             f"refusing to listen on {host}: no access tokens exist, so anyone who can reach this address "
             "could read and write every run. Create tokens first (`gradwatch token create --project NAME "
-            "--scope write`, with the same --database-url), or bind to 127.0.0.1, or pass --insecure "
+            "--scope ingest`, with the same --database-url), or bind to 127.0.0.1, or pass --insecure "
             "on a network you trust"
         )
     print(

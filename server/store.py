@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Engine, case, delete, func, select, update
+from sqlalchemy import Engine, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -215,36 +215,34 @@ class Store:
     # -- runs -------------------------------------------------------------------------------------
 
     def create_run(self, run: RunIn) -> RunRecord:
-        """Create a run, or return the existing one with the same id (agents retry; ranks share ids)."""
-        now = time.time()
-        run_id = run.id or uuid.uuid4().hex
-        with self._transaction() as session:
-            stmt = (
-                self._insert(Run)
-                .values(
-                    id=run_id,
-                    project=run.project,
-                    name=run.name or run_id[:8],
-                    status="running",
-                    config_json=dump_json(run.config),
-                    metadata_json=dump_json(run.metadata),
-                    created_at=now,
-                    updated_at=now,
-                )
-                .on_conflict_do_nothing(index_elements=["id"])
-            )
-            session.execute(stmt)
-            existing = session.get(Run, run_id)
-            assert existing is not None
-            if existing.project != run.project:
-                raise Conflict(
-                    f"run {run_id!r} already exists in project {existing.project!r}, "
-                    f"not {run.project!r}"
-                )
-            if run.tags:  # a retried create (or another rank) adds its tags to the run's
-                bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
-                            [(run_id, tag) for tag in sorted(set(run.tags))])
-            return self._run_record(session, existing)
+        """Create a run, or return the existing one with the same id in the same project (agents retry;
+        ranks share ids). An id that is another project's already is not refused (that would let one
+        project squat another's ids and make its agents drop data): the run gets a fresh id, which the
+        answer carries and the agent adopts, and the same requested id finds it again."""
+        requested = run.id or uuid.uuid4().hex
+        for _ in range(3):  # each pass loses at most one race to a concurrent create of the same id
+            with self._transaction() as session:
+                existing = session.scalar(select(Run).where(
+                    Run.project == run.project, or_(Run.id == requested, Run.requested_id == requested)
+                ).order_by(Run.requested_id.is_not(None)).limit(1))
+                if existing is None:
+                    taken = session.scalar(select(Run.id).where(Run.id == requested)) is not None
+                    run_id = uuid.uuid4().hex if taken else requested
+                    values = dict(
+                        id=run_id, project=run.project, name=run.name or requested[:8], status="running",
+                        requested_id=requested if taken else None, config_json=dump_json(run.config),
+                        metadata_json=dump_json(run.metadata), created_at=time.time(), updated_at=time.time(),
+                    )
+                    conflict = ["project", "requested_id"] if taken else ["id"]
+                    session.execute(self._insert(Run).values(**values).on_conflict_do_nothing(index_elements=conflict))
+                    existing = session.scalar(select(Run).where(Run.id == run_id, Run.project == run.project))
+                if existing is None:
+                    continue  # another project took the id between our read and our insert: look again
+                if run.tags:  # a retried create (or another rank) adds its tags to the run's
+                    bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
+                                [(existing.id, tag) for tag in sorted(set(run.tags))])
+                return self._run_record(session, existing)
+        raise Conflict(f"run id {requested!r} is contended; retry, or choose another id")
 
     def update_run(self, run_id: str, name: str | None, tags: list[str] | None) -> RunRecord:
         with self._transaction() as session:

@@ -33,11 +33,17 @@ def test_create_run_is_idempotent_for_the_same_id(client):
     assert listed["count"] == 1 and listed["data"][0]["id"] == "job-1"
 
 
-def test_same_id_in_another_project_is_a_conflict(client):
+def test_same_id_in_another_project_gets_a_run_of_its_own(client):
+    """Ids are per project: another project's id is not refused (that would let one project squat
+    another's), the run is stored under a fresh id, and the same request finds it again."""
     _create(client, id="job-1")
     response = client.post("/api/v1/runs", json={"id": "job-1", "project": "other"})
-    assert response.status_code == 409
-    assert "already exists in project 'p'" in response.json()["detail"]
+    assert response.status_code == 201 and response.json()["project"] == "other"
+    stored = response.json()["id"]
+    assert stored != "job-1" and "'p'" not in response.text
+    assert client.post("/api/v1/runs", json={"id": "job-1", "project": "other"}).json()["id"] == stored
+    assert client.post("/api/v1/runs", json={"id": "job-1", "project": "p"}).json()["id"] == "job-1"
+    assert client.get("/api/v1/runs").json()["count"] == 2
 
 
 def test_ingest_then_read_series_and_events(client):

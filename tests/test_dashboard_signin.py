@@ -18,13 +18,13 @@ def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server
 
     engine = make_engine(sqlite_url)
     tokens = Tokens(engine)
-    _, write_alpha = tokens.create("alpha", "write", "agents")
+    _, write_alpha = tokens.create("alpha", "ingest", "agents")
     _, read_alpha = tokens.create("alpha", "read", "alice")
     engine.dispose()
     with httpx.Client(base_url=full_server.url, headers={"Authorization": f"Bearer {write_alpha}"}) as api:
         for project, name in (("alpha", "<script>alert('alpha')</script>visible-run"), ("alpha", "second")):
             assert api.post("/api/v1/runs", json={"project": project, "name": name}).status_code == 201
-    _, write_beta = Tokens(make_engine(sqlite_url)).create("beta", "write", "other team")
+    _, write_beta = Tokens(make_engine(sqlite_url)).create("beta", "ingest", "other team")
     with httpx.Client(base_url=full_server.url, headers={"Authorization": f"Bearer {write_beta}"}) as api:
         assert api.post("/api/v1/runs", json={"project": "beta", "name": "hidden-run"}).status_code == 201
 
@@ -89,7 +89,7 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
 
     engine = make_engine(sqlite_url)
     tokens = Tokens(engine)
-    _, write_token = tokens.create("team", "write", "agents")
+    _, write_token = tokens.create("team", "ingest", "agents")
     _, read_token = tokens.create("team", "read", "alice")
     engine.dispose()
     with gradwatch.init(project="team", name="signed-in", server=full_server.url, token=write_token,

@@ -198,12 +198,13 @@ def test_vectors_and_disagreements(api):
 
 
 def test_rank_endpoints_need_a_read_token_of_the_project(api, sqlite_url):
+    """Another project's token gets 404, as for a run that does not exist."""
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import make_engine
 
     engine = make_engine(sqlite_url)
     tokens = Tokens(engine)
-    write = tokens.create("alpha", "write")[1]
+    write = tokens.create("alpha", "ingest")[1]
     read, other = tokens.create("alpha", "read")[1], tokens.create("beta", "read")[1]
     engine.dispose()
     run_id = api.post("/api/v1/runs", json={"project": "alpha"}, headers={"Authorization": f"Bearer {write}"}).json()["id"]
@@ -212,7 +213,7 @@ def test_rank_endpoints_need_a_read_token_of_the_project(api, sqlite_url):
     for path, params in paths:
         url = f"/api/v1/runs/{run_id}/{path}"
         assert api.get(url, params=params).status_code == 401, path
-        assert api.get(url, params=params, headers={"Authorization": f"Bearer {other}"}).status_code == 403, path
+        assert api.get(url, params=params, headers={"Authorization": f"Bearer {other}"}).status_code == 404, path
         allowed = api.get(url, params=params, headers={"Authorization": f"Bearer {read}"})
         assert allowed.status_code == (404 if path == "ranks/histograms" else 200), (path, allowed.text)  # no layer x
 

@@ -122,3 +122,30 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
         assert make_rule(rule_type, params).values == params  # the migration's values are valid, complete
     assert by_type["skip_storm"] == {"count": 4, "window": 50, "ignore_first": 0}
     engine.dispose()
+
+
+def test_upgrade_to_0009_turns_write_tokens_into_ingest_and_read(database_url):
+    from alembic import command
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import _alembic_config
+
+    engine = make_engine(database_url)
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0008")
+        for scope, digest in (("write", "a" * 64), ("read", "b" * 64)):
+            connection.execute(text(
+                "INSERT INTO api_tokens (project, scope, name, prefix, token_hash, created_at) "
+                "VALUES ('old', :scope, :scope, 'gw_x', :digest, 0)"), {"scope": scope, "digest": digest})
+        connection.execute(text("INSERT INTO runs (id, project, name, status, config_json, metadata_json, "
+                                "created_at, updated_at) VALUES ('r1', 'old', 'r1', 'running', '{}', '{}', 0, 0)"))
+        command.upgrade(config, "head")
+    assert {(t.name, t.scope) for t in Tokens(engine).list()} == {("write", "ingest,read"), ("read", "read")}
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0008")
+        scopes = dict(connection.execute(text("SELECT name, scope FROM api_tokens")).all())
+        command.upgrade(config, "head")
+    assert scopes == {"write": "write", "read": "read"}
+    engine.dispose()

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from ..alerts import AlertService
 from ..auth import Scope
-from ..deps import PrincipalDep, StoreDep, authorize_run
+from ..deps import PrincipalDep, StoreDep, authorize_project, authorize_run
 from ..schemas import (
     AlertList,
     AlertOut,
@@ -60,13 +60,13 @@ def list_rules(
 @router.post("/alert-rules", status_code=status.HTTP_201_CREATED)
 def create_rule(rule: AlertRuleIn, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     """Create a rule for a project, or for one run of it (run_id)."""
-    principal.require(rule.project, "write", f"project {rule.project!r}")
+    principal.require(rule.project, "admin", f"project {rule.project!r}")
     return AlertRuleOut(**alerts.create_rule(rule))
 
 
 def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: Scope) -> dict:
     rule = alerts.get_rule(rule_id)
-    principal.require(rule["project"], scope, f"alert rule {rule_id}")
+    authorize_project(principal, rule["project"], scope, f"alert rule {rule_id}")
     return rule
 
 
@@ -78,13 +78,13 @@ def get_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Aler
 @router.patch("/alert-rules/{rule_id}")
 def update_rule(rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
     """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
-    _rule(alerts, principal, rule_id, "write")
+    _rule(alerts, principal, rule_id, "admin")
     return AlertRuleOut(**alerts.update_rule(rule_id, patch))
 
 
 @router.delete("/alert-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Response:
-    _rule(alerts, principal, rule_id, "write")
+    _rule(alerts, principal, rule_id, "admin")
     alerts.delete_rule(rule_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -113,14 +113,14 @@ def list_alerts(
 @router.get("/alerts/{alert_id}")
 def get_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
     alert = alerts.get_alert(alert_id)
-    principal.require(alert["project"], "read", f"alert {alert_id}")
+    authorize_project(principal, alert["project"], "read", f"alert {alert_id}")
     return AlertOut(**alert)
 
 
 @router.post("/alerts/{alert_id}/acknowledge")
 def acknowledge_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
     """Mark an alert as seen; it stays firing until its condition clears."""
-    principal.require(alerts.get_alert(alert_id)["project"], "write", f"alert {alert_id}")
+    authorize_project(principal, alerts.get_alert(alert_id)["project"], "admin", f"alert {alert_id}")
     return AlertOut(**alerts.acknowledge(alert_id))
 
 
@@ -147,7 +147,7 @@ def list_incidents(
 @router.get("/incidents/{incident_id}")
 def get_incident(incident_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> IncidentOut:
     incident = alerts.get_incident(incident_id)
-    principal.require(incident["project"], "read", f"incident {incident_id}")
+    authorize_project(principal, incident["project"], "read", f"incident {incident_id}")
     return IncidentOut(**incident)
 
 
@@ -163,14 +163,14 @@ def run_incidents(
 
 def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: RowId, scope: Scope) -> dict:
     hook = alerts.get_webhook(webhook_id)
-    principal.require(hook["project"], scope, f"webhook {webhook_id}")
+    authorize_project(principal, hook["project"], scope, f"webhook {webhook_id}")
     return hook
 
 
 @router.post("/webhooks", status_code=status.HTTP_201_CREATED)
 def create_webhook(webhook: WebhookIn, alerts: AlertsDep, principal: PrincipalDep) -> WebhookOut:
     """Subscribe a URL to a project's alerts (format json, slack or discord; optional HMAC secret)."""
-    principal.require(webhook.project, "write", f"project {webhook.project!r}")
+    principal.require(webhook.project, "admin", f"project {webhook.project!r}")
     return WebhookOut(**alerts.create_webhook(webhook))
 
 
@@ -188,7 +188,7 @@ def get_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -
 
 
 def _shown(hook: dict, principal: PrincipalDep) -> dict:
-    if principal.allows(hook["project"], "write"):
+    if principal.allows(hook["project"], "admin"):
         return hook
     parts = urlsplit(hook["url"])
     return hook | {"url": f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/…"}
@@ -196,7 +196,7 @@ def _shown(hook: dict, principal: PrincipalDep) -> dict:
 
 @router.delete("/webhooks/{webhook_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Response:
-    _webhook(alerts, principal, webhook_id, "write")
+    _webhook(alerts, principal, webhook_id, "admin")
     alerts.delete_webhook(webhook_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -204,7 +204,7 @@ def delete_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep
 @router.post("/webhooks/{webhook_id}/test", status_code=status.HTTP_202_ACCEPTED)
 def send_test(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> DeliveryOut:
     """Queue a test notification; follow it in GET /api/v1/webhooks/{id}/deliveries."""
-    _webhook(alerts, principal, webhook_id, "write")
+    _webhook(alerts, principal, webhook_id, "admin")
     return DeliveryOut(**alerts.send_test(webhook_id))
 
 

@@ -17,5 +17,7 @@ def healthz(store: StoreDep) -> dict[str, str]:
 @router.get("/api/v1/auth/whoami", tags=["auth"])
 def whoami(principal: PrincipalDep) -> dict[str, object]:
     """What the request's token may do: {"open": true} on a server without tokens, else the token's
-    project ("*": every project) and scope (read or write). 401 without a valid token."""
-    return {"open": principal.open, "project": principal.project, "scope": principal.scope}
+    project ("*": every project), `scope` as stored ("ingest,read", "*"…) and `scopes` (the list:
+    ingest, read, admin). 401 without a valid token."""
+    return {"open": principal.open, "project": principal.project, "scope": principal.scope,
+            "scopes": sorted(principal.scopes)}

@@ -49,7 +49,7 @@ def run_out(record: RunRecord) -> RunOut:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunOut:
     """Create a run. With an `id` that already exists in the same project, returns that run."""
-    principal.require(run.project, "write", f"project {run.project!r}")
+    principal.require(run.project, "ingest", f"creating a run in project {run.project!r}")
     return run_out(store.create_run(run))
 
 
@@ -103,14 +103,14 @@ def get_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> RunOut:
 @router.patch("/{run_id}")
 def update_run(run_id: str, patch: RunPatch, store: StoreDep, principal: PrincipalDep) -> RunOut:
     """Rename a run or replace its tags."""
-    authorize_run(store, principal, run_id, "write")
+    authorize_run(store, principal, run_id, "admin")
     return run_out(store.update_run(run_id, patch.name, patch.tags))
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Response:
     """Delete a run and all of its data."""
-    authorize_run(store, principal, run_id, "write")
+    authorize_run(store, principal, run_id, "admin")
     store.delete_run(run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -118,7 +118,7 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
 @router.post("/{run_id}/batches")
 def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> BatchAck:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
-    authorize_run(store, principal, run_id, "write")
+    authorize_run(store, principal, run_id, "ingest")
     result = store.ingest(run_id, batch)
     return BatchAck(duplicate=result.duplicate, points=result.points, events=result.events)
 

@@ -36,8 +36,8 @@ def compare_runs(
         raise InvalidRequest(f"at most {MAX_COMPARED_RUNS} runs per comparison, got {len(run)}")
     data = []
     for run_id in dict.fromkeys(run):  # each run once, first occurrence's order
-        record = store.get_run(run_id)  # 404 names the unknown run
-        principal.require(record.project, "read", f"run {run_id!r}")
+        authorize_run(store, principal, run_id, "read")  # 404 names an unknown (or another project's) run
+        record = store.get_run(run_id)
         result = store.series(run_id, key, rank, start, end, max_points)
         data.append(CompareSeries(
             run_id=run_id, name=record.name, project=record.project, steps=result.steps,
