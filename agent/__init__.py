@@ -47,9 +47,9 @@ def init(
         identity = _distributed.process_identity()
         if identity.world_size > 1:
             _warnings.warn(
-                f"gradwatch: rank {identity.rank} of {identity.world_size} has no run id shared with the other "
-                "ranks, so each rank records a run of its own; set GRADWATCH_RUN_ID to one value on every rank "
-                "(or pass run_id=), or launch with torchrun",
+                f"gradwatch: rank {identity.rank} of {identity.world_size} has no run id shared with the "
+                "other ranks, so each rank records a run of its own; set GRADWATCH_RUN_ID to one value on "
+                "every rank (or pass run_id=), or launch with torchrun",
                 GradwatchWarning,
                 stacklevel=2,
             )

@@ -54,7 +54,7 @@ def normalize_ids(ids: Any) -> list[BatchId]:
     for item in islice(ids, MAX_IDS_PER_STEP):
         if isinstance(item, str):
             out.append(item[:MAX_ID_CHARS])
-        elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+        elif not isinstance(item, bool) and isinstance(item, numbers.Integral):
             out.append(int(item))
         else:
             raise TypeError(f"ids must be ints or strs, got {type(item).__name__} {item!r:.50}")
@@ -107,9 +107,15 @@ class BatchLog:
             self._reported.add(step)
             key, value = bad[step]
             ids = self.ids_at(step)
-            resolved.events.append({"step": step, "kind": "bad_batch", "data": {
-                "key": key,
-                "value": wire_float(value),
-                "ids": [_plain_text(i) for i in ids or []],
-                "ids_logged": ids is not None,
-            }})
+            resolved.events.append(
+                {
+                    "step": step,
+                    "kind": "bad_batch",
+                    "data": {
+                        "key": key,
+                        "value": wire_float(value),
+                        "ids": [_plain_text(i) for i in ids or []],
+                        "ids_logged": ids is not None,
+                    },
+                }
+            )

@@ -43,7 +43,11 @@ class Resolved:
         vectors = public(self.vectors)
         if vectors:
             fields["vectors"] = [
-                {"key": key, "steps": [s for s, _ in points], "values": [[wire_float(v) for v in row] for _, row in points]}
+                {
+                    "key": key,
+                    "steps": [s for s, _ in points],
+                    "values": [[wire_float(v) for v in row] for _, row in points],
+                }
                 for key, points in vectors
             ]
         histograms = public(self.matrices)
@@ -51,8 +55,13 @@ class Resolved:
             from ._quantities import EXPONENT_MAX, EXPONENT_MIN
 
             fields["histograms"] = [
-                {"key": key, "step": step, "exponent_min": EXPONENT_MIN, "exponent_max": EXPONENT_MAX,
-                 "counts": [[int(c) for c in row] for row in rows]}
+                {
+                    "key": key,
+                    "step": step,
+                    "exponent_min": EXPONENT_MIN,
+                    "exponent_max": EXPONENT_MAX,
+                    "counts": [[int(c) for c in row] for row in rows],
+                }
                 for key, points in histograms
                 for step, rows in points
             ]

@@ -31,17 +31,24 @@ def _patched(original: Any) -> Any:
             watcher.after_clip(parameters, max_norm, total_norm)
         return total_norm
 
-    clip_grad_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]
+    clip_grad_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]  # a marker on a function
     return clip_grad_norm_
 
 
-def register(watcher: Any) -> None:
+def _patched_modules() -> tuple[Any, ...]:
+    """The modules whose clip_grad_norm_ is replaced: torch.nn.utils re-exports clip_grad's, and code
+    calls either. Typed Any: to a type checker a tuple of modules holds plain ModuleTypes."""
     import torch.nn.utils
     import torch.nn.utils.clip_grad
 
+    return (torch.nn.utils, torch.nn.utils.clip_grad)
+
+
+def register(watcher: Any) -> None:
+    modules = _patched_modules()
     with _lock:
         if not _watchers:
-            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for module in modules:
                 original = module.clip_grad_norm_
                 _originals[module.__name__] = original
                 module.clip_grad_norm_ = _patched(original)
@@ -49,12 +56,10 @@ def register(watcher: Any) -> None:
 
 
 def unregister(watcher: Any) -> None:
-    import torch.nn.utils
-    import torch.nn.utils.clip_grad
-
+    modules = _patched_modules()
     with _lock:
         if watcher in _watchers:
             _watchers.remove(watcher)
         if not _watchers and _originals:
-            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for module in modules:
                 module.clip_grad_norm_ = _originals.pop(module.__name__)

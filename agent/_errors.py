@@ -11,7 +11,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 logger = logging.getLogger("gradwatch")
 
@@ -40,7 +40,7 @@ class FeatureSwitch:
                     self.disable(feature, exc)
                     return None
 
-            return wrapper  # type: ignore[return-value]
+            return cast(F, wrapper)
 
         return decorate
 

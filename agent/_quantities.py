@@ -43,7 +43,9 @@ def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
     present = [t for t in tensors if t is not None]
     if not present:
         return torch.zeros(len(tensors), dtype=torch.float32, device=like.device)
-    norms = torch._foreach_norm(present, 2, dtype=torch.float32)
+    norms: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_norm(
+        present, 2, dtype=torch.float32
+    )
     if len(present) != len(tensors):
         it = iter(norms)
         zero = torch.zeros((), dtype=torch.float32, device=like.device)
@@ -89,7 +91,7 @@ def unchanged_counts(params: Sequence[Any], grads: Sequence[Any], before: Snapsh
 
     rows = []
     with torch.no_grad():
-        for p, g, copy in zip(params, grads, before.copies):
+        for p, g, copy in zip(params, grads, before.copies, strict=True):
             if g is None or g.layout != torch.strided:
                 rows.append(torch.zeros(2, dtype=torch.int64, device=copy.device))
                 continue

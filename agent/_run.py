@@ -16,7 +16,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._batches import BatchLog, normalize_ids
 from ._buffer import StepBuffer
@@ -26,6 +26,9 @@ from ._sender import Backoff, Sender
 from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
 from ._transport import HttpTransport, Transport
 from ._wire import json_safe
+
+if TYPE_CHECKING:
+    from ._watch import Watcher
 
 logger = logging.getLogger("gradwatch")
 
@@ -136,7 +139,7 @@ class Run:
         self.flush_every_steps = flush_every_steps
         self._last_flush_time = time.monotonic()
         self._last_flush_step = 0
-        self._watchers: list[Any] = []
+        self._watchers: list[Watcher] = []
         self._finished = False
         if mode == "offline" and transport is not None:
             raise ValueError("mode='offline' writes the spool file only; it takes no transport=")
@@ -173,7 +176,7 @@ class Run:
         sharded ones; "all"; or a collection of ranks), dense_start_steps=200 (during the first N
         steps the sampled quantities are also taken every max(1, every // 5) steps; 0 = off).
         """
-        from ._watch import Watcher, WatchOptions
+        from ._watch import Watcher, WatchOptions  # only when watching: keeps `import gradwatch` light
 
         watch_options = WatchOptions(**options)
         if self._watchers:
@@ -185,7 +188,7 @@ class Run:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not hasattr(scaler, "is_enabled"):
             raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        self._watchers.append(Watcher(self, model, optimizer, scaler, watch_options))
+        self._watchers.append(Watcher(_RunSink(self), model, optimizer, scaler, watch_options))
         return self
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
@@ -223,18 +226,37 @@ class Run:
         everything_sent = self._sender.close(timeout)
         stats, path = self._sender.stats, self._sender.spool.path
         if self.mode == "offline":
-            logger.info("gradwatch: run %s: %d points written to %s; upload them with `gradwatch sync %s`",
-                        self.id, stats.spooled, path, path)
+            logger.info(
+                "gradwatch: run %s: %d points written to %s; upload them with `gradwatch sync %s`",
+                self.id,
+                stats.spooled,
+                path,
+                path,
+            )
         elif not everything_sent:
-            where = (f"{stats.spooled} points wait in {path} (sent when this run resumes, or with "
-                     f"`gradwatch sync {path}`)") if stats.spooled else ""
+            where = (
+                (
+                    f"{stats.spooled} points wait in {path} (sent when this run resumes, or with "
+                    f"`gradwatch sync {path}`)"
+                )
+                if stats.spooled
+                else ""
+            )
             lost = f"{stats.queued} points held in memory are lost" if stats.queued else ""
-            logger.warning("gradwatch: run %s: the server did not take everything within %.0f s: %s "
-                           "(last error: %s)", self.id, timeout, "; ".join(x for x in (where, lost) if x),
-                           stats.last_error)
+            logger.warning(
+                "gradwatch: run %s: the server did not take everything within %.0f s: %s (last error: %s)",
+                self.id,
+                timeout,
+                "; ".join(x for x in (where, lost) if x),
+                stats.last_error,
+            )
         if stats.dropped:
-            logger.warning("gradwatch: run %s: %d points were dropped (last error: %s)",
-                           self.id, stats.dropped, stats.last_error)
+            logger.warning(
+                "gradwatch: run %s: %d points were dropped (last error: %s)",
+                self.id,
+                stats.dropped,
+                stats.last_error,
+            )
 
     @property
     def stats(self) -> Any:
@@ -256,13 +278,17 @@ class Run:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _log(self, data: dict[str, Any], step: int | None) -> None:
+    def _log(self, data: object, step: int | None) -> None:  # data: what the caller passed to log()
         if not isinstance(data, dict):
-            warnings.warn(f"gradwatch: log() takes a dict, got {type(data).__name__}", GradwatchWarning, stacklevel=3)
+            warnings.warn(
+                f"gradwatch: log() takes a dict, got {type(data).__name__}", GradwatchWarning, stacklevel=3
+            )
             return
         at = self.step if step is None else int(step)
         for key, value in data.items():
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) or getattr(value, "numel", lambda: 0)() == 1):
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) or getattr(value, "numel", lambda: 0)() == 1
+            ):
                 warnings.warn(
                     f"gradwatch: log() ignored {key!r}: expected a number or a one-element tensor, "
                     f"got {type(value).__name__}",
@@ -281,9 +307,6 @@ class Run:
             return
         self._batches.add(self.step if step is None else int(step), normalized)
 
-    def _after_step(self) -> None:
-        self._maybe_flush()
-
     def _maybe_flush(self) -> None:
         due_by_time = time.monotonic() - self._last_flush_time >= self.flush_interval
         if due_by_time or self.step - self._last_flush_step >= self.flush_every_steps:
@@ -293,7 +316,9 @@ class Run:
         """Peak device memory (bytes) once per flush: an allocator counter, no device sync."""
         torch = sys.modules.get("torch")
         if torch is not None and self._watchers and torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.buffer.add_scalar("sys/max_memory_allocated", self.step, float(torch.cuda.max_memory_allocated()))
+            self.buffer.add_scalar(
+                "sys/max_memory_allocated", self.step, float(torch.cuda.max_memory_allocated())
+            )
 
     def _flush(self, status: str | None) -> None:
         self._last_flush_time = time.monotonic()
@@ -303,6 +328,53 @@ class Run:
         self._record_device_memory()
         packet = self.buffer.take([*(w.derive for w in self._watchers), self._batches.derive], status)
         self._sender.submit(packet)
+
+
+class _RunSink:
+    """The StepSink (see _sink) a Run hands its Watcher: the Run keeps its step counter, buffer and
+    flush schedule, and the Watcher reaches them only through these operations."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def step(self) -> int:
+        return self._run.step
+
+    @property
+    def rank(self) -> int:
+        return self._run.rank
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return self._run.identity
+
+    @property
+    def features(self) -> FeatureSwitch:
+        return self._run.features
+
+    # The buffer is looked up at each call: a forked child's run gets a new one.
+    def add_scalar(self, key: str, step: int, value: Any) -> None:
+        self._run.buffer.add_scalar(key, step, value)
+
+    def add_tensor(self, key: str, step: int, tensor: Any) -> None:
+        self._run.buffer.add_tensor(key, step, tensor)
+
+    def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
+        self._run.buffer.add_event(step, kind, data)
+
+    def advance_step(self) -> int:
+        run = self._run
+        run.step += 1
+        return run.step
+
+    def step_recorded(self) -> None:
+        self._run._maybe_flush()
+
+    def report_rank_at_finish(self) -> None:
+        self._run.reports_rank = True
 
 
 # -- process life: exit, SIGTERM, fork ---------------------------------------------------------------
@@ -353,7 +425,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signum)
 
 
-class _AllFeatures(dict):
+class _AllFeatures(dict[str, str]):
     """A FeatureSwitch.disabled that contains every feature: a forked child's run observes nothing."""
 
     def __contains__(self, feature: object) -> bool:

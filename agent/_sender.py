@@ -7,11 +7,13 @@
                       its seq once) and written to the spool file, so the inbox never fills
     uploader thread:  the spool's oldest batch -- or, when the spool is empty, everything pending
                       sealed into one batch -- is POSTed; success frees it; a retryable failure writes
-                      what is in memory to the spool and waits (exponential backoff with jitter);
-                      a refusal (4xx other than 408/429) drops the batch and counts its points
+                      what is in memory to the spool and waits (exponential backoff with jitter, or
+                      the server's Retry-After when longer); a refusal (4xx other than 408/429)
+                      drops the batch and counts its points
 
 Pending data is merged while the uploader is busy, so a slow server gets fewer, larger batches
-instead of an ever-growing backlog. Seqs: a batch's seq is (namespace << 20) + counter, where the
+instead of an ever-growing backlog, each within what servers accept (max_batch_points points,
+MAX_BATCH_VALUES numbers: split_by_steps). Seqs: a batch's seq is (namespace << 20) + counter, where the
 namespace is the wall-clock millisecond at which this sender started (strictly increasing within a
 process; a new one after 2^20 batches). A resumed process of the same run and rank therefore never
 reuses a seq of an earlier process (its clock has moved on), with no counter to persist, and a
@@ -77,11 +79,13 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if not 0 < self.base <= self.cap:
-            raise ValueError(f"backoff needs 0 < base <= cap (seconds), got base={self.base!r}, cap={self.cap!r}")
+            raise ValueError(
+                f"backoff needs 0 < base <= cap (seconds), got base={self.base!r}, cap={self.cap!r}"
+            )
 
     def next_delay(self) -> float:
         self.failures += 1
-        return min(self.cap, self.base * 2 ** min(self.failures - 1, 30)) * random.uniform(0.5, 1.0)
+        return min(self.cap, self.base * 2.0 ** min(self.failures - 1, 30)) * random.uniform(0.5, 1.0)
 
     def reset(self) -> None:
         self.failures = 0
@@ -124,6 +128,93 @@ def packet_points(packet: Packet) -> int:
     return len(packet.slots) + len(packet.host_scalars)
 
 
+# The most numbers one batch carries (a vector row holds one per layer, a histogram layers x bins): a
+# server refuses larger batches (gradwatch.server.ingest_limits, 2,000,000 by default).
+MAX_BATCH_VALUES = 1_000_000
+
+
+def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> list[dict[str, Any]]:
+    """A sealed batch's data as consecutive step ranges of at most `max_points` points and `max_values`
+    numbers each ([batch] when it fits): servers refuse larger batches. A step's keys stay together
+    (alert rules read them side by side); a single step larger than the limits is a piece of its own.
+    Events go with their steps, "layers" with every piece, the status (and any other field) with the last."""
+    scalar_points = sum(len(series["steps"]) for series in batch.get("scalars", ()))
+    vector_rows = [row for series in batch.get("vectors", ()) for row in series["values"]]
+    histograms = batch.get("histograms", ())
+    if (
+        scalar_points + len(vector_rows) + len(histograms) <= max_points
+        and scalar_points + sum(map(len, vector_rows)) + sum(len(r) for h in histograms for r in h["counts"])
+        <= max_values
+    ):
+        return [batch]  # the usual case, counted without a dict per step
+    sizes: dict[int, list[int]] = {}  # step -> [points, numbers]
+    for series in batch.get("scalars", ()):
+        for step in series["steps"]:
+            sizes.setdefault(step, [0, 0])
+            sizes[step][0] += 1
+            sizes[step][1] += 1
+    for series in batch.get("vectors", ()):
+        for step, row in zip(series["steps"], series["values"], strict=True):
+            sizes.setdefault(step, [0, 0])
+            sizes[step][0] += 1
+            sizes[step][1] += len(row)
+    for histogram in batch.get("histograms", ()):
+        sizes.setdefault(histogram["step"], [0, 0])
+        sizes[histogram["step"]][0] += 1
+        sizes[histogram["step"]][1] += sum(map(len, histogram["counts"]))
+    starts: list[int] = []  # the first step of each piece
+    points = values = 0
+    for step in sorted(sizes):
+        step_points, step_values = sizes[step]
+        if starts and points + step_points <= max_points and values + step_values <= max_values:
+            points, values = points + step_points, values + step_values
+        else:
+            starts.append(step)
+            points, values = step_points, step_values
+    pieces = []
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else None
+        first = index == 0
+
+        def within(step: int, start: int = start, end: int | None = end, first: bool = first) -> bool:
+            return (first or step >= start) and (end is None or step < end)
+
+        piece: dict[str, Any] = {
+            "scalars": _series_within(batch.get("scalars", ()), within),
+            "events": [event for event in batch.get("events", ()) if within(event["step"])],
+        }
+        vectors = _series_within(batch.get("vectors", ()), within)
+        if vectors:
+            piece["vectors"] = vectors
+        histograms = [h for h in batch.get("histograms", ()) if within(h["step"])]
+        if histograms:
+            piece["histograms"] = histograms
+        pieces.append(piece)
+    for name, value in batch.items():
+        if name == "layers":
+            for piece in pieces:
+                piece[name] = value
+        elif name not in ("scalars", "events", "vectors", "histograms"):
+            pieces[-1][name] = value
+    return pieces
+
+
+def _series_within(series_list: Any, within: Any) -> list[dict[str, Any]]:
+    """The series (scalar or vector) cut to the steps `within` accepts; series left empty are left out."""
+    out = []
+    for series in series_list:
+        kept = [
+            (step, value)
+            for step, value in zip(series["steps"], series["values"], strict=True)
+            if within(step)
+        ]
+        if kept:
+            out.append(
+                {**series, "steps": [step for step, _ in kept], "values": [value for _, value in kept]}
+            )
+    return out
+
+
 _SENT, _REFUSED, _RETRY = "sent", "refused", "retry"
 
 
@@ -147,7 +238,9 @@ class Sender:
         seconds pending data waits before it is sealed into the spool while the server is failing;
         poll_interval: seconds between the collector's looks at the inbox."""
         if max_queue < 1 or max_batch_points < 1:
-            raise ValueError(f"max_queue and max_batch_points must be >= 1, got {max_queue!r}, {max_batch_points!r}")
+            raise ValueError(
+                f"max_queue and max_batch_points must be >= 1, got {max_queue!r}, {max_batch_points!r}"
+            )
         self.transport = transport
         self.run_document = run_document
         self.run_id = run_document["id"]
@@ -172,6 +265,7 @@ class Sender:
         self._sent = self._sent_batches = self._dropped = 0
         self._last_error: str | None = None
         self._failing = False  # the last upload attempt failed and may be retried
+        self._server_wait = 0.0  # seconds the server asked the last failed attempt to wait (Retry-After)
         self._run_created = False
         self._warned: set[str] = set()
         self._closing = threading.Event()
@@ -181,7 +275,9 @@ class Sender:
         self._forked = False
         self._collector = threading.Thread(target=self._collect, name="gradwatch-collector", daemon=True)
         self._uploader = (
-            threading.Thread(target=self._upload, name="gradwatch-uploader", daemon=True) if transport else None
+            threading.Thread(target=self._upload, name="gradwatch-uploader", daemon=True)
+            if transport
+            else None
         )
         self._collector.start()
         if self._uploader is not None:
@@ -196,12 +292,17 @@ class Sender:
         points = packet_points(packet)
         if self._closed:
             self._rejected += points
-            self._warn_once("closed", "gradwatch: data logged after finish() is dropped (counted in run.stats.dropped)")
+            self._warn_once(
+                "closed", "gradwatch: data logged after finish() is dropped (counted in run.stats.dropped)"
+            )
             return False
         if len(self._inbox) >= self._max_queue:
             self._rejected += points
-            self._warn_once("inbox", "gradwatch: the send queue is full (%d packets); dropping data, counted in "
-                            "run.stats.dropped", self._max_queue)
+            self._warn_once(
+                "inbox",
+                "gradwatch: the send queue is full (%d packets); dropping data, counted in run.stats.dropped",
+                self._max_queue,
+            )
             return False
         self._inbox.append((packet, points))
         self._submitted += points
@@ -303,11 +404,11 @@ class Sender:
         """(under _lock) Turn pending fragments into batches with their seq, and hand them to the spool."""
         fragments, self._pending, self._pending_points = self._pending, [], 0
         for group in group_fragments(fragments, self._max_batch_points):
-            batch = merge_fragments(group)
-            points = batch_points(batch)
-            batch = {"rank": self.rank, "seq": self._seqs.next(), **batch}
-            self._add_health(batch)
-            self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
+            for data in split_by_steps(merge_fragments(group), self._max_batch_points, MAX_BATCH_VALUES):
+                points = batch_points(data)
+                batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
+                self._add_health(batch)
+                self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
 
     def _add_health(self, batch: dict[str, Any]) -> None:
         """The agent's own counters as scalars at the batch's last step (excluded from point counts)."""
@@ -329,7 +430,9 @@ class Sender:
             with self._lock:
                 found = self.spool.adopt(leftovers, older_than=self._seqs.first)
             if found:
-                logger.info("gradwatch: run %s: replaying %d points left in %s", self.run_id, found, self.spool.path)
+                logger.info(
+                    "gradwatch: run %s: replaying %d points left in %s", self.run_id, found, self.spool.path
+                )
         except Exception as exc:  # noqa: BLE001
             self._error(exc, "spool")
         while True:
@@ -363,8 +466,11 @@ class Sender:
                 self._sent += points
                 self._sent_batches += 1
                 if self._failing:
-                    logger.info("gradwatch: run %s: server reachable again; sending the %d spooled points",
-                                self.run_id, self.spool.points)
+                    logger.info(
+                        "gradwatch: run %s: server reachable again; sending the %d spooled points",
+                        self.run_id,
+                        self.spool.points,
+                    )
                 self._failing = False
                 self._backoff.reset()
                 return True
@@ -375,7 +481,7 @@ class Sender:
             if not self._failing:
                 self._failing = True
                 self.spool.persist()
-            delay = self._backoff.next_delay()
+            delay = max(self._backoff.next_delay(), self._server_wait)  # the server's Retry-After, if longer
         return not self._wait(delay)
 
     def _wait(self, seconds: float) -> bool:
@@ -391,6 +497,7 @@ class Sender:
 
     def _attempt(self, batch: dict[str, Any] | bytes) -> str:
         assert self.transport is not None
+        self._server_wait = 0.0
         try:
             if not self._run_created:
                 self._adopt(self.transport.create_run(self.run_document))
@@ -406,13 +513,19 @@ class Sender:
             return _SENT
         except TransportError as exc:
             self._last_error = str(exc)
+            self._server_wait = getattr(exc, "retry_after", None) or 0.0
             if exc.status == 404:
                 self._run_created = False  # the server lost the run (a new database): create it again
             if exc.retryable or exc.status == 404:
                 self._warn_unreachable(exc)
                 return _RETRY
-            self._warn_once("refused", "gradwatch: run %s: the server refused a batch, which is dropped and "
-                            "counted in run.stats.dropped: %s", self.run_id, exc)
+            self._warn_once(
+                "refused",
+                "gradwatch: run %s: the server refused a batch, which is dropped and "
+                "counted in run.stats.dropped: %s",
+                self.run_id,
+                exc,
+            )
             return _REFUSED
         except Exception as exc:  # noqa: BLE001 - a custom transport's own failure: try again later
             self._last_error = f"{type(exc).__name__}: {exc}"
@@ -424,15 +537,23 @@ class Sender:
         our id already (the server never lets one project squat another's ids)."""
         given = created.get("id") if isinstance(created, dict) else None
         if isinstance(given, str) and given and given != self.run_id:
-            logger.warning("gradwatch: run id %s is another project's on the server; this run is stored as %s",
-                           self.run_id, given)
+            logger.warning(
+                "gradwatch: run id %s is another project's on the server; this run is stored as %s",
+                self.run_id,
+                given,
+            )
             self.run_id = given
 
     def _warn_unreachable(self, exc: BaseException) -> None:
         if not self._failing:  # once per outage
             where = f"the spool file {self.spool.path}" if self.spool.writable else "memory"
-            logger.warning("gradwatch: run %s: cannot reach the server (%s); data waits in %s and is retried "
-                           "with backoff", self.run_id, exc, where)
+            logger.warning(
+                "gradwatch: run %s: cannot reach the server (%s); data waits in %s and is retried "
+                "with backoff",
+                self.run_id,
+                exc,
+                where,
+            )
 
     # -- helpers ----------------------------------------------------------------------------------
 

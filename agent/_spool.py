@@ -134,8 +134,15 @@ def _describe(offset: int, line: bytes) -> Record | None:
         return Record(offset, len(line), "run", document["run"].get("id"), run=document["run"])
     if document.get("type") == "batch" and isinstance(document.get("batch"), dict):
         batch = document["batch"]
-        return Record(offset, len(line), "batch", document.get("run_id"), int(batch.get("rank", 0)),
-                      int(batch["seq"]), batch_points(batch))
+        return Record(
+            offset,
+            len(line),
+            "batch",
+            document.get("run_id"),
+            int(batch.get("rank", 0)),
+            int(batch["seq"]),
+            batch_points(batch),
+        )
     return None
 
 
@@ -267,8 +274,12 @@ class Spool:
         try:
             return scan(self.path)
         except OSError as exc:
-            self._warn_once("recover", "gradwatch: cannot read the spool file %s (%s); its data is not replayed",
-                            self.path, exc)
+            self._warn_once(
+                "recover",
+                "gradwatch: cannot read the spool file %s (%s); its data is not replayed",
+                self.path,
+                exc,
+            )
             return None
 
     def adopt(self, leftovers: ScanResult | None, older_than: int | None = None) -> int:
@@ -281,15 +292,16 @@ class Spool:
         for record in leftovers.records:
             if record.type != "batch" or record.run_id != self.run_id or record.rank != self.rank:
                 continue
-            if record.seq in self._entries or older_than is not None and record.seq >= older_than:
+            if record.seq in self._entries or (older_than is not None and record.seq >= older_than):
                 continue  # written by this process since the scan
             self._index(_Entry(record.seq, record.points, None, record))
             self.disk_points += record.points
             self._disk_entries += 1
             found += record.points
         if leftovers.bad_lines:
-            logger.warning("gradwatch: spool file %s: %d torn or corrupt line(s) skipped", self.path,
-                           leftovers.bad_lines)
+            logger.warning(
+                "gradwatch: spool file %s: %d torn or corrupt line(s) skipped", self.path, leftovers.bad_lines
+            )
         return found
 
     def recover(self) -> int:
@@ -358,8 +370,12 @@ class Spool:
                 return seq, body, entry.points
             self.remove(seq)
             self.dropped_points += entry.points
-            logger.warning("gradwatch: spool file %s changed under us: batch %d (%d points) lost",
-                           self.path, seq, entry.points)
+            logger.warning(
+                "gradwatch: spool file %s changed under us: batch %d (%d points) lost",
+                self.path,
+                seq,
+                entry.points,
+            )
         return None
 
     def remove(self, seq: int) -> None:
@@ -400,7 +416,7 @@ class Spool:
             prefix = b""
             if not self._newline_checked:
                 self._newline_checked = True
-                if size and not self._ends_with_newline():
+                if size and not self._ends_with_newline(self.path):
                     prefix = b"\n"  # a torn last line stays a (skipped) line of its own
             if not self._run_written:
                 prefix += run_record(self.run_document)
@@ -408,21 +424,25 @@ class Spool:
             offset = size + len(prefix)
             total = len(prefix)
             for entry in entries:
-                line = batch_record(self.run_id, entry.batch, entry.points)  # type: ignore[arg-type]
+                batch = entry.batch
+                assert batch is not None, "an entry not yet in the file holds its batch"
+                line = batch_record(self.run_id, batch, entry.points)
                 if size + total + len(line) > self.max_bytes:
                     self._warn_once(
                         "cap",
                         "gradwatch: spool file %s reached its cap of %d MiB; unsent data now waits in memory "
                         "(up to %d points), beyond that it is dropped and counted in run.stats.dropped",
-                        self.path, self.max_bytes >> 20, self.max_memory_points,
+                        self.path,
+                        self.max_bytes >> 20,
+                        self.max_memory_points,
                     )
                     break
-                lines.append((entry, offset, line))
+                lines.append((entry, batch, offset, line))
                 offset += len(line)
                 total += len(line)
             if not lines:
                 return False
-            data = prefix + b"".join(line for _, _, line in lines)
+            data = prefix + b"".join(line for _, _, _, line in lines)
             written = 0
             while written < len(data):
                 written += os.write(fd, data[written:])
@@ -432,18 +452,26 @@ class Spool:
         finally:
             os.close(fd)
         self._run_written = self._file_is_ours = True
-        for entry, offset, line in lines:
+        for entry, batch, offset, line in lines:
             if entry.seq in self._entries:
                 self.memory_points -= entry.points  # it moves from memory to the file
             self.disk_points += entry.points
             self._disk_entries += 1
-            entry.record = Record(offset, len(line), "batch", self.run_id, int(entry.batch["rank"]),  # type: ignore[index]
-                                  entry.seq, entry.points)
+            entry.record = Record(
+                offset,
+                len(line),
+                "batch",
+                self.run_id,
+                int(batch["rank"]),
+                entry.seq,
+                entry.points,
+            )
             entry.batch = None
         return len(lines) == len(entries)
 
-    def _ends_with_newline(self) -> bool:
-        with open(self.path, "rb") as f:  # type: ignore[arg-type]
+    @staticmethod
+    def _ends_with_newline(path: Path) -> bool:
+        with open(path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
@@ -453,7 +481,10 @@ class Spool:
             "disk",
             "gradwatch: cannot write the spool file %s (%s: %s); unsent data is kept in memory only "
             "(up to %d points), beyond that it is dropped and counted in run.stats.dropped",
-            self.path, type(exc).__name__, exc, self.max_memory_points,
+            self.path,
+            type(exc).__name__,
+            exc,
+            self.max_memory_points,
         )
 
     def _warn_once(self, kind: str, message: str, *args: Any) -> None:

@@ -1,6 +1,6 @@
 """How batches leave the process. The sender's upload thread calls a Transport; tests pass their own.
 
-    TransportError          a request failed; .retryable says whether the same request can succeed later
+TransportError          a request failed; .retryable says whether the same request can succeed later
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import math
 import urllib.error
 import urllib.request
 from typing import Any, Protocol
@@ -20,16 +21,34 @@ COMPRESS_ABOVE = 1024
 COMPRESS_LEVEL = 1
 
 
+# The longest Retry-After the agent honours (seconds): a server asking for more is retried sooner.
+MAX_RETRY_AFTER = 300.0
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds, at most MAX_RETRY_AFTER; None when absent or not a number of
+    seconds (the HTTP-date form is not used by gradwatch servers)."""
+    try:
+        seconds = float((value or "").strip())
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER) if math.isfinite(seconds) else None
+
+
 class TransportError(Exception):
     """A request failed; `retryable` says whether sending the same thing again can succeed.
 
     `status` is the HTTP status when the server answered, else None (connection refused, timeout).
+    `retry_after`: seconds the server asked to wait (a 429 or 503's Retry-After), else None.
     """
 
-    def __init__(self, message: str, retryable: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, retryable: bool, status: int | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.status = status
+        self.retry_after = retry_after
 
 
 class Transport(Protocol):
@@ -45,7 +64,9 @@ class HttpTransport:
     (one older than this agent) is detected on the first refusal and sent plain JSON from then on.
     """
 
-    def __init__(self, server: str, token: str | None = None, timeout: float = 10.0, compress: bool = True) -> None:
+    def __init__(
+        self, server: str, token: str | None = None, timeout: float = 10.0, compress: bool = True
+    ) -> None:
         if not server.startswith(("http://", "https://")):
             raise ValueError(f"server must be an http:// or https:// URL, got {server!r}")
         self.base = server.rstrip("/")
@@ -94,7 +115,10 @@ class HttpTransport:
                 detail = exc.read()[:500].decode("utf-8", "replace")
             # 5xx, 408 and 429 are the server's trouble and pass; other 4xx mean this request is wrong.
             retryable = exc.code >= 500 or exc.code in (408, 429)
-            raise TransportError(f"POST {path}: HTTP {exc.code}: {detail}", retryable, exc.code) from None
+            wait = parse_retry_after(exc.headers.get("Retry-After")) if exc.code in (429, 503) else None
+            raise TransportError(
+                f"POST {path}: HTTP {exc.code}: {detail}", retryable, exc.code, wait
+            ) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", None) or exc
             raise TransportError(f"POST {path}: {type(exc).__name__}: {reason}", retryable=True) from None

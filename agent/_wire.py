@@ -136,7 +136,7 @@ def merge_fragments(fragments: list[dict[str, Any]]) -> dict[str, Any]:
 def _merge_series(series: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key: dict[str, dict[int, Any]] = {}
     for s in series:
-        by_key.setdefault(s["key"], {}).update(zip(s["steps"], s["values"]))
+        by_key.setdefault(s["key"], {}).update(zip(s["steps"], s["values"], strict=True))
     return [
         {"key": key, "steps": sorted(points), "values": [points[step] for step in sorted(points)]}
         for key, points in by_key.items()

@@ -8,22 +8,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.settings import Settings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 
 
-def _server_settings(args: argparse.Namespace):
+def _server_settings(args: argparse.Namespace) -> Settings:
     from gradwatch.server.serve import local_url
     from gradwatch.server.settings import Settings, default_database_url
 
     public_url = getattr(args, "public_url", None)
     if public_url is None and hasattr(args, "port"):
         public_url = local_url(args.host, args.port)
-    options: dict = {"public_url": public_url} if public_url else {}
+    options: dict[str, Any] = {"public_url": public_url} if public_url else {}
     if getattr(args, "open", False):
         options["open_after_revocation"] = True
+    if getattr(args, "webhook_allow_private", False):  # else GRADWATCH_WEBHOOK_ALLOW_PRIVATE decides
+        options["webhook_allow_private"] = True
     return Settings(database_url=args.database_url or default_database_url(), **options)
 
 
@@ -48,7 +55,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokens(args: argparse.Namespace):
+def _tokens(args: argparse.Namespace) -> Tokens:
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import make_engine, prepare_schema
 
@@ -77,18 +84,26 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     project = "every project" if record.project == "*" else f"project {record.project!r}"
     scopes = "every scope" if record.scope == "*" else f"scope {record.scope}"
     print(f"created token {record.id} ({record.name!r}) with {scopes} for {project}.")
-    print("It is shown only this once; the server keeps only its hash. Agents (ingest scope): GRADWATCH_TOKEN=<token>.")
+    print(
+        "It is shown only this once; the server keeps only its hash. "
+        "Agents (ingest scope): GRADWATCH_TOKEN=<token>."
+    )
     print(token)  # the last word of the output, for scripts: TOKEN=$(gradwatch token create ... | tail -1)
     return 0
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
     records = _tokens(args).list(args.project, include_revoked=args.all)
-    print(f"{'id':>4}  {'scope':<12}  {'project':<20}  {'name':<24}  {'prefix':<10}  {'created':<20}  "
-          f"{'last used':<20}  revoked")
+    print(
+        f"{'id':>4}  {'scope':<12}  {'project':<20}  {'name':<24}  {'prefix':<10}  {'created':<20}  "
+        f"{'last used':<20}  revoked"
+    )
     for r in records:
-        print(f"{r.id:>4}  {r.scope:<12}  {r.project:<20.20}  {r.name:<24.24}  {r.prefix:<10}  {_when(r.created_at):<20}  "
-              f"{_when(r.last_used_at):<20}  {_when(r.revoked_at) if r.revoked_at else '-'}")
+        print(
+            f"{r.id:>4}  {r.scope:<12}  {r.project:<20.20}  {r.name:<24.24}  {r.prefix:<10}  "
+            f"{_when(r.created_at):<20}  {_when(r.last_used_at):<20}  "
+            f"{_when(r.revoked_at) if r.revoked_at else '-'}"
+        )
     if not records:
         print("(no tokens: the server runs open, for 127.0.0.1 only)")
     return 0
@@ -102,8 +117,10 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
     except NotFound as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
-    print(f"revoked token {record.id} ({record.name!r}, {record.scope}, project {record.project!r}); "
-          "requests with it are refused from now on")
+    print(
+        f"revoked token {record.id} ({record.name!r}, {record.scope}, project {record.project!r}); "
+        "requests with it are refused from now on"
+    )
     return 0
 
 
@@ -123,7 +140,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     import time
 
     from gradwatch.server.database import make_engine, prepare_schema
-    from gradwatch.server.store import RunFilter, Store
+    from gradwatch.server.storage import RunFilter, Store
 
     if args.older_than_days <= 0:
         print("gradwatch: --older-than-days must be positive", file=sys.stderr)
@@ -139,7 +156,10 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     while doomed:
         for run in doomed:
             if args.dry_run:
-                print(f"would delete {run.id} ({run.project}/{run.name}, {run.status}, last step {run.last_step})")
+                print(
+                    f"would delete {run.id} ({run.project}/{run.name}, {run.status}, "
+                    f"last step {run.last_step})"
+                )
             else:
                 store.delete_run(run.id)
                 deleted += 1
@@ -147,8 +167,10 @@ def _cmd_prune(args: argparse.Namespace) -> int:
             break
         doomed, _ = store.list_runs(filters, limit=500, offset=0)
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{verb} {total if args.dry_run else deleted} run(s) older than {args.older_than_days:g} days "
-          "(running runs are never deleted)")
+    print(
+        f"{verb} {total if args.dry_run else deleted} run(s) older than {args.older_than_days:g} days "
+        "(running runs are never deleted)"
+    )
     engine.dispose()
     return 0
 
@@ -197,8 +219,10 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     for message in report.refused:
         print(f"gradwatch: the server refused a batch: {message}", file=sys.stderr)
     if report.error is not None:
-        print(f"gradwatch: stopped early ({report.error}); run the same command again to continue",
-              file=sys.stderr)
+        print(
+            f"gradwatch: stopped early ({report.error}); run the same command again to continue",
+            file=sys.stderr,
+        )
     return 0 if report.complete else 1
 
 
@@ -210,17 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default=DEFAULT_HOST)
     server.add_argument("--port", type=int, default=DEFAULT_PORT)
     server.add_argument(
-        "--public-url", default=os.environ.get("GRADWATCH_PUBLIC_URL"),
+        "--public-url",
+        default=os.environ.get("GRADWATCH_PUBLIC_URL"),
         help="the URL people open the dashboard at, used in alert links (default http://HOST:PORT)",
     )
     server.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="allow listening on a non-loopback address while no access tokens exist (a warning is printed)",
     )
     server.add_argument(
-        "--open", action="store_true",
+        "--open",
+        action="store_true",
         help="serve without tokens again once every token is revoked (by default a server that has had "
         "tokens keeps requiring them)",
+    )
+    server.add_argument(
+        "--webhook-allow-private",
+        action="store_true",
+        help="let webhooks target loopback, private and link-local addresses, e.g. a receiver on your LAN "
+        "(default: refused; also GRADWATCH_WEBHOOK_ALLOW_PRIVATE=1)",
     )
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)
@@ -230,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     create = token_commands.add_parser("create", help="create a token; prints it once, as the last line")
     create.add_argument("--project", required=True, help="the project it may access ('*' for every project)")
     create.add_argument(
-        "--scope", required=True,
+        "--scope",
+        required=True,
         help="one or more of ingest (training jobs: create runs, send data), read (dashboards, API reads), "
         "admin (rules, webhooks, deletes, renames, acknowledgements; includes read), comma-separated, "
         "or '*' for all. 'write' (the old scope) means ingest,read",
@@ -253,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_database_option(up)
     up.set_defaults(func=_cmd_db_upgrade)
 
-    prune = commands.add_parser("prune", help="retention: delete old finished/crashed runs and all their data")
+    prune = commands.add_parser(
+        "prune", help="retention: delete old finished/crashed runs and all their data"
+    )
     prune.add_argument("--older-than-days", type=float, required=True)
     prune.add_argument("--project", default=None, help="only this project")
     prune.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
@@ -271,16 +307,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     sync = commands.add_parser("sync", help="upload spool files of offline runs (exactly once, resumable)")
     sync.add_argument("path", help="a spool file (.jsonl) or a folder of them, e.g. ~/.gradwatch/offline")
-    sync.add_argument("--server", default=os.environ.get("GRADWATCH_SERVER") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
-                      help="server URL (default: GRADWATCH_SERVER, else http://127.0.0.1:8765)")
-    sync.add_argument("--token", default=os.environ.get("GRADWATCH_TOKEN"), help="write token (default: GRADWATCH_TOKEN)")
+    sync.add_argument(
+        "--server",
+        default=os.environ.get("GRADWATCH_SERVER") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
+        help="server URL (default: GRADWATCH_SERVER, else http://127.0.0.1:8765)",
+    )
+    sync.add_argument(
+        "--token", default=os.environ.get("GRADWATCH_TOKEN"), help="write token (default: GRADWATCH_TOKEN)"
+    )
     sync.set_defaults(func=_cmd_sync)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func
+    return command(args)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def build_model(cfg: DemoConfig) -> Any:
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = (self.embed(tokens) + self.pos) * self.blowup
-            return self.head(self.blocks(x, mask=self.mask, is_causal=True))
+            logits: torch.Tensor = self.head(self.blocks(x, mask=self.mask, is_causal=True))
+            return logits
 
     return TinyLM()
 

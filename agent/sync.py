@@ -71,7 +71,11 @@ def sync(
 
 
 def _sync_file(
-    path: Path, transport: Any, report: SyncReport, backoff: Backoff, give_up_after: float,
+    path: Path,
+    transport: Any,
+    report: SyncReport,
+    backoff: Backoff,
+    give_up_after: float,
     log: Callable[[str], None],
 ) -> None:
     scanned = scan(path)
@@ -88,6 +92,7 @@ def _sync_file(
     points_before, skipped_before = report.points_sent, report.skipped
     stored_as: dict[str, str] = {}  # the agent's run id -> the server's (they differ when the id was taken)
     for run_id, document in runs.items():
+
         def create(document: dict[str, Any] = document, run_id: str = run_id) -> None:
             created = transport.create_run(document)
             given = created.get("id") if isinstance(created, dict) else None
@@ -107,7 +112,9 @@ def _sync_file(
             continue
         answer: dict[str, Any] = {}
 
-        def send(body: bytes = body, run_id: str = stored_as.get(run_id, run_id), answer: dict[str, Any] = answer) -> None:
+        def send(
+            body: bytes = body, run_id: str = stored_as.get(run_id, run_id), answer: dict[str, Any] = answer
+        ) -> None:
             if send_encoded is not None:
                 result = send_encoded(run_id, body)
             else:
@@ -123,8 +130,10 @@ def _sync_file(
             report.already_stored += bool(answer.get("duplicate"))
             _append_sent(sent_file, key)
     skipped = report.skipped - skipped_before
-    log(f"{path}: {report.points_sent - points_before} points uploaded"
-        + (f", {skipped} batches skipped (uploaded before)" if skipped else ""))
+    log(
+        f"{path}: {report.points_sent - points_before} points uploaded"
+        + (f", {skipped} batches skipped (uploaded before)" if skipped else "")
+    )
 
 
 _OK, _REFUSED, _GAVE_UP = "ok", "refused", "gave up"

@@ -185,8 +185,9 @@ class Monitor:
                     Settings(database_url=f"sqlite:///{db}"), "127.0.0.1", free_port(), with_dashboard=False
                 ).start()
                 server_url = self.background_server.url
-            self.run = gradwatch.init(project="bench-overhead", name=f"{config}-{os.getpid()}", server=server_url,
-                                      mode=mode)
+            self.run = gradwatch.init(
+                project="bench-overhead", name=f"{config}-{os.getpid()}", server=server_url, mode=mode
+            )
             self.options = EVERYTHING if config in ("gw_all", "gw_all_off") else {}
         elif config == "wandb":
             os.environ["WANDB_MODE"] = "offline"
@@ -242,8 +243,12 @@ class Monitor:
         if self.run is not None:
             self.run.finish(timeout=30)
             stats = self.run.stats
-            info["gradwatch"] = {"sent": stats.sent, "dropped": stats.dropped, "queued": stats.queued,
-                                 "last_error": stats.last_error}
+            info["gradwatch"] = {
+                "sent": stats.sent,
+                "dropped": stats.dropped,
+                "queued": stats.queued,
+                "last_error": stats.last_error,
+            }
         if self.background_server is not None:
             self.background_server.stop()
         if self.wandb is not None:
@@ -266,8 +271,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1)
         self.scaler = torch.amp.GradScaler("cpu")
         generator = torch.Generator().manual_seed(seed + 1)
-        self.batches = [torch.randint(size.vocab, (size.batch, size.context + 1), generator=generator)
-                        for _ in range(64)]
+        self.batches = [
+            torch.randint(size.vocab, (size.batch, size.context + 1), generator=generator) for _ in range(64)
+        ]
         self.step_index = 0
         self.named_parameters = list(self.model.named_parameters())
 
@@ -362,6 +368,7 @@ def clip_wrapper_cost(trainer: Trainer, repeats: int = 500) -> float:
     clip_grad_norm_ makes itself, so it is not counted.) Calls the un-instrumented methods, so the
     instrumentation neither adds to this nor counts it."""
     import torch
+
     from gradwatch import _clip, _watch
 
     before_clip = getattr(_watch.Watcher._before_clip, "__wrapped__", _watch.Watcher._before_clip)
@@ -382,8 +389,17 @@ def clip_wrapper_cost(trainer: Trainer, repeats: int = 500) -> float:
 # -- worker process -----------------------------------------------------------------------------------
 
 
-def worker_main(connection: Any, config: str, size: dict[str, int], seed: int, workdir: str,
-                server_url: str | None, server_mode: str, threads: int, instrument: bool) -> None:
+def worker_main(
+    connection: Any,
+    config: str,
+    size: dict[str, int],
+    seed: int,
+    workdir: str,
+    server_url: str | None,
+    server_mode: str,
+    threads: int,
+    instrument: bool,
+) -> None:
     """A worker process: one configuration, attached for its whole life (process isolation, profiling)."""
     import torch
 
@@ -395,8 +411,17 @@ def worker_main(connection: Any, config: str, size: dict[str, int], seed: int, w
         monitor = Monitor(config, Path(workdir), server_url, server_mode)
         monitor.attach(trainer)
         n_params = sum(p.numel() for _, p in trainer.named_parameters)
-        connection.send(("ready", {"params": n_params, "tensors": len(trainer.named_parameters),
-                                   "pid": os.getpid(), "threads": torch.get_num_threads()}))
+        connection.send(
+            (
+                "ready",
+                {
+                    "params": n_params,
+                    "tensors": len(trainer.named_parameters),
+                    "pid": os.getpid(),
+                    "threads": torch.get_num_threads(),
+                },
+            )
+        )
         while True:
             command, argument = connection.recv()
             if command == "steps":
@@ -409,12 +434,22 @@ def worker_main(connection: Any, config: str, size: dict[str, int], seed: int, w
                 time.sleep(settle)
                 connection.send(("ok", times))
             elif command == "checksum":
-                connection.send(("ok", {"checksum": trainer.checksum(), "steps": trainer.step_index,
-                                        "scale": trainer.scaler.get_scale()}))
+                connection.send(
+                    (
+                        "ok",
+                        {
+                            "checksum": trainer.checksum(),
+                            "steps": trainer.step_index,
+                            "scale": trainer.scaler.get_scale(),
+                        },
+                    )
+                )
             elif command == "timings":
                 report = {label: list(v) for label, v in (timings or {}).items()}
                 clip_us = clip_wrapper_cost(trainer) if argument else None
-                connection.send(("ok", {"timings": report, "steps": trainer.step_index, "clip_wrapper_us": clip_us}))
+                connection.send(
+                    ("ok", {"timings": report, "steps": trainer.step_index, "clip_wrapper_us": clip_us})
+                )
             elif command == "close":
                 monitor.detach()
                 connection.send(("ok", monitor.close()))
@@ -427,14 +462,32 @@ def worker_main(connection: Any, config: str, size: dict[str, int], seed: int, w
 
 
 class Worker:
-    def __init__(self, context: Any, config: str, args: argparse.Namespace, workdir: Path, server_url: str | None,
-                 instrument: bool = False) -> None:
+    def __init__(
+        self,
+        context: Any,
+        config: str,
+        args: argparse.Namespace,
+        workdir: Path,
+        server_url: str | None,
+        instrument: bool = False,
+    ) -> None:
         self.config = config
         self.connection, child = context.Pipe()
         self.process = context.Process(
-            target=worker_main, name=f"bench-{config}", daemon=True,
-            args=(child, config, asdict(MODEL_SIZES[args.model_size]), args.seed, str(workdir), server_url,
-                  args.server, args.threads, instrument),
+            target=worker_main,
+            name=f"bench-{config}",
+            daemon=True,
+            args=(
+                child,
+                config,
+                asdict(MODEL_SIZES[args.model_size]),
+                args.seed,
+                str(workdir),
+                server_url,
+                args.server,
+                args.threads,
+                instrument,
+            ),
         )
         self.process.start()
         self.info = self._reply()
@@ -458,8 +511,14 @@ class Worker:
 class ProcessRunner:
     """--isolation process: every configuration in its own worker process, with its own model."""
 
-    def __init__(self, context: Any, configs: list[str], args: argparse.Namespace, workdir: Path,
-                 server_url: str | None) -> None:
+    def __init__(
+        self,
+        context: Any,
+        configs: list[str],
+        args: argparse.Namespace,
+        workdir: Path,
+        server_url: str | None,
+    ) -> None:
         self.workers: dict[str, Worker] = {}
         for config in configs:
             self.workers[config] = Worker(context, config, args, workdir, server_url)
@@ -492,8 +551,14 @@ class SharedRunner:
     gradwatch's clip_grad_norm_ patch included), so every configuration times the very same tensors
     and no process-to-process difference (memory layout, allocator state) enters the comparison."""
 
-    def __init__(self, configs: list[str], args: argparse.Namespace, workdir: Path, server_url: str | None,
-                 exclude_pids: set[int]) -> None:
+    def __init__(
+        self,
+        configs: list[str],
+        args: argparse.Namespace,
+        workdir: Path,
+        server_url: str | None,
+        exclude_pids: set[int],
+    ) -> None:
         import torch
 
         if args.threads:
@@ -501,9 +566,12 @@ class SharedRunner:
         self.trainer = Trainer(MODEL_SIZES[args.model_size], args.seed)
         self.monitors = {c: Monitor(c, workdir, server_url, args.server) for c in configs}
         self.exclude = exclude_pids
-        self.info = {"params": sum(p.numel() for _, p in self.trainer.named_parameters),
-                     "tensors": len(self.trainer.named_parameters), "pid": os.getpid(),
-                     "threads": torch.get_num_threads()}
+        self.info = {
+            "params": sum(p.numel() for _, p in self.trainer.named_parameters),
+            "tensors": len(self.trainer.named_parameters),
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+        }
         self.skipped = {c: 0 for c in configs}
 
     def _cpu(self) -> float:
@@ -533,8 +601,13 @@ class SharedRunner:
         return times, cpu
 
     def checks(self) -> dict[str, Any]:
-        return {"shared": {"checksum": "one shared model", "steps": self.trainer.step_index,
-                           "scale": self.trainer.scaler.get_scale()}}
+        return {
+            "shared": {
+                "checksum": "one shared model",
+                "steps": self.trainer.step_index,
+                "scale": self.trainer.scaler.get_scale(),
+            }
+        }
 
     def close(self) -> dict[str, Any]:
         return {c: m.close() for c, m in self.monitors.items()}
@@ -559,7 +632,7 @@ def _proc_table() -> dict[int, tuple[int, float]]:
                 data = f.read().decode(errors="replace")
         except OSError:
             continue
-        fields = data[data.rfind(")") + 2:].split()
+        fields = data[data.rfind(")") + 2 :].split()
         table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS)
     return table
 
@@ -614,9 +687,21 @@ def start_server_process(workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.cli", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--database-url", f"sqlite:///{workdir / 'gw.db'}"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir),
+        [
+            sys.executable,
+            "-m",
+            "gradwatch.cli",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database-url",
+            f"sqlite:///{workdir / 'gw.db'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=str(workdir),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -634,40 +719,82 @@ def start_server_process(workdir: Path) -> tuple[subprocess.Popen, str]:
 
 def git_state() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=5, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "agent", "server"], cwd=REPO,
-                               capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "agent", "server"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
         return f"{head}{' + uncommitted changes under agent/ or server/' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 10; --quick 2)")
-    parser.add_argument("--steps-per-round", type=int, default=None,
-                        help="timed steps per configuration per round (default 10; --quick 4)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration first (default 4)")
-    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
-                        help="small (default, ~14M parameters), medium (~29M) or tiny (--quick)")
-    parser.add_argument("--configs", default=None,
-                        help=f"comma-separated subset of {','.join(CONFIGS)}, or 'all' (default: all but "
-                        "gw_all_off; 'base' is always run)")
-    parser.add_argument("--isolation", choices=("toggle", "process"), default="toggle",
-                        help="toggle (default): one process and one model, each configuration's monitoring "
-                        "attached only during its own blocks; process: one worker process and model per "
-                        "configuration (cleaner separation, but process-to-process speed differences of "
-                        "several percent enter the comparison)")
-    parser.add_argument("--server", choices=("process", "thread"), default="process",
-                        help="online gradwatch runs send to a server in its own process (default) or in a "
-                        "thread of the training process (shares its GIL)")
-    parser.add_argument("--settle", type=float, default=None, help="seconds of pause after each block (default 0.3)")
-    parser.add_argument("--profile-steps", type=int, default=None,
-                        help="steps of the instrumented gradwatch workers (default 100 for defaults, "
-                        "a tenth of that for everything-every-step; 0 = skip)")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=None,
+        help="timed steps per configuration per round (default 10; --quick 4)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per configuration first (default 4)"
+    )
+    parser.add_argument(
+        "--model-size",
+        choices=sorted(MODEL_SIZES),
+        default=None,
+        help="small (default, ~14M parameters), medium (~29M) or tiny (--quick)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated subset of {','.join(CONFIGS)}, or 'all' (default: all but "
+        "gw_all_off; 'base' is always run)",
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=("toggle", "process"),
+        default="toggle",
+        help="toggle (default): one process and one model, each configuration's monitoring "
+        "attached only during its own blocks; process: one worker process and model per "
+        "configuration (cleaner separation, but process-to-process speed differences of "
+        "several percent enter the comparison)",
+    )
+    parser.add_argument(
+        "--server",
+        choices=("process", "thread"),
+        default="process",
+        help="online gradwatch runs send to a server in its own process (default) or in a "
+        "thread of the training process (shares its GIL)",
+    )
+    parser.add_argument(
+        "--settle", type=float, default=None, help="seconds of pause after each block (default 0.3)"
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="steps of the instrumented gradwatch workers (default 100 for defaults, "
+        "a tenth of that for everything-every-step; 0 = skip)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 short rounds: a smoke test")
     args = parser.parse_args(argv)
@@ -711,7 +838,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.isolation == "process":
             runner = ProcessRunner(context, configs, args, workdir, server_url)
         else:
-            runner = SharedRunner(configs, args, workdir, server_url, {server.pid} if server is not None else set())
+            runner = SharedRunner(
+                configs, args, workdir, server_url, {server.pid} if server is not None else set()
+            )
         for config in configs:
             runner.block(config, args.warmup, 0.0)
         wall: dict[str, list[float]] = {c: [] for c in configs}  # mean step time per round (s)
@@ -720,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         step_times: dict[str, list[float]] = {c: [] for c in configs}
         print(f"warmed up at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         for r in range(args.rounds):
-            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for config in order:
                 measure_server = server is not None and config in ONLINE_CONFIGS
                 server_before = tree_cpu([server.pid]) if measure_server else 0.0
@@ -730,9 +859,13 @@ def main(argv: list[str] | None = None) -> int:
                 step_times[config].extend(times)
                 server_cpu[config].append((server_after - server_before) / len(times))
                 cpu[config].append(cpu_seconds / len(times))
-            print(f"round {r + 1}/{args.rounds} done at {time.monotonic() - started:.0f} s: "
-                  + ", ".join(f"{c} {wall[c][-1] * 1000:.0f}" for c in configs) + " ms",
-                  file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}/{args.rounds} done at {time.monotonic() - started:.0f} s: "
+                + ", ".join(f"{c} {wall[c][-1] * 1000:.0f}" for c in configs)
+                + " ms",
+                file=sys.stderr,
+                flush=True,
+            )
         checks = runner.checks()
         closing = runner.close()
         info, skipped = runner.info, runner.skipped
@@ -749,7 +882,20 @@ def main(argv: list[str] | None = None) -> int:
                 profiles[name] = profile_run(worker, steps)
                 worker.close()
         elapsed = time.monotonic() - started
-        report(args, configs, wall, cpu, server_cpu, step_times, checks, closing, profiles, elapsed, info, skipped)
+        report(
+            args,
+            configs,
+            wall,
+            cpu,
+            server_cpu,
+            step_times,
+            checks,
+            closing,
+            profiles,
+            elapsed,
+            info,
+            skipped,
+        )
     finally:
         if runner is not None:
             runner.kill()
@@ -772,14 +918,28 @@ def profile_run(worker: Worker, steps: int) -> dict[str, Any]:
         seconds -= before.get(label, [0.0, 0])[0]
         calls -= before.get(label, [0.0, 0])[1]
         rows.append((label, seconds, calls))
-    return {"rows": rows, "steps": steps, "step_time": statistics.median(times),
-            "clip_wrapper_us": after["clip_wrapper_us"]}
+    return {
+        "rows": rows,
+        "steps": steps,
+        "step_time": statistics.median(times),
+        "clip_wrapper_us": after["clip_wrapper_us"],
+    }
 
 
-def report(args: argparse.Namespace, configs: list[str], wall: dict[str, list[float]], cpu: dict[str, list[float]],
-           server_cpu: dict[str, list[float]], step_times: dict[str, list[float]], checks: dict[str, Any],
-           closing: dict[str, Any], profiles: dict[str, Any], elapsed: float, info: dict[str, Any],
-           skipped: dict[str, int]) -> None:
+def report(
+    args: argparse.Namespace,
+    configs: list[str],
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    server_cpu: dict[str, list[float]],
+    step_times: dict[str, list[float]],
+    checks: dict[str, Any],
+    closing: dict[str, Any],
+    profiles: dict[str, Any],
+    elapsed: float,
+    info: dict[str, Any],
+    skipped: dict[str, int],
+) -> None:
     import torch
 
     size = MODEL_SIZES[args.model_size]
@@ -790,16 +950,28 @@ def report(args: argparse.Namespace, configs: list[str], wall: dict[str, list[fl
     out(f"### Agent overhead: {args.model_size} model, {rounds} rounds x {args.steps_per_round} steps\n")
     out(f"- command: `{command.strip()}`")
     first_check = next(iter(checks.values()))
-    out(f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-        f"{info['threads']} intra-op threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Python {platform.python_version()}, gradwatch at {git_state()}")
-    out(f"- model: GPT-style decoder, vocab {size.vocab}, context {size.context}, width {size.width}, "
-        f"{size.layers} layers, {size.heads} heads: {info['params'] / 1e6:.1f}M parameters in {info['tensors']} tensors; batch {size.batch} x {size.context} tokens; "
-        f"fp16 autocast + GradScaler + AdamW + clip_grad_norm_(1.0)")
-    out(f"- isolation: {args.isolation}; online gradwatch server: {'own process' if args.server == 'process' else 'thread in the training process'}, "
-        f"SQLite; settle pause {args.settle} s after each block; total time {elapsed:.0f} s\n")
-    out("| configuration | step ms, median of rounds [min, max] | wall overhead [95% CI] | "
+    out(
+        f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+        f"torch {torch.__version__}, {info['threads']} intra-op threads "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Python {platform.python_version()}, "
+        f"gradwatch at {git_state()}"
+    )
+    out(
+        f"- model: GPT-style decoder, vocab {size.vocab}, context {size.context}, width {size.width}, "
+        f"{size.layers} layers, {size.heads} heads: {info['params'] / 1e6:.1f}M parameters in "
+        f"{info['tensors']} tensors; batch {size.batch} x {size.context} tokens; "
+        f"fp16 autocast + GradScaler + AdamW + clip_grad_norm_(1.0)"
+    )
+    out(
+        f"- isolation: {args.isolation}; online gradwatch server: "
+        f"{'own process' if args.server == 'process' else 'thread in the training process'}, "
+        f"SQLite; settle pause {args.settle} s after each block; total time {elapsed:.0f} s\n"
+    )
+    out(
+        "| configuration | step ms, median of rounds [min, max] | wall overhead [95% CI] | "
         "median of per-round overheads | CPU ms/step, training side | CPU overhead, training side [95% CI] | "
-        "server CPU ms/step |")
+        "server CPU ms/step |"
+    )
     out("|---|---|---|---|---|---|---|")
     for config in configs:
         w = [v * 1000 for v in wall[config]]
@@ -810,55 +982,82 @@ def report(args: argparse.Namespace, configs: list[str], wall: dict[str, list[fl
             wall_text = cpu_text = "—"
             paired_text = "—"
         else:
-            wall_text = (f"{fmt_pct(overhead(wall[config], base_wall))} "
-                         f"{fmt_ci(*bootstrap(rounds, lambda ix, c=config: overhead(wall[c], base_wall, ix)))}")
-            cpu_text = (f"{fmt_pct(overhead(cpu[config], base_cpu))} "
-                        f"{fmt_ci(*bootstrap(rounds, lambda ix, c=config: overhead(cpu[c], base_cpu, ix)))}")
+            wall_text = (
+                f"{fmt_pct(overhead(wall[config], base_wall))} "
+                f"{fmt_ci(*bootstrap(rounds, lambda ix, c=config: overhead(wall[c], base_wall, ix)))}"
+            )
+            cpu_text = (
+                f"{fmt_pct(overhead(cpu[config], base_cpu))} "
+                f"{fmt_ci(*bootstrap(rounds, lambda ix, c=config: overhead(cpu[c], base_cpu, ix)))}"
+            )
             paired_text = fmt_pct(paired)
-        out(f"| {CONFIGS[config]} | {statistics.median(w):.0f} [{min(w):.0f}, {max(w):.0f}] | {wall_text} | "
-            f"{paired_text} | {statistics.mean(cpu[config]) * 1000:.0f} | {cpu_text} | {server_text} |")
+        out(
+            f"| {CONFIGS[config]} | {statistics.median(w):.0f} [{min(w):.0f}, {max(w):.0f}] | {wall_text} | "
+            f"{paired_text} | {statistics.mean(cpu[config]) * 1000:.0f} | {cpu_text} | {server_text} |"
+        )
     out("")
     for ours, theirs in (("gw_all", "wandb"), ("gw_all_off", "wandb")):
         if ours not in configs or theirs not in configs:
             continue
         for label, table, base in (("wall", wall, base_wall), ("CPU", cpu, base_cpu)):
-            def ratio(ix: list[int] | None, a: str = ours, b: str = theirs, t: Any = table, bs: Any = base) -> float:
+
+            def ratio(
+                ix: list[int] | None, a: str = ours, b: str = theirs, t: Any = table, bs: Any = base
+            ) -> float:
                 return overhead(t[a], bs, ix) / overhead(t[b], bs, ix)
 
             low, high = bootstrap(rounds, ratio)
-            out(f"- ratio overhead({ours}) / overhead({theirs}), {label}: {ratio(None):.3f} "
-                f"[95% CI {low:.3f}, {high:.3f}]")
+            out(
+                f"- ratio overhead({ours}) / overhead({theirs}), {label}: {ratio(None):.3f} "
+                f"[95% CI {low:.3f}, {high:.3f}]"
+            )
     per_step_medians = ", ".join(f"{c} {statistics.median(step_times[c]) * 1000:.0f}" for c in configs)
     out(f"- median of all single steps (ms): {per_step_medians}")
     if args.isolation == "process":
         sums = {check["checksum"] for check in checks.values()}
-        out(f"- parameters after {first_check['steps']} steps identical in every configuration: "
-            f"{'yes' if len(sums) == 1 else 'NO: ' + str(checks)} (loss scale now {first_check['scale']:.0f})")
+        out(
+            f"- parameters after {first_check['steps']} steps identical in every configuration: "
+            f"{'yes' if len(sums) == 1 else 'NO: ' + str(checks)} (loss scale now {first_check['scale']:.0f})"
+        )
     else:
-        out(f"- one shared model trained {first_check['steps']} steps in all; loss scale now "
+        out(
+            f"- one shared model trained {first_check['steps']} steps in all; loss scale now "
             f"{first_check['scale']:.0f}; skipped steps in timed blocks: "
-            + ", ".join(f"{c} {n}" for c, n in skipped.items()))
+            + ", ".join(f"{c} {n}" for c, n in skipped.items())
+        )
     for config, closed in closing.items():
         if closed.get("gradwatch"):
             out(f"- {config}: {closed['gradwatch']}")
     for config, profile in profiles.items():
         steps = profile["steps"]
-        out(f"\n#### Inside gradwatch ({config}: {steps} instrumented steps, median step "
-            f"{profile['step_time'] * 1000:.0f} ms; inclusive wall time on the training thread)\n")
+        out(
+            f"\n#### Inside gradwatch ({config}: {steps} instrumented steps, median step "
+            f"{profile['step_time'] * 1000:.0f} ms; inclusive wall time on the training thread)\n"
+        )
         out("| function | ms/step | calls/step | ms/call |")
         out("|---|---|---|---|")
         top_total = 0.0
-        for (label, seconds, calls), (_, _, _, top) in zip(profile["rows"], INSTRUMENTED):
+        for (label, seconds, calls), (_, _, _, top) in zip(profile["rows"], INSTRUMENTED, strict=True):
             if top:
                 top_total += seconds
             if calls:
-                out(f"| {label} | {seconds / steps * 1000:.3f} | {calls / steps:.2f} | {seconds / calls * 1000:.3f} |")
+                out(
+                    f"| {label} | {seconds / steps * 1000:.3f} | {calls / steps:.2f} "
+                    f"| {seconds / calls * 1000:.3f} |"
+                )
         out(f"| **total of the top-level entries** | **{top_total / steps * 1000:.3f}** | | |")
-        where = ("the patch exists only while a gradwatch watcher is attached, i.e. only during gradwatch's own blocks"
-                 if args.isolation == "toggle" else "the other configurations run in their own processes")
-        out(f"\nclip_grad_norm_ patch, cost for parameters gradwatch does not watch: {profile['clip_wrapper_us']:.1f} "
-            f"µs/call with one watcher registered (its id check before and after the call); in this benchmark "
-            f"the configurations without gradwatch never pay it: {where}")
+        where = (
+            "the patch exists only while a gradwatch watcher is attached, "
+            "i.e. only during gradwatch's own blocks"
+            if args.isolation == "toggle"
+            else "the other configurations run in their own processes"
+        )
+        out(
+            "\nclip_grad_norm_ patch, cost for parameters gradwatch does not watch: "
+            f"{profile['clip_wrapper_us']:.1f} µs/call with one watcher registered (its id check before and "
+            "after the call); in this benchmark "
+            f"the configurations without gradwatch never pay it: {where}"
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import pathologies  # tests/ is put on the path just above
-from webhook_receiver import WebhookReceiver
+import pathologies  # noqa: E402 - tests/ is put on the path just above
+from webhook_receiver import WebhookReceiver  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,11 +64,19 @@ def gradwatch_server(workdir: Path) -> Iterator[str]:
     port = free_port()
     executable = Path(sys.executable).with_name("gradwatch")
     command = [str(executable)] if executable.exists() else [sys.executable, "-m", "gradwatch.cli"]
-    command += ["server", "--port", str(port), "--database-url", f"sqlite:///{workdir / 'gradwatch.db'}"]
+    command += [
+        "server",
+        "--port",
+        str(port),
+        "--database-url",
+        f"sqlite:///{workdir / 'gradwatch.db'}",
+        "--webhook-allow-private",
+    ]  # the receiver is on 127.0.0.1, refused by default
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env=os.environ | {"GRADWATCH_HOME": str(workdir)})
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(workdir)}
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
@@ -105,7 +113,9 @@ def trainpulse_alerts(scenario: pathologies.Scenario) -> list[tuple[int, str]]:
     from trainpulse import Monitor
 
     monitor = Monitor()
-    for step, (loss, grad_norm, lr) in enumerate(zip(scenario.losses, scenario.grad_norms, scenario.lrs)):
+    for step, (loss, grad_norm, lr) in enumerate(
+        zip(scenario.losses, scenario.grad_norms, scenario.lrs, strict=True)
+    ):
         monitor.log("loss", step, loss)
         monitor.log("grad_norm", step, grad_norm)
         monitor.log("learning_rate", step, lr)
@@ -116,7 +126,9 @@ def run_one(name: str, url: str, api: httpx.Client, receiver: WebhookReceiver) -
     import gradwatch
 
     project = f"diagnosis-{name}"
-    hook = api.post("/api/v1/webhooks", json={"url": f"{receiver.url}/{name}", "format": "json", "project": project})
+    hook = api.post(
+        "/api/v1/webhooks", json={"url": f"{receiver.url}/{name}", "format": "json", "project": project}
+    )
     if hook.status_code != 201:
         raise RuntimeError(f"could not subscribe the loopback receiver: {hook.status_code} {hook.text}")
     new_run = functools.partial(gradwatch.init, project=project, server=url, flush_interval=0.05)
@@ -125,7 +137,9 @@ def run_one(name: str, url: str, api: httpx.Client, receiver: WebhookReceiver) -
     def bodies() -> list[object]:
         return [r.json for r in list(receiver.received) if r.path == f"/hook/{name}"]
 
-    notified = pathologies.settled_notifications(api, project, bodies, settle=2.0, webhook_id=hook.json()["id"])
+    notified = pathologies.settled_notifications(
+        api, project, bodies, settle=2.0, webhook_id=hook.json()["id"]
+    )
     tp = trainpulse_alerts(scenario)
     return Row(
         scenario,
@@ -154,10 +168,19 @@ def table(rows: list[Row]) -> list[list[str]]:
         s = row.scenario
         cells: list[object] = [s.name, s.pathology or "healthy", s.onset_step, f"{s.seconds:.1f}"]
         for verdict in (row.gradwatch, row.trainpulse):
-            latency = (verdict.first_step - s.onset_step
-                       if verdict.first_step is not None and s.onset_step is not None else None)
-            cells += [verdict.notified, None if s.healthy else verdict.detected, verdict.count,
-                      verdict.first_step, latency, verdict.layer_named if s.layers else None]
+            latency = (
+                verdict.first_step - s.onset_step
+                if verdict.first_step is not None and s.onset_step is not None
+                else None
+            )
+            cells += [
+                verdict.notified,
+                None if s.healthy else verdict.detected,
+                verdict.count,
+                verdict.first_step,
+                latency,
+                verdict.layer_named if s.layers else None,
+            ]
         body.append([_cell(c) for c in cells])
     return body
 
@@ -172,10 +195,13 @@ def totals(rows: list[Row], tool: str) -> dict[str, str]:
     return {
         "detection rate (pathologies, within 30 steps)": f"{sum(v.detected for _, v in sick)}/{len(sick)}",
         "false notifications on healthy controls": (
-            f"{sum(v.count for _, v in healthy)} ({sum(v.notified for _, v in healthy)}/{len(healthy)} controls)"),
+            f"{sum(v.count for _, v in healthy)} "
+            f"({sum(v.notified for _, v in healthy)}/{len(healthy)} controls)"
+        ),
         "median latency of detections (steps)": f"{statistics.median(latencies):g}" if latencies else "-",
         "notifications per notified pathology run": (
-            f"{sum(v.count for v in notified) / len(notified):.1f}" if notified else "-"),
+            f"{sum(v.count for v in notified) / len(notified):.1f}" if notified else "-"
+        ),
         "affected layer named": f"{sum(bool(v.layer_named) for v in layered)}/{len(layered)}",
     }
 
@@ -189,31 +215,44 @@ def render(rows: list[Row], markdown: bool) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in grid[1:]]
     else:
         widths = [max(len(r[i]) for r in grid) for i in range(len(grid[0]))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in grid]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in grid]
     lines.append("")
     summary = {tool: totals(rows, tool) for tool in ("gradwatch", "trainpulse")}
     if markdown:
         lines.append("| total | gradwatch | trainpulse 0.4.0 |")
         lines.append("|---|---|---|")
-        lines += [f"| {k} | {summary['gradwatch'][k]} | {summary['trainpulse'][k]} |" for k in summary["gradwatch"]]
+        lines += [
+            f"| {k} | {summary['gradwatch'][k]} | {summary['trainpulse'][k]} |" for k in summary["gradwatch"]
+        ]
     else:
         width = max(map(len, summary["gradwatch"]))
         lines.append(f"{'total'.ljust(width)}  {'gradwatch':<24}  trainpulse 0.4.0")
-        lines += [f"{k.ljust(width)}  {summary['gradwatch'][k]:<24}  {summary['trainpulse'][k]}"
-                  for k in summary["gradwatch"]]
+        lines += [
+            f"{k.ljust(width)}  {summary['gradwatch'][k]:<24}  {summary['trainpulse'][k]}"
+            for k in summary["gradwatch"]
+        ]
     lines.append("")
     lines.append("notified kinds (gradwatch: alert type or incident cause; trainpulse: detectors):")
-    lines += [f"  {row.scenario.name}: gradwatch {row.gradwatch_kinds or '-'}; trainpulse {row.trainpulse_kinds or '-'}"
-              for row in rows]
+    lines += [
+        f"  {row.scenario.name}: gradwatch {row.gradwatch_kinds or '-'}; "
+        f"trainpulse {row.trainpulse_kinds or '-'}"
+        for row in rows
+    ]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (BENCHMARKS.md)")
-    parser.add_argument("--scenarios", default=",".join(pathologies.SCENARIOS),
-                        help="comma-separated scenario names (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the tables as Markdown (BENCHMARKS.md)"
+    )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(pathologies.SCENARIOS),
+        help="comma-separated scenario names (default: all)",
+    )
     return parser.parse_args(argv)
 
 
@@ -225,17 +264,27 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown scenario(s) {unknown}; known: {', '.join(pathologies.SCENARIOS)}")
     import trainpulse
 
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"python {platform.python_version()}, trainpulse {trainpulse.__version__}, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"python {platform.python_version()}, trainpulse {trainpulse.__version__}, "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     rows = []
-    with tempfile.TemporaryDirectory(prefix="gradwatch-diagnosis-") as tmp, \
-            gradwatch_server(Path(tmp)) as url, WebhookReceiver() as receiver, \
-            httpx.Client(base_url=url, timeout=30) as api:
+    with (
+        tempfile.TemporaryDirectory(prefix="gradwatch-diagnosis-") as tmp,
+        gradwatch_server(Path(tmp)) as url,
+        WebhookReceiver() as receiver,
+        httpx.Client(base_url=url, timeout=30) as api,
+    ):
         for name in names:
             rows.append(run_one(name, url, api, receiver))
-            print(f"  {name}: {rows[-1].scenario.seconds:.1f} s, gradwatch {rows[-1].gradwatch.count} "
-                  f"notification(s), trainpulse {rows[-1].trainpulse.count} alert(s)", file=sys.stderr, flush=True)
+            print(
+                f"  {name}: {rows[-1].scenario.seconds:.1f} s, gradwatch {rows[-1].gradwatch.count} "
+                f"notification(s), trainpulse {rows[-1].trainpulse.count} alert(s)",
+                file=sys.stderr,
+                flush=True,
+            )
     print(render(rows, args.markdown))
     return 0
 

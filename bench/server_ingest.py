@@ -66,8 +66,16 @@ SYSTEMS = ("gradwatch", "mlflow")
 DATABASES = ("sqlite", "postgresql")
 MLFLOW_MAX_METRICS = 1000  # MLflow's MAX_METRICS_PER_BATCH for log-batch
 NAMED_KEYS = (
-    "loss", "lr", "amp/scale", "amp/skipped", "amp/growth_tracker", "grad/global_norm",
-    "grad/global_norm_post_clip", "perf/step_time", "perf/samples_per_sec", "memory/max_allocated",
+    "loss",
+    "lr",
+    "amp/scale",
+    "amp/skipped",
+    "amp/growth_tracker",
+    "grad/global_norm",
+    "grad/global_norm_post_clip",
+    "perf/step_time",
+    "perf/samples_per_sec",
+    "memory/max_allocated",
 )
 TIMESTAMP_BASE_MS = 1_700_000_000_000
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -75,8 +83,12 @@ RETRY_ATTEMPTS = 8
 # Requests made with urllib go straight to 127.0.0.1, whatever the *_proxy environment says.
 LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # pyproject.toml's package-dir mapping, parents first (for --gradwatch-rev).
-PACKAGE_DIRS = {"gradwatch": "agent", "gradwatch.server": "server", "gradwatch.dashboard": "dashboard",
-                "gradwatch.migrations": "migrations"}
+PACKAGE_DIRS = {
+    "gradwatch": "agent",
+    "gradwatch.server": "server",
+    "gradwatch.dashboard": "dashboard",
+    "gradwatch.migrations": "migrations",
+}
 
 
 def metric_keys(count: int) -> list[str]:
@@ -127,7 +139,7 @@ def process_tree_cpu(pid: int) -> float:
         current = todo.pop()
         try:
             stat = Path(f"/proc/{current}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # fields[0] is the state, stat(5)'s third field
+            fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is the state, stat(5)'s third field
             total += sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
             for task in Path(f"/proc/{current}/task").iterdir():
                 todo += [int(child) for child in (task / "children").read_text().split()]
@@ -181,11 +193,13 @@ class Database:
         if self._postmaster is None:
             import psycopg
 
-            with psycopg.connect(self.admin_url) as admin:  # this connection's backend: a child of the postmaster
+            with psycopg.connect(
+                self.admin_url
+            ) as admin:  # this connection's backend: a child of the postmaster
                 backend = admin.execute("SELECT pg_backend_pid()").fetchone()
                 assert backend is not None
                 stat = Path(f"/proc/{backend[0]}/stat").read_text()
-            self._postmaster = int(stat[stat.rindex(")") + 2:].split()[1])
+            self._postmaster = int(stat[stat.rindex(")") + 2 :].split()[1])
         return self._postmaster
 
     def drop(self) -> None:
@@ -250,7 +264,7 @@ class BackendCpu(threading.Thread):
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
             if initial:
                 self._first[pid] = cpu
@@ -263,15 +277,17 @@ class BackendCpu(threading.Thread):
 class Server:
     """A server as a child process in its own process group (MLflow starts several processes)."""
 
-    def __init__(self, system: str, command: list[str], port: int, health_path: str, log: Path,
-                 env: dict[str, str]) -> None:
+    def __init__(
+        self, system: str, command: list[str], port: int, health_path: str, log: Path, env: dict[str, str]
+    ) -> None:
         self.system = system
         self.port = port
         self.log = log
         self.url = f"http://127.0.0.1:{port}"
         with open(log, "ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True, cwd=log.parent)
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
+            )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -309,10 +325,15 @@ def export_revision(revision: str, folder: Path) -> tuple[Path, str]:
     Returns (a PYTHONPATH entry that imports that gradwatch ahead of the editable install, the
     commit's short hash). Read-only for the repository: `git archive`, no checkout.
     """
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{revision}^{{commit}}"],
-                            check=True, capture_output=True, text=True).stdout.strip()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *PACKAGE_DIRS.values()],
-                             check=True, capture_output=True).stdout
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{revision}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, *PACKAGE_DIRS.values()], check=True, capture_output=True
+    ).stdout
     source = folder / "source"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(source, filter="data")
@@ -327,8 +348,18 @@ def start_gradwatch(database: Database, folder: Path, pythonpath: Path | None) -
     env = dict(os.environ, GRADWATCH_HOME=str(folder / "gradwatch-home"))
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
-    command = [sys.executable, "-m", "gradwatch.cli", "server", "--host", "127.0.0.1", "--port", str(port),
-               "--database-url", database.url("postgresql+psycopg")]
+    command = [
+        sys.executable,
+        "-m",
+        "gradwatch.cli",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database-url",
+        database.url("postgresql+psycopg"),
+    ]
     return Server("gradwatch", command, port, "/healthz", folder / f"gradwatch-{database.kind}.log", env)
 
 
@@ -341,11 +372,25 @@ def start_mlflow(database: Database, folder: Path, venv: Path, workers: int, max
     # connection that never frees up until the 30 s pool timeout (HTTP 400 "QueuePool limit ...
     # reached"). Up to 40 requests run at once (the WSGI bridge's thread limit), so 5 + 45 suffices.
     # psycopg2 named explicitly: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3.
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-               MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW=str(max_overflow))
-    command = [str(venv / "bin" / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-               "--workers", str(workers), "--backend-store-uri", database.url("postgresql+psycopg2"),
-               "--default-artifact-root", str(artifacts)]
+    env = dict(
+        os.environ,
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+        MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW=str(max_overflow),
+    )
+    command = [
+        str(venv / "bin" / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--backend-store-uri",
+        database.url("postgresql+psycopg2"),
+        "--default-artifact-root",
+        str(artifacts),
+    ]
     return Server("mlflow", command, port, "/health", folder / f"mlflow-{database.kind}.log", env)
 
 
@@ -353,15 +398,17 @@ def start_mlflow(database: Database, folder: Path, venv: Path, workers: int, max
 
 
 def post_json(url: str, document: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(document).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(document).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with LOOPBACK.open(request, timeout=60) as response:
         return json.loads(response.read() or b"{}")
 
 
 @dataclass
 class Plan:
-    """What every agent sends in one configuration: steps × keys points, in requests of steps_per_request steps."""
+    """What every agent sends in one configuration: steps × keys points, in requests of steps_per_request
+    steps."""
 
     agents: int
     keys: list[str]
@@ -373,8 +420,10 @@ class Plan:
         return self.agents * self.steps * len(self.keys)
 
     def request_ranges(self) -> list[range]:
-        return [range(first, min(first + self.steps_per_request, self.steps))
-                for first in range(0, self.steps, self.steps_per_request)]
+        return [
+            range(first, min(first + self.steps_per_request, self.steps))
+            for first in range(0, self.steps, self.steps_per_request)
+        ]
 
     def value_sum(self, key: str) -> float:
         """The sum of the values of `key` that all agents send."""
@@ -395,16 +444,26 @@ def gradwatch_requests(plan: Plan, url: str, project: str) -> list[list[Request]
     seq_base = int(time.time() * 1000) << 20  # the agent's seq: (start millisecond << 20) + counter
     for agent in range(plan.agents):
         run_id = uuid.uuid4().hex
-        post_json(f"{url}/api/v1/runs", {
-            "id": run_id, "project": project, "name": f"agent-{agent}", "config": {},
-            "metadata": {"hostname": platform.node(), "python": platform.python_version(), "rank": 0},
-        })
+        post_json(
+            f"{url}/api/v1/runs",
+            {
+                "id": run_id,
+                "project": project,
+                "name": f"agent-{agent}",
+                "config": {},
+                "metadata": {"hostname": platform.node(), "python": platform.python_version(), "rank": 0},
+            },
+        )
         requests = []
         for counter, steps in enumerate(plan.request_ranges()):
-            scalars = [{"key": key, "steps": list(steps), "values": [value(key, step) for step in steps]}
-                       for key in plan.keys]
-            scalars += [{"key": f"{HEALTH_PREFIX}{name}", "steps": [steps[-1]], "values": [0.0]}
-                        for name in ("queued", "sent", "spooled", "dropped")]
+            scalars = [
+                {"key": key, "steps": list(steps), "values": [value(key, step) for step in steps]}
+                for key in plan.keys
+            ]
+            scalars += [
+                {"key": f"{HEALTH_PREFIX}{name}", "steps": [steps[-1]], "values": [0.0]}
+                for name in ("queued", "sent", "spooled", "dropped")
+            ]
             body = dumps({"rank": 0, "seq": seq_base + counter, "scalars": scalars, "events": []}).encode()
             headers = {"Content-Type": "application/json"}
             if len(body) > COMPRESS_ABOVE:
@@ -418,19 +477,31 @@ def gradwatch_requests(plan: Plan, url: str, project: str) -> list[list[Request]
 
 def mlflow_requests(plan: Plan, url: str, experiment_name: str) -> list[list[Request]]:
     """Create an experiment and one MLflow run per agent; return each agent's log-batch requests."""
-    experiment_id = post_json(f"{url}/api/2.0/mlflow/experiments/create", {"name": experiment_name})["experiment_id"]
+    experiment_id = post_json(f"{url}/api/2.0/mlflow/experiments/create", {"name": experiment_name})[
+        "experiment_id"
+    ]
     agents = []
     for agent in range(plan.agents):
-        run = post_json(f"{url}/api/2.0/mlflow/runs/create", {
-            "experiment_id": experiment_id, "run_name": f"agent-{agent}", "start_time": int(time.time() * 1000),
-        })
+        run = post_json(
+            f"{url}/api/2.0/mlflow/runs/create",
+            {
+                "experiment_id": experiment_id,
+                "run_name": f"agent-{agent}",
+                "start_time": int(time.time() * 1000),
+            },
+        )
         run_id = run["run"]["info"]["run_id"]
         requests = []
         for steps in plan.request_ranges():
-            metrics = [{"key": key, "value": value(key, step), "timestamp": TIMESTAMP_BASE_MS + step, "step": step}
-                       for step in steps for key in plan.keys]
+            metrics = [
+                {"key": key, "value": value(key, step), "timestamp": TIMESTAMP_BASE_MS + step, "step": step}
+                for step in steps
+                for key in plan.keys
+            ]
             body = json.dumps({"run_id": run_id, "metrics": metrics}).encode()
-            requests.append(Request("/api/2.0/mlflow/runs/log-batch", body, {"Content-Type": "application/json"}))
+            requests.append(
+                Request("/api/2.0/mlflow/runs/log-batch", body, {"Content-Type": "application/json"})
+            )
         agents.append(requests)
     return agents
 
@@ -516,8 +587,13 @@ class Measurement:
         return self.points / self.seconds if not self.problems else math.nan
 
 
-def measure(server: Server, database: Database, plan: Plan, agent_requests: list[list[Request]],
-            profile: Path | None = None) -> Measurement:
+def measure(
+    server: Server,
+    database: Database,
+    plan: Plan,
+    agent_requests: list[list[Request]],
+    profile: Path | None = None,
+) -> Measurement:
     """Send everything with one thread per agent; wall time from the first send to the last ack.
 
     With `profile`, py-spy samples the server meanwhile and writes collapsed stacks there."""
@@ -525,14 +601,30 @@ def measure(server: Server, database: Database, plan: Plan, agent_requests: list
     profiler = None
     if profile is not None:
         py_spy = Path(sys.executable).parent / "py-spy"
-        profiler = subprocess.Popen([str(py_spy), "record", "--pid", str(server.process.pid), "--rate", "200",
-                                     "--format", "raw", "--output", str(profile), "--nonblocking"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        profiler = subprocess.Popen(
+            [
+                str(py_spy),
+                "record",
+                "--pid",
+                str(server.process.pid),
+                "--rate",
+                "200",
+                "--format",
+                "raw",
+                "--output",
+                str(profile),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1.0)  # py-spy attaches
     results = [AgentResult() for _ in agent_requests]
     start = threading.Barrier(len(agent_requests) + 1)
-    threads = [threading.Thread(target=send, args=(server.port, requests, start, r), daemon=True)
-               for requests, r in zip(agent_requests, results)]
+    threads = [
+        threading.Thread(target=send, args=(server.port, requests, start, r), daemon=True)
+        for requests, r in zip(agent_requests, results, strict=True)
+    ]
     for thread in threads:
         thread.start()
     with BackendCpu(database) as backends:
@@ -563,7 +655,8 @@ Stored = dict[str, tuple[int, int, float]]
 
 
 def stored_gradwatch(database: Database, project: str) -> Stored:
-    """Per key: (points, distinct (run, step), sum of values) stored for the project's runs (health keys excluded)."""
+    """Per key: (points, distinct (run, step), sum of values) stored for the project's runs (health keys
+    excluded)."""
     return database.query_by_key(
         "SELECT s.key, count(*), count(DISTINCT s.run_id || ':' || p.step), sum(p.value) "
         "FROM points p JOIN series s ON s.id = p.series_id JOIN runs r ON r.id = s.run_id "
@@ -609,8 +702,12 @@ def parse_list(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
 
 
 def mlflow_version(venv: Path) -> str:
-    return subprocess.run([str(venv / "bin" / "python"), "-c", "import mlflow; print(mlflow.__version__)"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import mlflow; print(mlflow.__version__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def cell(m: Measurement, number: float) -> str:
@@ -620,40 +717,73 @@ def cell(m: Measurement, number: float) -> str:
 def describe(m: Measurement) -> str:
     database_cpu = "" if math.isnan(m.database_cpu) else f", its PostgreSQL backends {m.database_cpu:.1f}"
     status = f"{m.rate:,.0f} points/s" if not m.problems else "FAILED: " + "; ".join(m.problems)
-    return (f"{m.database:10} {m.agents:3} agents {m.system:9}: {m.points:,} points in {m.seconds:.1f} s = {status} "
-            f"(CPU s: server {m.server_cpu:.1f}{database_cpu}, client {m.client_cpu:.1f}; "
-            f"{m.retries} retried requests; load {m.load[0]:.1f})")
+    return (
+        f"{m.database:10} {m.agents:3} agents {m.system:9}: {m.points:,} points in {m.seconds:.1f} s "
+        f"= {status} "
+        f"(CPU s: server {m.server_cpu:.1f}{database_cpu}, client {m.client_cpu:.1f}; "
+        f"{m.retries} retried requests; load {m.load[0]:.1f})"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=200_000, help="points per configuration (all agents)")
-    parser.add_argument("--agents", type=lambda t: [int(a) for a in parse_list(t)], default=[1, 8, 64],
-                        help="concurrent agent counts, comma-separated")
+    parser.add_argument(
+        "--agents",
+        type=lambda t: [int(a) for a in parse_list(t)],
+        default=[1, 8, 64],
+        help="concurrent agent counts, comma-separated",
+    )
     parser.add_argument("--systems", type=lambda t: parse_list(t, SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--databases", type=lambda t: parse_list(t, DATABASES), default=list(DATABASES))
     parser.add_argument("--keys", type=int, default=50, help="scalar keys per step")
-    parser.add_argument("--batch-points", type=int, default=1000,
-                        help=f"points per request, both systems (MLflow allows at most {MLFLOW_MAX_METRICS})")
-    parser.add_argument("--gradwatch-batch-points", type=int, default=None,
-                        help="points per gradwatch request when it should differ from MLflow's (default: "
-                        "--batch-points); e.g. 5000 = 100 steps x 50 keys, what the agent sends with its "
-                        "default flush_every_steps=100 when steps come faster than its 1 s flush interval")
-    parser.add_argument("--gradwatch-rev", default=None,
-                        help="serve gradwatch as of this git revision (exported with git archive) instead of "
-                        "the working tree; the client's wire encoding is always the working tree's")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="folder for py-spy profiles (collapsed stacks) of the gradwatch server, one per "
-                        "configuration; py-spy must be in this venv; sampling slows the server: take rates from "
-                        "a run without it")
+    parser.add_argument(
+        "--batch-points",
+        type=int,
+        default=1000,
+        help=f"points per request, both systems (MLflow allows at most {MLFLOW_MAX_METRICS})",
+    )
+    parser.add_argument(
+        "--gradwatch-batch-points",
+        type=int,
+        default=None,
+        help="points per gradwatch request when it should differ from MLflow's (default: "
+        "--batch-points); e.g. 5000 = 100 steps x 50 keys, what the agent sends with its "
+        "default flush_every_steps=100 when steps come faster than its 1 s flush interval",
+    )
+    parser.add_argument(
+        "--gradwatch-rev",
+        default=None,
+        help="serve gradwatch as of this git revision (exported with git archive) instead of "
+        "the working tree; the client's wire encoding is always the working tree's",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="folder for py-spy profiles (collapsed stacks) of the gradwatch server, one per "
+        "configuration; py-spy must be in this venv; sampling slows the server: take rates from "
+        "a run without it",
+    )
     parser.add_argument("--mlflow-venv", type=Path, default=ROOT / ".venv-mlflow")
-    parser.add_argument("--mlflow-workers", type=int, default=1,
-                        help="mlflow server --workers (MLflow's default is 4; gradwatch runs one process)")
-    parser.add_argument("--mlflow-max-overflow", type=int, default=45,
-                        help="MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW (MLflow's default 10 deadlocks log-batch at "
-                        "15+ concurrent requests until its pool timeout; see start_mlflow)")
-    parser.add_argument("--postgres-admin-url", default="postgresql://postgres@127.0.0.1:5432/test",
-                        help="a database to connect to for CREATE/DROP DATABASE")
+    parser.add_argument(
+        "--mlflow-workers",
+        type=int,
+        default=1,
+        help="mlflow server --workers (MLflow's default is 4; gradwatch runs one process)",
+    )
+    parser.add_argument(
+        "--mlflow-max-overflow",
+        type=int,
+        default=45,
+        help="MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW (MLflow's default 10 deadlocks log-batch at "
+        "15+ concurrent requests until its pool timeout; see start_mlflow)",
+    )
+    parser.add_argument(
+        "--postgres-admin-url",
+        default="postgresql://postgres@127.0.0.1:5432/test",
+        help="a database to connect to for CREATE/DROP DATABASE",
+    )
     args = parser.parse_args()
     if args.keys < 1 or args.batch_points < args.keys or args.points < 1:
         parser.error("need --keys >= 1, --batch-points >= --keys and --points >= 1")
@@ -663,25 +793,47 @@ def main() -> int:
     versions = [f"Python {platform.python_version()}", f"{os.cpu_count()} CPUs"]
     if "mlflow" in args.systems:
         if not (args.mlflow_venv / "bin" / "mlflow").exists():
-            print(f"no MLflow in {args.mlflow_venv}; create it (outside the project venv: dependency conflicts):\n"
-                  f"    python3 -m venv {args.mlflow_venv} && {args.mlflow_venv}/bin/pip install mlflow "
-                  "psycopg2-binary", file=sys.stderr)
+            print(
+                f"no MLflow in {args.mlflow_venv}; create it "
+                "(outside the project venv: dependency conflicts):\n"
+                f"    python3 -m venv {args.mlflow_venv} && {args.mlflow_venv}/bin/pip install mlflow "
+                "psycopg2-binary",
+                file=sys.stderr,
+            )
             return 2
-        versions.insert(0, f"MLflow {mlflow_version(args.mlflow_venv)} (uvicorn, --workers {args.mlflow_workers}, "
-                           f"job execution off, SQLAlchemy pool 5 + {args.mlflow_max_overflow} overflow)")
+        versions.insert(
+            0,
+            f"MLflow {mlflow_version(args.mlflow_venv)} (uvicorn, --workers {args.mlflow_workers}, "
+            f"job execution off, SQLAlchemy pool 5 + {args.mlflow_max_overflow} overflow)",
+        )
     folder = Path(tempfile.mkdtemp(prefix="gradwatch-ingest-"))
     pythonpath = None
     if args.gradwatch_rev:
         pythonpath, commit = export_revision(args.gradwatch_rev, folder / "gradwatch-rev")
-        check = subprocess.run([sys.executable, "-c", "import gradwatch.server; print(gradwatch.server.__file__)"],
-                               check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(pythonpath)))
+        check = subprocess.run(
+            [sys.executable, "-c", "import gradwatch.server; print(gradwatch.server.__file__)"],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(pythonpath)),
+        )
         if not check.stdout.startswith(str(pythonpath)):
-            print(f"the exported revision does not shadow the installed gradwatch: {check.stdout}", file=sys.stderr)
+            print(
+                f"the exported revision does not shadow the installed gradwatch: {check.stdout}",
+                file=sys.stderr,
+            )
             return 2
         source = f"{commit} (--gradwatch-rev {args.gradwatch_rev})"
     else:
-        source = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                                check=False, capture_output=True, text=True).stdout.strip() + " (working tree)"
+        source = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                check=False,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            + " (working tree)"
+        )
     versions.insert(0, f"gradwatch server {source}, one process")
     if args.profile is not None:
         if not (Path(sys.executable).parent / "py-spy").exists():
@@ -692,9 +844,16 @@ def main() -> int:
     steps_per_request = args.batch_points // args.keys
     gradwatch_steps_per_request = (args.gradwatch_batch_points or args.batch_points) // args.keys
     print("; ".join(versions))
-    print(f"{args.keys} keys per step, {steps_per_request * args.keys} points per request"
-          + (f" ({gradwatch_steps_per_request * args.keys} for gradwatch)" if args.gradwatch_batch_points else "")
-          + f", load average {os.getloadavg()[0]:.1f} at the start", flush=True)
+    print(
+        f"{args.keys} keys per step, {steps_per_request * args.keys} points per request"
+        + (
+            f" ({gradwatch_steps_per_request * args.keys} for gradwatch)"
+            if args.gradwatch_batch_points
+            else ""
+        )
+        + f", load average {os.getloadavg()[0]:.1f} at the start",
+        flush=True,
+    )
 
     results: list[Measurement] = []
     started = time.monotonic()
@@ -707,20 +866,32 @@ def main() -> int:
                 if system == "gradwatch":
                     servers[system] = start_gradwatch(databases[system], folder, pythonpath)
                 else:
-                    servers[system] = start_mlflow(databases[system], folder, args.mlflow_venv, args.mlflow_workers,
-                                                   args.mlflow_max_overflow)
+                    servers[system] = start_mlflow(
+                        databases[system],
+                        folder,
+                        args.mlflow_venv,
+                        args.mlflow_workers,
+                        args.mlflow_max_overflow,
+                    )
             for agents in args.agents:
                 requests_per_agent = max(1, round(args.points / agents / (steps_per_request * args.keys)))
                 steps = requests_per_agent * steps_per_request  # the same points for both systems
                 for system in args.systems:
-                    plan = Plan(agents, keys, steps,
-                                gradwatch_steps_per_request if system == "gradwatch" else steps_per_request)
+                    plan = Plan(
+                        agents,
+                        keys,
+                        steps,
+                        gradwatch_steps_per_request if system == "gradwatch" else steps_per_request,
+                    )
                     label = f"ingest-{database_kind}-{agents}-{uuid.uuid4().hex[:8]}"
                     server, database = servers[system], databases[system]
                     if system == "gradwatch":
                         agent_requests = gradwatch_requests(plan, server.url, label)
-                        profile = None if args.profile is None else \
-                            args.profile / f"gradwatch-{database_kind}-{agents}.txt"
+                        profile = (
+                            None
+                            if args.profile is None
+                            else args.profile / f"gradwatch-{database_kind}-{agents}.txt"
+                        )
                         result = measure(server, database, plan, agent_requests, profile)
                         verify(result, stored_gradwatch(database, label), plan)
                     else:
@@ -741,15 +912,22 @@ def main() -> int:
         elif leftover.suffix != ".log":
             leftover.unlink()
 
-    print(f"\n{time.monotonic() - started:.0f} s in all; load average {os.getloadavg()[0]:.1f} at the end; "
-          f"server logs in {folder}\n")
+    print(
+        f"\n{time.monotonic() - started:.0f} s in all; load average {os.getloadavg()[0]:.1f} at the end; "
+        f"server logs in {folder}\n"
+    )
     by_key = {(m.database, m.agents, m.system): m for m in results}
-    print("| database | agents | points | gradwatch points/s | MLflow points/s | ratio "
-          "| gradwatch CPU µs/point | MLflow CPU µs/point | CPU ratio |")
+    print(
+        "| database | agents | points | gradwatch points/s | MLflow points/s | ratio "
+        "| gradwatch CPU µs/point | MLflow CPU µs/point | CPU ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for database_kind in args.databases:
         for agents in args.agents:
-            gw, ml = by_key.get((database_kind, agents, "gradwatch")), by_key.get((database_kind, agents, "mlflow"))
+            gw, ml = (
+                by_key.get((database_kind, agents, "gradwatch")),
+                by_key.get((database_kind, agents, "mlflow")),
+            )
             pair = (gw, ml)
             points = next((m.points for m in pair if m), 0)
             rates = [cell(m, m.rate) if m else "—" for m in pair]
@@ -757,10 +935,15 @@ def main() -> int:
             both = gw and ml and not gw.problems and not ml.problems
             ratio = f"{gw.rate / ml.rate:.1f}x" if both else "—"
             cpu_ratio = f"{ml.cpu_per_point / gw.cpu_per_point:.1f}x" if both else "—"
-            print(f"| {database_kind} | {agents} | {points:,} | {rates[0]} | {rates[1]} | {ratio} "
-                  f"| {costs[0]} | {costs[1]} | {cpu_ratio} |")
-    print("\nCPU µs/point: the server's processes plus the PostgreSQL backends serving its database, per point "
-          "stored; CPU ratio = MLflow's / gradwatch's (less sensitive to other load on the machine than the rates).")
+            print(
+                f"| {database_kind} | {agents} | {points:,} | {rates[0]} | {rates[1]} | {ratio} "
+                f"| {costs[0]} | {costs[1]} | {cpu_ratio} |"
+            )
+    print(
+        "\nCPU µs/point: the server's processes plus the PostgreSQL backends serving its database, per "
+        "point stored; CPU ratio = MLflow's / gradwatch's (less sensitive to other load on the machine than "
+        "the rates)."
+    )
     return 1 if any(m.problems for m in results) else 0
 
 

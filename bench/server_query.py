@@ -38,7 +38,9 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-POSTGRES_ADMIN = os.environ.get("GRADWATCH_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_ADMIN = os.environ.get(
+    "GRADWATCH_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 
 
 def free_port() -> int:
@@ -56,7 +58,7 @@ def fill(database_url: str, points: int, layers: int, steps: int) -> tuple[str, 
     """Create the run through Store.ingest; (run id, series seconds, vectors seconds)."""
     from gradwatch.server.database import make_engine, prepare_schema
     from gradwatch.server.schemas import BatchIn, RunIn
-    from gradwatch.server.store import Store
+    from gradwatch.server.storage import Store
 
     engine = make_engine(database_url)
     prepare_schema(engine, database_url)
@@ -73,10 +75,19 @@ def fill(database_url: str, points: int, layers: int, steps: int) -> tuple[str, 
                 values[index] = 1e6
             elif step % 2_000_003 == 1_000_000:
                 values[index] = math.nan
-        store.ingest(run.id, BatchIn.model_construct(
-            seq=seq, rank=0, layers=None, status=None, events=[], vectors=[], histograms=[],
-            scalars=[_scalars("loss", list(chunk), values)],
-        ))
+        store.ingest(
+            run.id,
+            BatchIn.model_construct(
+                seq=seq,
+                rank=0,
+                layers=None,
+                status=None,
+                events=[],
+                vectors=[],
+                histograms=[],
+                scalars=[_scalars("loss", list(chunk), values)],
+            ),
+        )
         seq += 1
     series_seconds = time.perf_counter() - started
     names = [f"model.layers.{i // 8}.part{i % 8}.weight" for i in range(layers)]
@@ -86,10 +97,19 @@ def fill(database_url: str, points: int, layers: int, steps: int) -> tuple[str, 
         rows = np.abs(np.random.default_rng(first).normal(0.05, 0.02, (len(chunk), layers)))
         if first % 20_000 == 0:
             rows[0, : layers // 10] = np.nan  # a skipped step's non-finite layers
-        store.ingest(run.id, BatchIn.model_construct(
-            seq=seq, rank=0, layers=names if first == 0 else None, status=None, events=[], scalars=[],
-            histograms=[], vectors=[_vectors("grad/norm", chunk, rows.tolist())],
-        ))
+        store.ingest(
+            run.id,
+            BatchIn.model_construct(
+                seq=seq,
+                rank=0,
+                layers=names if first == 0 else None,
+                status=None,
+                events=[],
+                scalars=[],
+                histograms=[],
+                vectors=[_vectors("grad/norm", chunk, rows.tolist())],
+            ),
+        )
         seq += 1
     vector_seconds = time.perf_counter() - started
     engine.dispose()
@@ -110,34 +130,60 @@ def _vectors(key: str, steps: list[int], values: list[list[float]]):
 
 def baseline_series(database_url: str, run_id: str, max_points: int) -> tuple[float, list[int]]:
     """The pre-rollup query: one min/max-per-bucket pass over every raw point, in SQL."""
-    from gradwatch.server.database import make_engine
     from sqlalchemy import text
+
+    from gradwatch.server.database import make_engine
 
     engine = make_engine(database_url)
     width_sql = "(max(step) - min(step)) / :half + 1"
     with engine.connect() as connection:
         series_id = connection.execute(
-            text("SELECT id FROM series WHERE run_id = :r AND key = 'loss'"), {"r": run_id}).scalar()
+            text("SELECT id FROM series WHERE run_id = :r AND key = 'loss'"), {"r": run_id}
+        ).scalar()
         started = time.perf_counter()
         first, width = connection.execute(
             text(f"SELECT min(step), {width_sql} FROM points WHERE series_id = :s AND rank = 0"),
-            {"s": series_id, "half": max_points // 2}).one()
+            {"s": series_id, "half": max_points // 2},
+        ).one()
         bucket = "(step - :first) / :width"
         params = {"s": series_id, "first": first, "width": width}
         if engine.dialect.name == "sqlite":
             steps: set[int] = set()
             for aggregate in ("min", "max"):
-                steps |= {row[0] for row in connection.execute(text(
-                    f"SELECT step, {aggregate}(value) FROM points WHERE series_id = :s AND rank = 0 AND flag = 0"
-                    f" GROUP BY {bucket}"), params)}
-            steps |= {row[0] for row in connection.execute(text(
-                f"SELECT min(step) FROM points WHERE series_id = :s AND rank = 0 AND flag != 0 GROUP BY {bucket}"),
-                params)}
+                steps |= {
+                    row[0]
+                    for row in connection.execute(
+                        text(
+                            f"SELECT step, {aggregate}(value) FROM points"
+                            " WHERE series_id = :s AND rank = 0 AND flag = 0"
+                            f" GROUP BY {bucket}"
+                        ),
+                        params,
+                    )
+                }
+            steps |= {
+                row[0]
+                for row in connection.execute(
+                    text(
+                        "SELECT min(step) FROM points WHERE series_id = :s AND rank = 0 AND flag != 0"
+                        f" GROUP BY {bucket}"
+                    ),
+                    params,
+                )
+            }
         else:
-            steps = {row[0] for row in connection.execute(text(
-                f"SELECT step FROM (SELECT step, row_number() OVER (PARTITION BY {bucket} ORDER BY flag = 0, value,"
-                f" step) AS lo, row_number() OVER (PARTITION BY {bucket} ORDER BY flag != 0, value DESC, step) AS hi"
-                " FROM points WHERE series_id = :s AND rank = 0) ranked WHERE lo = 1 OR hi = 1"), params)}
+            steps = {
+                row[0]
+                for row in connection.execute(
+                    text(
+                        "SELECT step FROM (SELECT step,"
+                        f" row_number() OVER (PARTITION BY {bucket} ORDER BY flag = 0, value, step) AS lo,"
+                        f" row_number() OVER (PARTITION BY {bucket} ORDER BY flag != 0, value DESC, step)"
+                        " AS hi FROM points WHERE series_id = :s AND rank = 0) ranked WHERE lo = 1 OR hi = 1"
+                    ),
+                    params,
+                )
+            }
         seconds = time.perf_counter() - started
     engine.dispose()
     return seconds, sorted(steps)
@@ -145,16 +191,21 @@ def baseline_series(database_url: str, run_id: str, max_points: int) -> tuple[fl
 
 def baseline_vectors(database_url: str, run_id: str, max_steps: int) -> float:
     """The pre-rollup heatmap: read every row, merge into max_steps buckets (numpy, not Python)."""
-    from gradwatch.server.database import make_engine
-    from gradwatch.server.rollups import to_array, worst_per_bucket
     from sqlalchemy import text
+
+    from gradwatch.server.database import make_engine
+    from gradwatch.server.storage.rollups import to_array, worst_per_bucket
 
     engine = make_engine(database_url)
     with engine.connect() as connection:
         started = time.perf_counter()
-        rows = connection.execute(text(
-            "SELECT v.step, v.data FROM vector_points v JOIN series s ON s.id = v.series_id"
-            " WHERE s.run_id = :r AND s.key = 'grad/norm' AND v.rank = 0 ORDER BY v.step"), {"r": run_id}).all()
+        rows = connection.execute(
+            text(
+                "SELECT v.step, v.data FROM vector_points v JOIN series s ON s.id = v.series_id"
+                " WHERE s.run_id = :r AND s.key = 'grad/norm' AND v.rank = 0 ORDER BY v.step"
+            ),
+            {"r": run_id},
+        ).all()
         matrix = np.vstack([to_array(bytes(row[1])) for row in rows])
         starts = np.arange(max_steps) * len(rows) // max_steps
         worst_per_bucket(matrix, np.unique(starts))
@@ -173,13 +224,26 @@ def timed(client: httpx.Client, path: str, params: dict) -> tuple[float, dict]:
 
 def measure(database_url: str, args: argparse.Namespace) -> dict:
     run_id, series_seconds, vector_seconds = fill(database_url, args.points, args.layers, args.steps)
-    print(f"  ingested {args.points:,} points in {series_seconds:.1f} s ({args.points / series_seconds:,.0f}/s) and "
-          f"{args.steps:,} x {args.layers} vector rows in {vector_seconds:.1f} s", flush=True)
+    print(
+        f"  ingested {args.points:,} points in {series_seconds:.1f} s "
+        f"({args.points / series_seconds:,.0f}/s) and "
+        f"{args.steps:,} x {args.layers} vector rows in {vector_seconds:.1f} s",
+        flush=True,
+    )
     port = free_port()
     server = subprocess.Popen(
-        [str(ROOT / ".venv/bin/gradwatch"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--database-url", database_url],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            str(ROOT / ".venv/bin/gradwatch"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database-url",
+            database_url,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     result: dict = {}
     try:
@@ -196,17 +260,26 @@ def measure(database_url: str, args: argparse.Namespace) -> dict:
                 time.sleep(0.2)
             base = f"/api/v1/runs/{run_id}"
             first, answer = timed(client, f"{base}/series", {"key": "loss", "max_points": 2000})
-            full = [timed(client, f"{base}/series", {"key": "loss", "max_points": 2000})[0]
-                    for _ in range(args.repeats)]
+            full = [
+                timed(client, f"{base}/series", {"key": "loss", "max_points": 2000})[0]
+                for _ in range(args.repeats)
+            ]
             rng = random.Random(1)
             zoom = []
             for _ in range(args.repeats):
                 start = rng.randrange(0, args.points - 10_000)
                 end = rng.randrange(start + 10_000, args.points + 1)
-                zoom.append(timed(client, f"{base}/series", {"key": "loss", "max_points": 2000, "start": start,
-                                                             "end": end})[0])
-            heat = [timed(client, f"{base}/vectors", {"key": "grad/norm", "max_steps": 500})[0]
-                    for _ in range(args.repeats)]
+                zoom.append(
+                    timed(
+                        client,
+                        f"{base}/series",
+                        {"key": "loss", "max_points": 2000, "start": start, "end": end},
+                    )[0]
+                )
+            heat = [
+                timed(client, f"{base}/vectors", {"key": "grad/norm", "max_steps": 500})[0]
+                for _ in range(args.repeats)
+            ]
             _, matrix = timed(client, f"{base}/vectors", {"key": "grad/norm", "max_steps": 500})
         base_series = [baseline_series(database_url, run_id, 2000) for _ in range(3)]
         base_heat = [baseline_vectors(database_url, run_id, 500) for _ in range(3)]
@@ -218,10 +291,17 @@ def measure(database_url: str, args: argparse.Namespace) -> dict:
     assert spikes <= kept, f"a spike or NaN was lost: {sorted(spikes - kept)[:5]}"
     assert len(answer["steps"]) <= 2000 and answer["downsampled"]
     assert len(matrix["steps"]) <= 500 and len(matrix["values"][0]) == args.layers
-    result.update(first=first, full=full, zoom=zoom, heat=heat, answer_points=len(answer["steps"]),
-                  heat_cells=len(matrix["steps"]) * args.layers,
-                  base_series=statistics.median(s for s, _ in base_series),
-                  base_steps=len(base_series[0][1]), base_heat=statistics.median(base_heat))
+    result.update(
+        first=first,
+        full=full,
+        zoom=zoom,
+        heat=heat,
+        answer_points=len(answer["steps"]),
+        heat_cells=len(matrix["steps"]) * args.layers,
+        base_series=statistics.median(s for s, _ in base_series),
+        base_steps=len(base_series[0][1]),
+        base_heat=statistics.median(base_heat),
+    )
     return result
 
 
@@ -265,9 +345,15 @@ def main() -> int:
             finally:
                 if drop is not None:
                     drop()
-        ms = lambda seconds: seconds * 1000
-        print(f"  first query (cold caches): {ms(r['first']):.0f} ms; baseline (no rollups) kept "
-              f"{r['base_steps']} points, rollups {r['answer_points']}", flush=True)
+
+        def ms(seconds: float) -> float:
+            return seconds * 1000
+
+        print(
+            f"  first query (cold caches): {ms(r['first']):.0f} ms; baseline (no rollups) kept "
+            f"{r['base_steps']} points, rollups {r['answer_points']}",
+            flush=True,
+        )
         for name, values, baseline in (
             (f"series {args.points:,} -> 2,000 points", r["full"], r["base_series"]),
             ("series, random zoom windows", r["zoom"], None),
@@ -277,7 +363,10 @@ def main() -> int:
             against = "" if baseline is None else f"{ms(baseline):.0f} ms ({ms(baseline) / p50:.0f}x)"
             rows.append((kind, name, p50, p95, against))
     print()
-    print(f"{'database':<9} {'query':<40} {'p50 ms':>8} {'p95 ms':>8}  baseline without rollups, median (ratio to p50)")
+    print(
+        f"{'database':<9} {'query':<40} {'p50 ms':>8} {'p95 ms':>8}  "
+        "baseline without rollups, median (ratio to p50)"
+    )
     for kind, name, p50, p95, against in rows:
         print(f"{kind:<9} {name:<40} {p50:>8.1f} {p95:>8.1f}  {against}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end")

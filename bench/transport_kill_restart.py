@@ -50,9 +50,18 @@ class Server:
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(self.port),
-                 "--database-url", f"sqlite:///{self.database}"],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "gradwatch.cli",
+                    "server",
+                    "--port",
+                    str(self.port),
+                    "--database-url",
+                    f"sqlite:///{self.database}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -94,7 +103,9 @@ def run_delay_seconds(fd: int | None) -> float:
     return int(os.pread(fd, 100, 0).split()[1]) / 1e9 if fd is not None else 0.0
 
 
-def training_loop(run: gradwatch.Run, steps: int, keys: int, rate: float, actions: dict) -> tuple[float, float, float]:
+def training_loop(
+    run: gradwatch.Run, steps: int, keys: int, rate: float, actions: dict
+) -> tuple[float, float, float]:
     """Log `keys` scalars per step at about `rate` points/s; returns (seconds, slowest run.log wall
     time, slowest run.log time less the time other processes held the CPU)."""
     try:
@@ -134,8 +145,11 @@ def main() -> int:
     baseline = gradwatch.init(project="bench", transport=NullTransport())
     base_seconds, base_slowest, base_busy = training_loop(baseline, args.steps, args.keys, args.rate, {})
     baseline.finish()
-    print(f"baseline (no server, nothing can fail): {produced / base_seconds:,.0f} points/s; slowest run.log "
-          f"{base_slowest * 1e3:.2f} ms ({base_busy * 1e3:.2f} ms less CPU taken by other processes)", flush=True)
+    print(
+        f"baseline (no server, nothing can fail): {produced / base_seconds:,.0f} points/s; slowest run.log "
+        f"{base_slowest * 1e3:.2f} ms ({base_busy * 1e3:.2f} ms less CPU taken by other processes)",
+        flush=True,
+    )
 
     folder = Path(tempfile.mkdtemp(prefix="gradwatch-bench-"))
     server = Server(folder)
@@ -152,10 +166,19 @@ def main() -> int:
 
     try:
         started = time.perf_counter()
-        run = gradwatch.init(project="bench", name="kill-restart", server=server.url, spool_dir=folder / "spool",
-                             max_backoff=1.0)
+        run = gradwatch.init(
+            project="bench",
+            name="kill-restart",
+            server=server.url,
+            spool_dir=folder / "spool",
+            max_backoff=1.0,
+        )
         loop_seconds, slowest, slowest_busy = training_loop(
-            run, args.steps, args.keys, args.rate, {args.steps // 3: kill, args.steps // 2: start_again},
+            run,
+            args.steps,
+            args.keys,
+            args.rate,
+            {args.steps // 3: kill, args.steps // 2: start_again},
         )
         run.finish(timeout=600)
         total_seconds = time.perf_counter() - started
@@ -166,17 +189,21 @@ def main() -> int:
     with sqlite3.connect(server.database) as db:
         rows = db.execute(
             "SELECT s.key, p.step, p.value FROM points p JOIN series s ON s.id = p.series_id "
-            "WHERE s.run_id = ? AND s.key LIKE 'k%'", (run.id,),
+            "WHERE s.run_id = ? AND s.key LIKE 'k%'",
+            (run.id,),
         ).fetchall()
         events, distinct_events = db.execute(
-            "SELECT count(*), count(DISTINCT step) FROM events WHERE run_id = ? AND kind = 'bench'", (run.id,),
+            "SELECT count(*), count(DISTINCT step) FROM events WHERE run_id = ? AND kind = 'bench'",
+            (run.id,),
         ).fetchone()
         batches = db.execute("SELECT count(*) FROM agent_batches WHERE run_id = ?", (run.id,)).fetchone()[0]
     stored = len(rows)
     wrong = sum(1 for key, step, stored_value in rows if stored_value != value(step, int(key[1:])))
     duplicates = (stored - len({(key, step) for key, step, _ in rows})) + (events - distinct_events)
-    print(f"kill and restart: {produced / loop_seconds:,.0f} points/s; slowest run.log {slowest * 1e3:.2f} ms "
-          f"({slowest_busy * 1e3:.2f} ms less CPU taken by other processes)")
+    print(
+        f"kill and restart: {produced / loop_seconds:,.0f} points/s; slowest run.log {slowest * 1e3:.2f} ms "
+        f"({slowest_busy * 1e3:.2f} ms less CPU taken by other processes)"
+    )
     print(f"everything stored {total_seconds:.1f} s after the start ({batches} batches); agent {run.stats}")
     print(f"wrong values {wrong}; bench events {events} for {args.steps} steps")
     print(f"produced {produced}, stored {stored}, duplicates {duplicates}")

@@ -154,7 +154,7 @@ def append_patch(shape: Mapping[str, Any], new_points: go.Figure) -> Any:
 
 def _y_values(figure: go.Figure) -> list[float]:
     """The finite y values of the traces on the main y axis."""
-    values = []
+    values: list[float] = []
     for trace in figure.data:
         if getattr(trace, "yaxis", None) not in (None, "y") or trace.y is None:
             continue

@@ -15,14 +15,13 @@ children or a title attribute, which React renders as text, never as HTML.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from dash import dcc, html
 
 from . import figures
 from .api_client import VERDICTS, ApiError
-from .views import format_step, severity_badge, status_badge
+from .views import RunHref, data_attributes, format_step, severity_badge, status_badge
 
 __all__ = [
     "condense_events",
@@ -31,8 +30,6 @@ __all__ = [
     "skip_streak_text",
     "verdict_banner",
 ]
-
-RunHref = Callable[[str, Any], str]  # (run id, step or None) → the run page's URL
 
 _SEVERITY_ORDER = {"critical": 0, "warning": 1}
 MAX_STREAK_LAYERS = 50  # layers named in a skip streak's hover text
@@ -68,7 +65,7 @@ def _banner(verdict: str, label: str, summary: str) -> html.Div:
         id="run-verdict",
         className=f"verdict verdict-{verdict}",
         role="status",
-        **{"data-verdict": verdict},
+        **data_attributes({"verdict": verdict}),
     )
 
 

@@ -1,4 +1,5 @@
-"""Small view pieces shared by the dashboard's pages: pure functions from API values to components.
+"""Small view pieces shared by the dashboard's pages: pure functions from API values to components,
+and `keep_view`, the chart update that keeps the user's zoom.
 
 Every user-supplied string is passed as a component's children (or a title attribute), which React
 renders as text, never as HTML.
@@ -7,31 +8,50 @@ renders as text, never as HTML.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
-from dash import html
+import dash
+import plotly.graph_objects as go
+from dash import dcc, html
 
 from . import figures
 from .api_client import ApiError, ApiUnavailable
 
 __all__ = [
     "ALERT_STATES",
+    "GRAPH_CONFIG",
+    "RunHref",
     "alert_state",
+    "data_attributes",
     "error_banner",
     "form_message",
     "format_step",
     "format_time",
+    "keep_view",
+    "run_status",
     "scale_text",
     "severity_badge",
     "status_badge",
     "summarize_fields",
 ]
 
+
+class RunHref(Protocol):
+    """run_href(run_id, step=None) → the run page's URL; with an int step, marked on the page."""
+
+    def __call__(self, run_id: str, step: Any = None, /) -> str: ...
+
+
 # An alert is open while its condition holds and nobody has acknowledged it, acknowledged while it
 # holds and somebody has, resolved once its condition cleared.
 ALERT_STATES = ("open", "acknowledged", "resolved")
 MAX_FIELDS_TEXT = 200
+SILENT_AFTER_S = 300  # a "running" run with nothing new for this long is shown as silent
+GRAPH_CONFIG: dcc.Graph.Config = {"displaylogo": False, "responsive": True}
+_AXIS_KEY = re.compile(r"^[xy]axis\d*$")
+_LIST_LAYOUT_KEYS = ("annotations", "shapes")
 
 _STATUS_CLASSES = {
     "running": "badge-live",
@@ -44,6 +64,12 @@ _STATUS_CLASSES = {
     "resolved": "badge-ok",
 }
 _SEVERITY_CLASSES = {"critical": "badge-bad", "warning": "badge-warn"}
+
+
+def data_attributes(values: dict[str, str]) -> dict[str, Any]:
+    """HTML data-* attributes for a component: html.Tr(..., **data_attributes({"alert": "7"})) renders
+    data-alert="7". Dash takes them only as keyword arguments whose names are not identifiers."""
+    return {f"data-{name}": value for name, value in values.items()}
 
 
 def error_banner(error: ApiError | str) -> html.Div:
@@ -75,6 +101,21 @@ def status_badge(status: Any) -> html.Span:
     status = str(status or "unknown")
     kind = _STATUS_CLASSES.get(status, "")
     return html.Span(status, className=f"badge {kind}".strip())
+
+
+def run_status(run: dict[str, Any], now: datetime | None = None) -> str:
+    """The run's status for people: the API's, or "silent" for a running run quiet for SILENT_AFTER_S."""
+    status = str(run.get("status") or "unknown")
+    if status != "running" or not isinstance(run.get("updated_at"), str):
+        return status
+    try:
+        updated = datetime.fromisoformat(run["updated_at"])
+    except ValueError:
+        return status
+    if updated.tzinfo is None:
+        updated = updated.replace(tzinfo=timezone.utc)
+    quiet_s = ((now or datetime.now(timezone.utc)) - updated).total_seconds()
+    return "silent" if quiet_s > SILENT_AFTER_S else status
 
 
 def severity_badge(severity: Any) -> html.Span:
@@ -141,3 +182,27 @@ def _short(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
     return str(value)
+
+
+def keep_view(figure: go.Figure) -> dash.Patch:
+    """`figure` as an update that replaces traces and layout but keeps the axis ranges on screen.
+
+    dcc.Graph (Dash 4) writes every zoom and pan into its own `figure` prop, so sending a whole new
+    figure would count as the app resetting the ranges, and `uirevision` alone could not keep the
+    user's view on refresh. Ranges of fixed axes (the hidden marker axis) are the figure's own and
+    are sent. `uirevision` still keeps legend clicks.
+    """
+    spec = figure.to_plotly_json()
+    layout = spec.get("layout", {})
+    patch = dash.Patch()
+    patch["data"] = spec.get("data", [])
+    for key in _LIST_LAYOUT_KEYS:  # left out of the JSON when empty, but must replace "no data yet"
+        patch["layout"][key] = layout.get(key, [])
+    for key, value in layout.items():
+        if _AXIS_KEY.match(key) and isinstance(value, dict) and not value.get("fixedrange"):
+            for axis_key, axis_value in value.items():
+                if axis_key not in ("range", "autorange"):
+                    patch["layout"][key][axis_key] = axis_value
+        else:
+            patch["layout"][key] = value
+    return patch

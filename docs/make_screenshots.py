@@ -1,7 +1,7 @@
 """Regenerate the README's screenshots: `make screenshots` (or .venv/bin/python docs/make_screenshots.py).
 
-Runs a small fp16 training (two runs) into a fresh SQLite file behind a real server (watched often enough for the
-per-layer heatmaps and histograms to have many columns), opens the dashboard in headless Chromium
+Runs a small fp16 training (two runs) into a fresh SQLite file behind a real server (watched often enough for
+the per-layer heatmaps and histograms to have many columns), opens the dashboard in headless Chromium
 (/usr/bin/chromium or GRADWATCH_TEST_CHROMIUM) and saves docs/run-page.png, docs/runs-list.png,
 docs/compare.png and docs/alerts.png. For the Alerts page, a rule and a webhook are made through the UI
 before training (the webhook points at a receiver on 127.0.0.1 started here, and its "Send test" is
@@ -20,16 +20,34 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 # Denser than the defaults (10/100/100 steps) so a 400-step demo fills the per-layer views.
 WATCH_OPTIONS = {"layer_norms_every": 5, "histograms_every": 20, "update_ratio_every": 20}
 SCREENSHOTS = ("run-page.png", "runs-list.png", "compare.png", "alerts.png")
-RUN_PAGE_GRAPHS = ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph", "grad-norm-heatmap",
-                   "update-ratio-heatmap", "underflow-heatmap", "hist-graph", "hist-time-graph")
+RUN_PAGE_GRAPHS = (
+    "loss-graph",
+    "scale-graph",
+    "grad-norm-graph",
+    "lr-graph",
+    "grad-norm-heatmap",
+    "update-ratio-heatmap",
+    "underflow-heatmap",
+    "hist-graph",
+    "hist-time-graph",
+)
 
 
-def train_mlp(run, *, steps: int = 400, lr: float = 3e-3, overflow_at: int | None = 150, seed: int = 0) -> None:
+def train_mlp(
+    run, *, steps: int = 400, lr: float = 3e-3, overflow_at: int | None = 150, seed: int = 0
+) -> None:
     """A small fp16 (autocast on CPU) + GradScaler + AdamW + clipping loop over a 6-block MLP (26 parameter
     tensors: enough rows for the heatmaps), fast enough for a shared CPU; a burst of blown-up
     activations at overflow_at makes four skipped steps."""
@@ -79,7 +97,9 @@ def _make_rule_and_webhook(page, dashboard: str, receiver_url: str) -> None:
     page.locator("#rule-project").fill("demo")
     page.locator("#rule-type").click()
     page.get_by_role("option", name="grad_norm_spike (warning)", exact=True).click()
-    page.locator("#rules-card .param").filter(has=page.get_by_text("z", exact=True)).locator("input").fill("4")
+    page.locator("#rules-card .param").filter(has=page.get_by_text("z", exact=True)).locator("input").fill(
+        "4"
+    )
     page.locator("#rule-name").fill("gradient spike (z ≥ 4)")
     page.locator("#rule-create").click()
     page.locator("#rule-form-message .form-ok").wait_for(timeout=30_000)
@@ -97,16 +117,18 @@ def _free_port() -> int:
 
 
 def main() -> int:
+    from playwright.sync_api import sync_playwright
+
     import gradwatch
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
-    from playwright.sync_api import sync_playwright
 
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     receiver_url = f"http://127.0.0.1:{receiver.server_address[1]}/slack-hook"
     with tempfile.TemporaryDirectory() as home, sync_playwright() as playwright:
-        settings = Settings(database_url=f"sqlite:///{home}/gradwatch.db")
+        # The screenshot's "Slack" receiver is on 127.0.0.1: a private target, allowed on purpose.
+        settings = Settings(database_url=f"sqlite:///{home}/gradwatch.db", webhook_allow_private=True)
         server = BackgroundServer(settings, "127.0.0.1", _free_port()).start()
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
@@ -115,12 +137,17 @@ def main() -> int:
             config = {"model": "mlp-6x64", "steps": 400, "lr": 3e-3, "precision": "fp16"}
             with gradwatch.init(project="demo", name="mlp-fp16", server=server.url, config=config) as run:
                 train_mlp(run)
-            with gradwatch.init(project="demo", name="mlp-fp16-lr1e-3", server=server.url,
-                                config={**config, "lr": 1e-3}) as other:
+            with gradwatch.init(
+                project="demo", name="mlp-fp16-lr1e-3", server=server.url, config={**config, "lr": 1e-3}
+            ) as other:
                 train_mlp(other, lr=1e-3, overflow_at=None)
             # Overflows near its end: its alerts are still open when the screenshots are taken.
-            with gradwatch.init(project="demo", name="mlp-fp16-lr1e-2", server=server.url,
-                                config={**config, "lr": 1e-2, "steps": 200}) as late:
+            with gradwatch.init(
+                project="demo",
+                name="mlp-fp16-lr1e-2",
+                server=server.url,
+                config={**config, "lr": 1e-2, "steps": 200},
+            ) as late:
                 train_mlp(late, steps=200, lr=1e-2, overflow_at=180)
 
             page.goto(f"{server.url}/dashboard/runs/{run.id}")

@@ -1,6 +1,7 @@
 """Alembic environment: runs on the connection gradwatch.server.database passes in config.attributes."""
 
 from alembic import context
+
 from gradwatch.server.models import Base
 
 connection = context.config.attributes["connection"]

@@ -5,25 +5,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import http_errors
+from . import http_errors, ingest_limits
 from .alerts import AlertEngine, AlertService, OutboxWorker
 from .auth import Tokens
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
-from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
 from .live import LiveHub
 from .routers import alerts as alerts_router
 from .routers import health, runs, series
 from .routers import live as live_router
 from .routers import ranks as ranks_router
 from .settings import Settings
-from .store import Store
-
-_STATUS = {Unauthenticated: 401, Forbidden: 403, NotFound: 404, Conflict: 409, InvalidRequest: 422}
+from .storage import Store
+from .web_security import WebSecurity, WebSecurityPolicy
 
 
 class BodySizeLimit:
@@ -123,19 +121,15 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.state.alerts = alerts
     app.state.tokens = Tokens(store.engine, open_after_revocation=settings.open_after_revocation)
     app.state.live = live
+    app.state.web_security = WebSecurityPolicy(settings)  # serve.check_exposure says where it listens
 
-    http_errors.install(app)
-
-    @app.exception_handler(GradwatchServerError)
-    async def _store_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
-        status = _STATUS.get(type(exc), 400)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
-
+    http_errors.install(app)  # every exception handler of the API
     for router in (health.router, runs.router, series.router, series.compare_router, alerts_router.router):
         app.include_router(router)
     app.include_router(ranks_router.router)
     app.include_router(live_router.router)
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    ingest_limits.install(app, settings)  # around the body limits: refuses before a byte is read
+    app.add_middleware(WebSecurity, policy=app.state.web_security, tokens=app.state.tokens)  # outermost
     return app

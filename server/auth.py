@@ -26,11 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine
 
-from .database import Transactions
-from .errors import Forbidden, InvalidRequest, NotFound, Unauthenticated
-from .models import ApiToken
+from .errors import Forbidden, InvalidRequest, Unauthenticated
+from .storage.tokens import TokenRecord, TokenStore
 
 Scope = Literal["ingest", "read", "admin"]
 SCOPES: tuple[Scope, ...] = ("ingest", "read", "admin")
@@ -45,7 +44,6 @@ SCOPE_PURPOSE = {
 SCOPE_ALIASES = {"write": ("ingest", "read"), "all": (EVERY_SCOPE,)}
 ALL_PROJECTS = "*"
 TOKEN_PREFIX = "gw_"
-_USED_WRITE_INTERVAL_S = 60.0  # last_used_at is written at most this often per token
 _OPEN_CACHE_S = 2.0  # how long "this server has no tokens" is believed before asking again
 
 
@@ -120,29 +118,16 @@ class Principal:
         return project if self.project == ALL_PROJECTS else self.project
 
 
-@dataclass(frozen=True)
-class TokenRecord:
-    id: int
-    project: str
-    scope: str
-    name: str
-    prefix: str
-    created_at: float
-    last_used_at: float | None
-    revoked_at: float | None
-
-
 class Tokens:
-    """Create, list, revoke and check tokens (the CLI and the API share this)."""
+    """Create, list, revoke and check tokens (the CLI and the API share this); stored by TokenStore."""
 
     def __init__(self, engine: Engine, open_after_revocation: bool = False) -> None:
         """open_after_revocation: serve open again once every token is revoked (default: a server that
         has had tokens keeps requiring them)."""
         self._open_after_revocation = open_after_revocation
-        self._transaction = Transactions(engine)
+        self._stored = TokenStore(engine)
         self._lock = threading.Lock()
         self._open_until = 0.0  # monotonic time until which "no tokens" is cached
-        self._last_used: dict[int, float] = {}
 
     def create(self, project: str, scope: str, name: str = "") -> tuple[TokenRecord, str]:
         """A new token: (its record, the token itself: shown once, never stored)."""
@@ -150,35 +135,16 @@ class Tokens:
         if not project or len(project) > 200:
             raise InvalidRequest("project must be 1 to 200 characters ('*' for every project)")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        with self._transaction() as session:
-            row = ApiToken(
-                project=project, scope=scope, name=name or f"{scope} token", prefix=token[:10],
-                token_hash=hash_token(token), created_at=time.time(),
-            )
-            session.add(row)
-            session.flush()
-            record = self._record(row)
+        record = self._stored.add(project, scope, name or f"{scope} token", token[:10], hash_token(token))
         with self._lock:
             self._open_until = 0.0
         return record, token
 
     def list(self, project: str | None = None, include_revoked: bool = False) -> list[TokenRecord]:
-        with self._transaction() as session:
-            query = select(ApiToken).order_by(ApiToken.id)
-            if project is not None:
-                query = query.where(ApiToken.project == project)
-            if not include_revoked:
-                query = query.where(ApiToken.revoked_at.is_(None))
-            return [self._record(row) for row in session.scalars(query)]
+        return self._stored.list(project, include_revoked)
 
     def revoke(self, token_id: int) -> TokenRecord:
-        with self._transaction() as session:
-            row = session.get(ApiToken, token_id)
-            if row is None:
-                raise NotFound(f"token {token_id} does not exist")
-            if row.revoked_at is None:
-                row.revoked_at = time.time()
-            return self._record(row)
+        return self._stored.revoke(token_id)
 
     def required(self) -> bool:
         """Whether requests need a token: a token was ever created (or, with open_after_revocation, one
@@ -186,11 +152,7 @@ class Tokens:
         with self._lock:
             if time.monotonic() < self._open_until:
                 return False
-        query = select(ApiToken.id)
-        if self._open_after_revocation:
-            query = query.where(ApiToken.revoked_at.is_(None))
-        with self._transaction() as session:
-            required = session.scalar(query.limit(1)) is not None
+        required = self._stored.exists(active_only=self._open_after_revocation)
         if not required:
             with self._lock:
                 self._open_until = time.monotonic() + _OPEN_CACHE_S
@@ -205,24 +167,12 @@ class Tokens:
                 "this server requires a token: send 'Authorization: Bearer <token>' "
                 "(an operator creates one with `gradwatch token create --project NAME --scope ingest|read|admin`)"
             )
-        with self._transaction() as session:
-            row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
-            if row is None or row.revoked_at is not None:
-                if row is None and not self.required():
-                    return Principal(open=True)  # an open server ignores stray tokens
-                raise Unauthenticated("the token is not recognised or has been revoked")
-            principal = Principal(open=False, project=row.project, scope=row.scope, token_id=row.id)
-            now = time.time()
-            if now - self._last_used.get(row.id, 0.0) > _USED_WRITE_INTERVAL_S:
-                self._last_used[row.id] = now
-                session.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=now))
-        return principal
-
-    @staticmethod
-    def _record(row: ApiToken) -> TokenRecord:
-        return TokenRecord(
-            row.id, row.project, row.scope, row.name, row.prefix, row.created_at, row.last_used_at, row.revoked_at
-        )
+        record = self._stored.find(hash_token(token))
+        if record is None or record.revoked_at is not None:
+            if record is None and not self.required():
+                return Principal(open=True)  # an open server ignores stray tokens
+            raise Unauthenticated("the token is not recognised or has been revoked")
+        return Principal(open=False, project=record.project, scope=record.scope, token_id=record.id)
 
 
 def bearer(authorization: str | None) -> str | None:

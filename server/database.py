@@ -23,6 +23,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -46,6 +47,22 @@ class Transactions:
             session.close()
 
 
+# How long a SQLite write waits for the database's one write lock before it fails (seconds). Longer
+# than an admitted batch holds the lock (~2 s for the 100,000 points of server.ingest_limits' cap with
+# the default alert rules, on two busy cores), shorter than the agent's 10 s request timeout: a write
+# that waits this long is answered 503 with Retry-After (is_lock_timeout) while the agent still
+# listens, and is retried.
+SQLITE_BUSY_TIMEOUT_S = 8.0
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether a database error is SQLite giving up on its write lock ("database is locked"/"busy")."""
+    if not isinstance(exc, OperationalError):
+        return False
+    message = str(exc.orig).lower()
+    return "database is locked" in message or "database is busy" in message
+
+
 class SchemaError(RuntimeError):
     """The database's schema is not the one this version of gradwatch needs."""
 
@@ -56,7 +73,7 @@ def make_engine(database_url: str) -> Engine:
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
             Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):

@@ -1,16 +1,24 @@
-"""Dependency aliases shared by the routers: the store, and who is asking (access control)."""
+"""Dependency aliases shared by the routers: the store, the alert service, who is asking (access
+control), and the path and query parameters several endpoints take."""
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Path, Query, Request
 
+from .alerts import AlertService
 from .auth import Principal, Scope, Tokens, bearer
 from .errors import NotFound
-from .store import Store
+from .storage import Store
 
 
 def _store(request: Request) -> Store:
-    return request.app.state.store
+    store: Store = request.app.state.store
+    return store
+
+
+def _alerts(request: Request) -> AlertService:
+    alerts: AlertService = request.app.state.alerts
+    return alerts
 
 
 def _principal(
@@ -21,7 +29,14 @@ def _principal(
 
 
 StoreDep = Annotated[Store, Depends(_store)]
+AlertsDep = Annotated[AlertService, Depends(_alerts)]
 PrincipalDep = Annotated[Principal, Depends(_principal)]
+
+# Row ids are 32-bit integers in the database; larger values cannot name anything.
+RowId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+QueryRowId = Annotated[int | None, Query(ge=1, le=2**31 - 1)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0)]
 
 
 def authorize_run(store: Store, principal: Principal, run_id: str, scope: Scope) -> None:
@@ -41,3 +56,13 @@ def authorize_project(principal: Principal, project: str, scope: Scope, what: st
     if not principal.sees(project):
         raise NotFound(f"{what} does not exist")
     principal.require(project, scope, what)
+
+
+def _readable_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> str:
+    """The path's run id, once the caller may read the run (404 unknown run, 401/403 token): checked
+    before the endpoint's query parameters are."""
+    authorize_run(store, principal, run_id, "read")
+    return run_id
+
+
+ReadableRunId = Annotated[str, Depends(_readable_run)]

@@ -5,6 +5,10 @@ Python's parser recurses, becomes "There was an error parsing the body"; a valid
 the offending input back (a million-value array, or a lone surrogate that cannot be encoded, which
 turned the 422 into a 500). These handlers keep FastAPI's shape ({"detail": [...]}) for validation
 errors, with short inputs only, and name the cause of parse errors.
+
+install(app) is the one place every exception handler of the API is installed: these, the server's
+own errors (gradwatch.server.errors: each class one status) and SQLite's busy write lock (503 with
+Retry-After).
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException
 
+from .database import is_lock_timeout
+from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
+
 _MAX_ECHO = 100  # characters of an offending input shown back
+_STATUS = {Unauthenticated: 401, Forbidden: 403, NotFound: 404, Conflict: 409, InvalidRequest: 422}
 
 
 class ErrorItem(BaseModel):
@@ -102,7 +110,25 @@ def _database_refused(_request: Request, exc: DataError) -> JSONResponse:
     )
 
 
+async def _server_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
+    status = _STATUS.get(type(exc), 400)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+
+
+async def _database_busy(_request: Request, exc: OperationalError) -> JSONResponse:
+    if not is_lock_timeout(exc):
+        raise exc  # any other database failure stays a 500, logged with its traceback
+    return JSONResponse(  # SQLite's write lock stayed taken (database.SQLITE_BUSY_TIMEOUT_S): retryable
+        {"detail": "the database is busy with other writes; retry shortly", "retry_after_s": 2},
+        status_code=503, headers={"Retry-After": "2"},
+    )
+
+
 def install(app: FastAPI) -> None:
+    """Install every exception handler of the API on `app`."""
+    app.add_exception_handler(GradwatchServerError, _server_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OperationalError, _database_busy)  # type: ignore[arg-type]
     app.add_exception_handler(DataError, _database_refused)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]

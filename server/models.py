@@ -156,7 +156,7 @@ class AgentBatch(Base):
 
 
 class PointRollup(Base):
-    """One bucket of a scalar series' pyramid (gradwatch.server.rollups): steps
+    """One bucket of a scalar series' pyramid (gradwatch.server.storage.rollups): steps
     [bucket * 32**level, (bucket + 1) * 32**level) summarised by their lowest and highest point (a
     non-finite point counts as the lowest; high_* repeats low_* when the bucket has no finite point)."""
 

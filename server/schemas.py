@@ -294,6 +294,80 @@ def json_float(value: float) -> JsonFloat:
     return "Infinity" if value > 0 else "-Infinity"
 
 
+# -- the ranks of a distributed run ---------------------------------------------------------------
+
+
+class RankOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from storage.ranks.RankInfo
+
+    rank: int
+    host: str | None
+    local_rank: int | None
+    world_size: int | None
+    pid: int | None
+    parallelism: str | None = Field(description="fsdp2, fsdp, ddp, dtensor or none")
+    gradients: str | None = Field(description="sharded, replicated, hybrid or local")
+    histograms: bool | None = Field(description="whether this rank takes gradient histograms")
+    status: str | None = Field(description="how the rank ended (finished, crashed); null while running")
+    batches: int
+    last_seen: float | None = Field(description="seconds since the epoch of the rank's newest batch")
+
+
+class RankList(BaseModel):
+    data: list[RankOut]
+    count: int
+    world_size: int
+    gradients: str = Field(description="the layout the ranks reported; mixed if they differ")
+
+
+class CombinedSeriesOut(BaseModel):
+    key: str
+    combine: str = Field(description="the mode applied (auto resolved)")
+    ranks: list[int]
+    steps: list[int]
+    values: list[JsonFloat]
+    per_rank: dict[str, list[JsonFloat]] = Field(description="rank -> its value at each of steps")
+    downsampled: bool
+
+
+class CombinedVectorsOut(BaseModel):
+    key: str
+    combine: str
+    ranks: list[int]
+    layers: list[str]
+    steps: list[int]
+    values: list[list[JsonFloat]]
+    downsampled: bool
+
+
+class CombinedHistogramsOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from storage.ranks.CombinedHistograms
+
+    key: str
+    layer: str
+    combine: str
+    ranks: list[int]
+    exponents: list[int]
+    steps: list[int]
+    counts: list[list[int]]
+    zeros: list[int]
+    non_finite: list[int]
+
+
+class DisagreementOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # from storage.ranks.Disagreement
+
+    step: int
+    skipped_ranks: list[int]
+    applied_ranks: list[int]
+    layers: list[str]
+
+
+class DisagreementList(BaseModel):
+    data: list[DisagreementOut]
+    count: int = Field(description="disagreeing steps in the range, before limit")
+
+
 # -- alerts, webhooks, deliveries -----------------------------------------------------------------
 
 WebhookFormat = Literal["json", "slack", "discord"]

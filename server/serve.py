@@ -6,7 +6,6 @@ only through the API's HTTP endpoints (api_base_url).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 import sys
@@ -20,6 +19,7 @@ from fastapi.responses import RedirectResponse
 
 from .app import create_app
 from .settings import Settings
+from .web_security import is_loopback
 
 
 def create_full_app(settings: Settings, api_base_url: str) -> FastAPI:
@@ -84,17 +84,10 @@ class ExposureRefused(RuntimeError):
     """Binding beyond this machine with no tokens configured: anyone on the network could read and write."""
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: assume it is reachable from elsewhere
-
-
 def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
-    """Refuse (or, with insecure, warn about) serving an open server on a non-loopback address."""
+    """Refuse (or, with insecure, warn about) serving an open server on a non-loopback address. The app's
+    web security is told where it listens: it refuses other machines should it become open while serving."""
+    app.state.web_security.listening_on(host, insecure)
     if is_loopback(host) or app.state.tokens.required():
         return
     if not insecure:

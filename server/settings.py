@@ -25,12 +25,32 @@ def default_database_url() -> str:
     return f"sqlite:///{gradwatch_home() / 'gradwatch.db'}"
 
 
-def allowed_hosts_from_env() -> tuple[str, ...] | None:
-    """GRADWATCH_WEBHOOK_ALLOWED_HOSTS as a tuple of host names (None when unset)."""
-    value = os.environ.get("GRADWATCH_WEBHOOK_ALLOWED_HOSTS")
+def allowed_hosts_from_env(variable: str = "GRADWATCH_WEBHOOK_ALLOWED_HOSTS") -> tuple[str, ...] | None:
+    """A comma-separated environment variable as a tuple of host names (None when unset)."""
+    value = os.environ.get(variable)
     if value is None:
         return None
     return tuple(host.strip().lower() for host in value.split(",") if host.strip())
+
+
+def allow_private_from_env() -> bool:
+    """GRADWATCH_WEBHOOK_ALLOW_PRIVATE is "1" or "true" (any case): webhooks may target private addresses."""
+    return os.environ.get("GRADWATCH_WEBHOOK_ALLOW_PRIVATE", "").strip().lower() in ("1", "true")
+
+
+def limit_from_env(variable: str, default: float) -> float:
+    """An ingest limit from the environment: a number >= 0 (0: off), `default` when unset; ValueError
+    naming a bad value."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:
+        raise ValueError(f"{variable} must be a number >= 0 (0: no limit), got {value!r}")
+    return int(number) if number.is_integer() else number
 
 
 @dataclass(frozen=True)
@@ -39,8 +59,20 @@ class Settings:
 
     database_url: str = field(default_factory=default_database_url)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Ingest limits (server.ingest_limits), per token, or per client address on an open server; 0: off.
+    # Points as the agent counts them: scalar points, vector rows, histograms. Env: the names shown.
+    max_batch_points: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_POINTS", 100_000)))
+    max_batch_values: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_VALUES", 2_000_000)))
+    ingest_concurrency: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_INGEST_CONCURRENCY", 2)))
+    ingest_points_per_s: float = field(default_factory=lambda: limit_from_env("GRADWATCH_INGEST_POINTS_PER_S", 20_000))
+    ingest_burst_points: float = field(default_factory=lambda: limit_from_env("GRADWATCH_INGEST_BURST_POINTS", 100_000))
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    # Host names answered besides loopback names, IP addresses, public_url's host and the listening host
+    # (server.web_security: DNS rebinding, Origin checks). GRADWATCH_ALLOWED_HOSTS="gw.corp,gw"; "*": any.
+    allowed_hosts: tuple[str, ...] | None = field(
+        default_factory=lambda: allowed_hosts_from_env("GRADWATCH_ALLOWED_HOSTS")
+    )
     # A server that has had tokens keeps requiring them after all are revoked, unless this is set.
     open_after_revocation: bool = False
     # Alerts and webhooks (see gradwatch.server.alerts).
@@ -48,6 +80,9 @@ class Settings:
     webhook_timeout_s: float = 10.0  # per POST
     # None: any http(s) host. GRADWATCH_WEBHOOK_ALLOWED_HOSTS="hooks.slack.com,discord.com" limits them.
     webhook_allowed_hosts: tuple[str, ...] | None = field(default_factory=lambda: allowed_hosts_from_env())
+    # Webhooks to loopback, private and link-local addresses are refused (alerts.egress) unless this is
+    # set: GRADWATCH_WEBHOOK_ALLOW_PRIVATE=1 or --webhook-allow-private, for a receiver on your own network.
+    webhook_allow_private: bool = field(default_factory=allow_private_from_env)
     outbox_poll_interval_s: float = 1.0  # idle wait between outbox scans (an enqueue wakes it at once)
     outbox_lease_s: float = 60.0  # a claimed delivery not finished by then is claimable again
     outbox_max_attempts: int = 10  # then the delivery is marked failed

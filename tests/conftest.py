@@ -26,6 +26,11 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 IN_CI = os.environ.get("GRADWATCH_CI") == "1"
 CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
+# The webhook tests' receivers listen on 127.0.0.1, which servers refuse as a webhook target by default
+# (SSRF protection: server/alerts/egress.py). Allow it here, at import, so every Settings() built in
+# tests and every server subprocess (which inherits the environment) allows it; the SSRF tests
+# (tests/test_webhook_ssrf.py) pass webhook_allow_private=False explicitly.
+os.environ.setdefault("GRADWATCH_WEBHOOK_ALLOW_PRIVATE", "1")
 
 
 def unavailable(reason: str) -> None:

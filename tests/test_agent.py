@@ -202,3 +202,77 @@ def test_no_warnings_on_a_healthy_run():
         warnings.simplefilter("error")
         with _run() as run:
             train(5, run=run)
+
+
+class RecordingSink:
+    """A StepSink (agent/_sink.py) that keeps what a Watcher hands it: no Run, buffer or sender."""
+
+    def __init__(self, rank=0, world_size=1):
+        from gradwatch._distributed import ProcessIdentity
+        from gradwatch._errors import FeatureSwitch
+
+        self.step, self.rank = 0, rank
+        self.identity = ProcessIdentity(rank, world_size, None, "host", "environment")
+        self.features = FeatureSwitch()
+        self.records, self.recorded_at, self.reports_rank = [], [], False
+
+    def add_scalar(self, key, step, value):
+        self.records.append((key, step))
+
+    def add_tensor(self, key, step, tensor):
+        self.records.append((key, step))
+
+    def add_event(self, step, kind, data):
+        self.records.append((kind, step))
+
+    def advance_step(self):
+        self.step += 1
+        return self.step
+
+    def step_recorded(self):
+        self.recorded_at.append(self.step)
+
+    def report_rank_at_finish(self):
+        self.reports_rank = True
+
+
+class _SinkRun:
+    """What tests/training.train calls on a run (watch; log is not called with log_loss=False)."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def watch(self, model, optimizer, scaler=None, **options):
+        from gradwatch._watch import Watcher, WatchOptions
+
+        self.watcher = Watcher(self.sink, model, optimizer, scaler, WatchOptions(**options))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_watcher_needs_only_a_step_sink(precision):
+    sink = RecordingSink(rank=1, world_size=2)
+    holder = _SinkRun(sink)
+    train(4, run=holder, precision=precision, log_loss=False, overflow_steps=(2,) if precision == "fp16" else ())
+    holder.watcher.remove()
+    assert sink.step == 4 and sink.recorded_at == [1, 2, 3, 4], "one advance, then one flush point, per step"
+    assert sink.reports_rank and ("rank", 0) in sink.records
+
+    def steps_of(key):
+        return sorted(step for k, step in sink.records if k == key)
+
+    assert steps_of("grad/global_norm") == [0, 1, 2, 3]
+    if precision == "fp16":
+        assert steps_of("amp/scale") == steps_of("amp/skipped") == [0, 1, 2, 3]
+        assert sink.features.disabled == {}
+
+
+def test_the_watcher_and_the_run_do_not_import_each_other_both_ways():
+    import ast
+    from pathlib import Path
+
+    import gradwatch._watch
+
+    tree = ast.parse(Path(gradwatch._watch.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {name for name in imported if name and name.rsplit(".", 1)[-1] == "_run"}, imported

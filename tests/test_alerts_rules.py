@@ -890,7 +890,7 @@ def test_the_test_event_renders_the_sample(fmt):
 @pytest.mark.parametrize("fmt", ["json", "slack", "discord"])
 def test_payloads_are_standard_json_with_evidence_as_the_store_keeps_it(fmt):
     """Evidence reaches render() through the store's JSON (non-finite floats as strings): still standard JSON."""
-    from gradwatch.server.store import dump_json
+    from gradwatch.server.storage.codecs import dump_json
 
     incident = _incident()
     incident["findings"][0]["evidence"].update({"values": [math.inf, math.nan, 1e-300], "ratio": -math.inf})

@@ -10,7 +10,7 @@ import math
 import pytest
 from gradwatch.server.alerts.diagnosis import RunContext, diagnose, lr_jump_near, scaler_settings
 from gradwatch.server.alerts.rules import RULE_TYPES, Finding, StepData, make_rule
-from gradwatch.server.store import dump_json
+from gradwatch.server.storage.codecs import dump_json
 
 
 def _finding(rule, step, evidence, title="", severity=None):

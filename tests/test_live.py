@@ -143,10 +143,8 @@ def _expected(keys: tuple[str, ...], ranks: tuple[int, ...], steps: range) -> di
 
 def test_a_backlog_is_read_in_pieces_each_point_once_in_step_order(database_url):
     from gradwatch.server.database import make_engine, prepare_schema
-    from gradwatch.server.live import open_cursor, read_new
     from gradwatch.server.schemas import BatchIn, RunIn
-    from gradwatch.server.store import Store
-    from sqlalchemy.orm import Session
+    from gradwatch.server.storage import Store
 
     engine = make_engine(database_url)
     try:
@@ -160,20 +158,19 @@ def test_a_backlog_is_read_in_pieces_each_point_once_in_step_order(database_url)
                     _scalars(seq, steps, rank=rank, keys=keys, events=[{"step": steps[-1], "kind": "skip"}])))
         received: dict[tuple[str, int], list] = defaultdict(list)
         events = []
-        with Session(engine) as session:
-            cursor = open_cursor(session, "run-1", None, None, since=9)
-            for _ in range(100):
-                update = read_new(session, cursor, max_points=7, max_events=2)
-                for chunk in update.points:
-                    assert 0 < len(chunk.steps) <= 7
-                    received[(chunk.key, chunk.rank)].extend(zip(chunk.steps, map(_wire, chunk.values)))
-                events.extend((event.rank, event.step) for event in update.events)
-                if not update.more:
-                    break
-            assert dict(received) == _expected(keys, ranks, range(10, 50))
-            assert sorted(events) == [(rank, step) for rank in ranks for step in (29, 49)]
-            empty = read_new(session, cursor)
-            assert (empty.points, empty.events, empty.more) == ([], [], False)
+        cursor = store.live.open_cursor("run-1", None, None, since=9)
+        for _ in range(100):
+            update = store.live.read_new(cursor, max_points=7, max_events=2)
+            for chunk in update.points:
+                assert 0 < len(chunk.steps) <= 7
+                received[(chunk.key, chunk.rank)].extend(zip(chunk.steps, map(_wire, chunk.values)))
+            events.extend((event.rank, event.step) for event in update.events)
+            if not update.more:
+                break
+        assert dict(received) == _expected(keys, ranks, range(10, 50))
+        assert sorted(events) == [(rank, step) for rank in ranks for step in (29, 49)]
+        empty = store.live.read_new(cursor)
+        assert (empty.points, empty.events, empty.more) == ([], [], False)
     finally:
         engine.dispose()
 

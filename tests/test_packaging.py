@@ -3,6 +3,9 @@
 import subprocess
 import sys
 import types
+from pathlib import Path
+
+import pytest
 
 import gradwatch
 
@@ -31,3 +34,20 @@ def test_public_names_match_all():
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
     assert public == set(gradwatch.__all__) - {"__version__"}
+
+
+def test_every_source_package_is_in_the_wheel():
+    """pyproject.toml lists packages one by one: a new folder (dashboard/pages, …) left out installs
+    fine in editable mode and breaks in a wheel or the Docker image."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {Path(folder): name for name, folder in config["package-dir"].items()}
+    expected = set()
+    for top in ("agent", "server", "dashboard", "migrations"):
+        for init in (root / top).rglob("__init__.py"):
+            relative = init.parent.relative_to(root)
+            base = next(p for p in [relative, *relative.parents] if p in folders)
+            rest = relative.relative_to(base).parts
+            expected.add(".".join([folders[base], *rest]))
+    assert expected - set(config["packages"]) == set()

@@ -212,3 +212,61 @@ def test_watch_options_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         run.watch(TinyNet(), torch.optim.SGD(TinyNet().parameters(), lr=0.1), **bad)
     run.finish()
+
+
+def _host_packet():
+    """A resolved packet as the sender thread sees it: plain host values, no tensors."""
+    from gradwatch._buffer import Resolved
+
+    row = [0] * (q.N_BINS + 2)
+    row[-34 - q.EXPONENT_MIN] = 10  # ten gradients with |g| in [2^-35, 2^-34): |g·S| < 2^-24 at S = 1024
+    return Resolved(
+        scalars={
+            "amp/skipped": [(0, 0.0), (1, 1.0)],
+            "_amp/scale_before": [(0, 1024.0), (1, 1024.0)],
+            "amp/scale": [(0, 1024.0), (1, 0.5)],
+            "grad/global_norm": [(0, 4.0), (1, math.inf)],
+            "grad/clip_max_norm": [(0, 1.0)],
+        },
+        vectors={"grad/norm": [(1, [1.0, math.nan])], "update/ratio": [(0, [0.1, 0.2]), (1, [0.0, 0.0])]},
+        matrices={"_update/unchanged_counts": [(0, [[1, 4], [0, 0]]), (1, [[3, 3], [0, 0]])],
+                  "grad/hist": [(0, [row, row])]},
+        events=[],
+    )
+
+
+def test_host_derivation_is_a_function_of_host_values():
+    from gradwatch import _derive
+
+    resolved = _host_packet()
+    assert _derive.derive(resolved, ["a", "b"], loss_scaling=True, partial_norms=False)
+    skip, below_one = resolved.events
+    assert skip == {"step": 1, "kind": "skip", "data": {
+        "scale_before": 1024.0, "scale_after": 0.5, "non_finite_layers": ["b"], "non_finite_layer_count": 1}}
+    assert below_one["kind"] == "scale_below_one" and below_one["step"] == 1
+    assert resolved.layers == ["a", "b"]
+    assert resolved.vectors["update/ratio"] == [(0, [0.1, 0.2])], "a skipped step's ratios are dropped"
+    [(step, fractions)] = resolved.vectors["update/rounded_away_frac"]
+    assert step == 0 and fractions[0] == 0.25 and math.isnan(fractions[1])
+    assert resolved.scalars["grad/global_norm_post_clip"] == [(0, pytest.approx(1.0))]
+    assert resolved.vectors["grad/underflow_frac"] == [(0, [1.0, 1.0])]
+    assert resolved.scalars["grad/global_underflow_frac"] == [(0, 1.0)]
+    assert resolved.vectors["grad/zero_frac"] == [(0, [0.0, 0.0])]
+
+    unscaled = _host_packet()
+    assert _derive.derive(unscaled, ["a", "b"], loss_scaling=False, partial_norms=True,
+                          report_scale_below_one=False) is False
+    assert [e["kind"] for e in unscaled.events] == ["skip"]
+    assert "grad/global_norm_post_clip" not in unscaled.scalars, "a shard's norm is not the global one"
+    assert "grad/zero_frac" in unscaled.vectors and "grad/underflow_frac" not in unscaled.vectors
+
+
+def test_a_watch_derivation_reports_the_scale_below_one_once():
+    from gradwatch._derive import WatchDerivation
+
+    derivation = WatchDerivation(["a", "b"], loss_scaling=True, partial_norms=False)
+    first, second = _host_packet(), _host_packet()
+    derivation(first)
+    derivation(second)
+    assert [e["kind"] for e in first.events] == ["skip", "scale_below_one"]
+    assert [e["kind"] for e in second.events] == ["skip"]

@@ -9,10 +9,9 @@ import random
 from collections import defaultdict
 
 import pytest
-from gradwatch.server import rollups
 from gradwatch.server.database import make_engine, prepare_schema, upgrade
 from gradwatch.server.schemas import BatchIn, RunIn
-from gradwatch.server.store import Store
+from gradwatch.server.storage import Store, rollups
 from sqlalchemy import text
 
 

@@ -13,18 +13,23 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import gradwatch
 from transformers import TrainerCallback
+
+import gradwatch
 
 
 class GradwatchCallback(TrainerCallback):
-    def __init__(self, run: gradwatch.Run | None = None, watch_options: dict[str, Any] | None = None, **init: Any):
+    def __init__(
+        self, run: gradwatch.Run | None = None, watch_options: dict[str, Any] | None = None, **init: Any
+    ):
         self.run = run
         self._owns_run = run is None
         self._init = init
         self._watch_options = watch_options or {}
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **_: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **_: Any
+    ) -> None:
         if self.run is None:
             config = {k: v for k, v in args.to_dict().items() if isinstance(v, (str, int, float, bool))}
             self.run = gradwatch.init(config=config, **self._init)
@@ -34,10 +39,14 @@ class GradwatchCallback(TrainerCallback):
         if model is not None and torch_optimizer is not None:
             self.run.watch(model, torch_optimizer, scaler=scaler, **self._watch_options)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any
+    ) -> None:
         if self.run is None or not logs:
             return
-        numeric = {f"hf/{k}": v for k, v in logs.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+        numeric = {
+            f"hf/{k}": v for k, v in logs.items() if not isinstance(v, bool) and isinstance(v, numbers.Real)
+        }
         if numeric:
             self.run.log(numeric)
 

@@ -15,13 +15,15 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name
-    import pytorch_lightning as pl  # type: ignore[no-redef]
+    import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under the old name
 
 import gradwatch
 
 
 class GradwatchCallback(pl.Callback):
-    def __init__(self, run: gradwatch.Run | None = None, watch_options: dict[str, Any] | None = None, **init: Any):
+    def __init__(
+        self, run: gradwatch.Run | None = None, watch_options: dict[str, Any] | None = None, **init: Any
+    ):
         self.run = run
         self._owns_run = run is None
         self._init = init
@@ -36,7 +38,9 @@ class GradwatchCallback(pl.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.run.watch(pl_module, trainer.optimizers[0], scaler=scaler, **self._watch_options)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.run is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

@@ -32,7 +32,9 @@ def upgrade() -> None:
         sa.Column("cooldown_steps", sa.BigInteger(), nullable=False),
         sa.Column("created_at", sa.Float(), nullable=False),
         sa.Column("updated_at", sa.Float(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_alert_rules_run_id_runs", ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name="fk_alert_rules_run_id_runs", ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("id", name="pk_alert_rules"),
     )
     op.create_index("ix_alert_rules_project_run_id", "alert_rules", ["project", "run_id"])
@@ -43,9 +45,14 @@ def upgrade() -> None:
         sa.Column("state_json", sa.Text(), nullable=False),
         sa.Column("updated_at", sa.Float(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["rule_id"], ["alert_rules.id"], name="fk_alert_rule_states_rule_id_alert_rules", ondelete="CASCADE"
+            ["rule_id"],
+            ["alert_rules.id"],
+            name="fk_alert_rule_states_rule_id_alert_rules",
+            ondelete="CASCADE",
         ),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_alert_rule_states_run_id_runs", ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name="fk_alert_rule_states_run_id_runs", ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("rule_id", "run_id", name="pk_alert_rule_states"),
     )
     op.create_table(
@@ -109,7 +116,9 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["webhook_id"], ["webhooks.id"], name="fk_deliveries_webhook_id_webhooks", ondelete="CASCADE"
         ),
-        sa.ForeignKeyConstraint(["alert_id"], ["alerts.id"], name="fk_deliveries_alert_id_alerts", ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["alert_id"], ["alerts.id"], name="fk_deliveries_alert_id_alerts", ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("id", name="pk_deliveries"),
     )
     op.create_index("ix_deliveries_status_next_attempt_at", "deliveries", ["status", "next_attempt_at"])

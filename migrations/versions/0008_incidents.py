@@ -19,21 +19,35 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-NEW_DEFAULT_RULES = {  # type: (params, cooldown_steps)
+NEW_DEFAULT_RULES = {  # rule type -> (params, cooldown_steps)
     "scaler_calibration": ({"floor": 1.0, "settle_steps": 25, "floor_skips": 5}, 0),
     "loss_non_finite": ({"clear_after": 100}, 0),
     "misuse": ({}, 0),
     "grad_norm_spike": ({"window": 100, "warmup": 20, "z": 6.0, "min_ratio": 10.0, "sustain": 3}, 100),
     "loss_spike": (
-        {"window": 100, "warmup": 20, "z": 8.0, "min_ratio": 2.0, "sustain": 3, "restart_grace": 200}, 100
+        {"window": 100, "warmup": 20, "z": 8.0, "min_ratio": 2.0, "sustain": 3, "restart_grace": 200},
+        100,
     ),
     "lr_jump": ({"factor": 30.0, "warmup": 10}, 0),
     "clip_saturation": (
-        {"window": 20, "plain_window": 200, "fraction": 0.9, "min_ratio": 3.0, "min_ratio_accumulating": 1.25}, 100
+        {
+            "window": 20,
+            "plain_window": 200,
+            "fraction": 0.9,
+            "min_ratio": 3.0,
+            "min_ratio_accumulating": 1.25,
+        },
+        100,
     ),
     "underflow": (
-        {"threshold": 0.1, "zero_fraction": 0.3, "precision_loss": 0.5, "observations": 2, "all_zero": False,
-         "key": "grad/underflow_frac"},
+        {
+            "threshold": 0.1,
+            "zero_fraction": 0.3,
+            "precision_loss": 0.5,
+            "observations": 2,
+            "all_zero": False,
+            "key": "grad/underflow_frac",
+        },
         100,
     ),
     "dead_layers": ({"observations": 2}, 100),
@@ -94,32 +108,53 @@ def upgrade() -> None:
 def _install_new_defaults() -> None:
     connection = op.get_bind()
     rules = sa.table(
-        "alert_rules", sa.column("id", sa.Integer), sa.column("project", sa.String), sa.column("run_id", sa.String),
-        sa.column("type", sa.String), sa.column("name", sa.String), sa.column("params_json", sa.Text),
-        sa.column("enabled", sa.Boolean), sa.column("cooldown_steps", sa.BigInteger),
-        sa.column("created_at", sa.Float), sa.column("updated_at", sa.Float),
+        "alert_rules",
+        sa.column("id", sa.Integer),
+        sa.column("project", sa.String),
+        sa.column("run_id", sa.String),
+        sa.column("type", sa.String),
+        sa.column("name", sa.String),
+        sa.column("params_json", sa.Text),
+        sa.column("enabled", sa.Boolean),
+        sa.column("cooldown_steps", sa.BigInteger),
+        sa.column("created_at", sa.Float),
+        sa.column("updated_at", sa.Float),
     )
-    projects = [row[0] for row in connection.execute(sa.text("SELECT project FROM alert_projects ORDER BY project"))]
+    projects = [
+        row[0] for row in connection.execute(sa.text("SELECT project FROM alert_projects ORDER BY project"))
+    ]
     now = time.time()
     for project in projects:
         have = {
-            row[0] for row in connection.execute(
+            row[0]
+            for row in connection.execute(
                 sa.select(rules.c.type).where(rules.c.project == project, rules.c.run_id.is_(None))
             )
         }
         for rule_type, (params, cooldown) in NEW_DEFAULT_RULES.items():
             if rule_type in have:
                 continue
-            connection.execute(rules.insert().values(
-                project=project, run_id=None, type=rule_type, name=rule_type.replace("_", " "),
-                params_json=json.dumps(params), enabled=True, cooldown_steps=cooldown, created_at=now, updated_at=now,
-            ))
+            connection.execute(
+                rules.insert().values(
+                    project=project,
+                    run_id=None,
+                    type=rule_type,
+                    name=rule_type.replace("_", " "),
+                    params_json=json.dumps(params),
+                    enabled=True,
+                    cooldown_steps=cooldown,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
     for rule_id, params_json in connection.execute(
         sa.select(rules.c.id, rules.c.params_json).where(rules.c.type == "skip_storm")
     ).all():
         if json.loads(params_json) == OLD_SKIP_STORM:
             connection.execute(
-                rules.update().where(rules.c.id == rule_id).values(params_json=json.dumps(NEW_SKIP_STORM), updated_at=now)
+                rules.update()
+                .where(rules.c.id == rule_id)
+                .values(params_json=json.dumps(NEW_SKIP_STORM), updated_at=now)
             )
 
 

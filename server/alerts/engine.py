@@ -19,9 +19,10 @@ from sqlalchemy import event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Event, Run
+from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Run
 from ..schemas import BatchIn
-from ..store import dump_json, iso_time
+from ..storage.codecs import dump_json, iso_time
+from ..storage.queries import events_of_kinds
 from .incidents import Incidents
 from .rules import CLEAR, DEFAULT_RULES, MISUSE_EVENTS, RULE_TYPES, Finding, RuleType, StepData, make_rule
 
@@ -355,15 +356,9 @@ class AlertEngine:
         base = HINTS.get(finding.cause or rule_name, HINTS.get(rule_name, ""))
         if rule_name not in _EXPLAINED_BY_MISUSE:
             return base
-        misuse = session.execute(
-            select(Event.kind, Event.data_json)
-            .where(Event.run_id == run_id, Event.kind.in_(MISUSE_EVENTS))
-            .order_by(Event.step, Event.id)
-            .limit(len(MISUSE_EVENTS) * 2)
-        ).all()
         causes: dict[str, str] = {}
-        for kind, data_json in misuse:
-            hint = json.loads(data_json).get("hint")
+        for kind, data in events_of_kinds(session, run_id, MISUSE_EVENTS, limit=len(MISUSE_EVENTS) * 2):
+            hint = data.get("hint")
             if isinstance(hint, str) and kind not in causes:
                 causes[kind] = f"Likely cause ({kind.replace('_', ' ')}): {hint}"
         return " ".join([*causes.values(), base]).strip()

@@ -23,8 +23,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..models import Alert, Delivery, Event, Incident, Point, Run, Series, VectorPoint, Webhook
-from ..store import decode_float, dump_json, iso_time, unpack
+from ..models import Alert, Delivery, Incident, Point, Run, Series, VectorPoint, Webhook
+from ..storage.codecs import decode_float, dump_json, iso_time, unpack
+from ..storage.queries import events_of_kinds
 from .diagnosis import RunContext, diagnose
 from .rules import MISUSE_EVENTS, RULE_TYPES
 from .webhooks import render
@@ -245,11 +246,8 @@ class Incidents:
             return found[0][1] if found else None
 
         misuse: dict[str, dict[str, Any]] = {}
-        for kind, data_json in session.execute(
-            select(Event.kind, Event.data_json).where(Event.run_id == run.id, Event.kind.in_(MISUSE_EVENTS))
-            .order_by(Event.step, Event.id).limit(20)
-        ):
-            misuse.setdefault(kind, json.loads(data_json))
+        for kind, data in events_of_kinds(session, run.id, MISUSE_EVENTS, limit=20):
+            misuse.setdefault(kind, data)
         low, high = latest("amp/safe_scale_min", last_step), latest("amp/safe_scale_max", last_step)
         lr_start = first_step - 60
         lr_peak_before, lr_points_before = None, 0

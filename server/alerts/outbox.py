@@ -5,6 +5,9 @@ A claim is one atomic UPDATE … WHERE id = (SELECT … LIMIT 1 [FOR UPDATE SKIP
 row from pending to sending with a lease (claimed_until) and a fresh claim_token: on PostgreSQL two
 processes never claim the same row, on SQLite the single writer makes the UPDATE atomic. A row whose
 lease ran out (its worker died mid-send) is claimable again. Only the token holder may finish a row.
+
+Requests go through egress.PinnedTransport: a host that is or resolves to a loopback, private or
+link-local address is refused (unless Settings.webhook_allow_private), permanently: no retries.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sqlalchemy.orm import Session
 from ..database import Transactions
 from ..models import Delivery, Webhook
 from ..settings import Settings
+from .egress import PinnedTransport
 from .webhooks import signature_headers, validate_url
 
 __all__ = ["OutboxWorker", "backoff_delay"]
@@ -75,7 +79,10 @@ class OutboxWorker:
     def start(self) -> OutboxWorker:
         if self._thread is None:
             if self._client is None:
-                self._client = httpx.Client(timeout=self.settings.webhook_timeout_s, follow_redirects=False)
+                self._client = httpx.Client(
+                    transport=PinnedTransport(self.settings.webhook_allow_private),
+                    timeout=self.settings.webhook_timeout_s, follow_redirects=False,
+                )
             self._thread = threading.Thread(target=self._loop, name="gradwatch-outbox", daemon=True)
             self._thread.start()
         return self
@@ -168,12 +175,9 @@ class OutboxWorker:
         status: int | None = None
         error: str | None = None
         assert self._client is not None
-        try:  # the allow-list may have changed since the webhook was created
-            validate_url(claimed.url, self.settings.webhook_allowed_hosts)
-        except ValueError as exc:
-            self._finish(claimed, None, str(exc), final=True)
-            return
-        try:
+        try:  # the allow-list or webhook_allow_private may have changed since the webhook was created
+            validate_url(claimed.url, self.settings.webhook_allowed_hosts,
+                         allow_private=self.settings.webhook_allow_private)
             response = self._client.post(claimed.url, content=body, headers=headers)
             status = response.status_code
             if response.is_redirect:  # never followed: a redirect could lead anywhere, e.g. inside the network
@@ -183,6 +187,12 @@ class OutboxWorker:
                 # The status code only: the receiver's body is never kept (a delivery log that showed it
                 # would let anyone with a webhook read what internal services answer).
                 error = f"HTTP {status}" + (f" {_PHRASES[status]}" if status in _PHRASES else "")
+        except ValueError as exc:  # validate_url, or egress.EgressRefused (a private target): permanent
+            self._finish(claimed, None, str(exc), final=True)
+            return
+        except httpx.InvalidURL as exc:  # e.g. 0177.0.0.1 under webhook_allow_private: permanent too
+            self._finish(claimed, None, f"webhook url cannot be sent: {exc}", final=True)
+            return
         except httpx.HTTPError:
             # One message for every transport failure: closed and open ports must not be told apart.
             error = "no HTTP response from the receiver (refused, unreachable or timed out)"

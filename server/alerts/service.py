@@ -15,7 +15,8 @@ from ..errors import InvalidRequest, NotFound
 from ..models import Alert, AlertRule, AlertRuleState, Delivery, Incident, Run, Webhook
 from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
 from ..settings import Settings
-from ..store import iso_time
+from ..storage.codecs import iso_time
+from ..storage.queries import require_run
 from .engine import AlertEngine, alert_document
 from .incidents import incident_document, verdict
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
@@ -71,10 +72,7 @@ class AlertService:
         with self._transaction() as session:
             query = select(AlertRule)
             if run_id is not None:
-                run = session.get(Run, run_id)
-                if run is None:
-                    raise NotFound(f"run {run_id!r} does not exist")
-                project = run.project
+                project = require_run(session, run_id).project
                 query = query.where((AlertRule.run_id.is_(None)) | (AlertRule.run_id == run_id))
             if project is not None:
                 self.alert_engine.ensure_defaults(session, project)
@@ -197,9 +195,7 @@ class AlertService:
     def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, str]:
         """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
         with self._transaction() as session:
-            run = session.get(Run, run_id)
-            if run is None:
-                raise NotFound(f"run {run_id!r} does not exist")
+            run = require_run(session, run_id)
             rows = session.scalars(select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc())).all()
             documents = [incident_document(incident, run.name) for incident in rows]
             return documents[:limit], len(documents), verdict(documents)
@@ -220,11 +216,16 @@ class AlertService:
             "created_at": iso_time(row.created_at),
         }
 
-    def create_webhook(self, webhook: WebhookIn) -> dict[str, Any]:
+    def _check_url(self, url: str) -> None:
+        """InvalidRequest unless the URL may be sent to under these settings (a host name's addresses are
+        judged when it is sent: egress.PinnedTransport)."""
         try:
-            validate_url(webhook.url, self.settings.webhook_allowed_hosts)
+            validate_url(url, self.settings.webhook_allowed_hosts, allow_private=self.settings.webhook_allow_private)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+
+    def create_webhook(self, webhook: WebhookIn) -> dict[str, Any]:
+        self._check_url(webhook.url)
         with self._transaction() as session:
             row = Webhook(
                 project=webhook.project, url=webhook.url, format=webhook.format, secret=webhook.secret,
@@ -257,6 +258,7 @@ class AlertService:
             webhook = self._require(session, Webhook, webhook_id, "webhook")
             if not webhook.enabled:
                 raise InvalidRequest(f"webhook {webhook_id} is disabled: enable it to send a test")
+            self._check_url(webhook.url)  # the settings may have changed since it was created
             now = time.time()
             sample = {
                 "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "status": "open",

@@ -13,6 +13,8 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
+from .egress import check_literal
+
 __all__ = ["FORMATS", "render", "sign", "signature_headers", "validate_url", "verify"]
 
 FORMATS = ("json", "slack", "discord")
@@ -21,8 +23,9 @@ TIMESTAMP_HEADER = "X-Gradwatch-Timestamp"
 _COLORS = {"critical": 0xD63031, "warning": 0xF39C12, "resolved": 0x27AE60, "info": 0x3498DB}
 
 
-def validate_url(url: str, allowed_hosts: tuple[str, ...] | None = None) -> str:
-    """The URL if it is http(s) with a host (and the host allowed); ValueError saying what is wrong."""
+def validate_url(url: str, allowed_hosts: tuple[str, ...] | None = None, *, allow_private: bool = False) -> str:
+    """The URL if it is http(s) with a host (and the host allowed, and unless allow_private not an address
+    literal in a refused range: egress.check_literal); ValueError saying what is wrong."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"webhook url must start with http:// or https://, got {url!r}")
@@ -32,6 +35,8 @@ def validate_url(url: str, allowed_hosts: tuple[str, ...] | None = None) -> str:
         raise ValueError(
             f"webhook host {parts.hostname!r} is not allowed (allowed: {', '.join(allowed_hosts) or 'none'})"
         )
+    if not allow_private:
+        check_literal(parts.hostname)
     return url
 
 

@@ -1,11 +1,21 @@
-from typing import Annotated, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+from fastapi import APIRouter, Response, status
 
 from ..alerts import AlertService
 from ..auth import Scope
-from ..deps import PrincipalDep, StoreDep, authorize_project, authorize_run
+from ..deps import (
+    AlertsDep,
+    Limit,
+    Offset,
+    PrincipalDep,
+    QueryRowId,
+    RowId,
+    StoreDep,
+    authorize_project,
+    authorize_run,
+)
 from ..schemas import (
     AlertList,
     AlertOut,
@@ -23,18 +33,6 @@ from ..schemas import (
     WebhookList,
     WebhookOut,
 )
-
-
-def _alerts(request: Request) -> AlertService:
-    return request.app.state.alerts
-
-
-AlertsDep = Annotated[AlertService, Depends(_alerts)]
-Limit = Annotated[int, Query(ge=1, le=1000)]
-# Row ids are 32-bit integers in the database; larger values cannot name anything.
-RowId = Annotated[int, Path(ge=1, le=2**31 - 1)]
-QueryRowId = Annotated[int | None, Query(ge=1, le=2**31 - 1)]
-Offset = Annotated[int, Query(ge=0)]
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
 

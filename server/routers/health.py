@@ -1,5 +1,4 @@
 from fastapi import APIRouter
-from sqlalchemy import text
 
 from ..deps import PrincipalDep, StoreDep
 
@@ -9,9 +8,7 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz")
 def healthz(store: StoreDep) -> dict[str, str]:
     """Liveness and database reachability."""
-    with store.engine.connect() as connection:
-        connection.execute(text("SELECT 1"))
-    return {"status": "ok", "database": store.engine.dialect.name}
+    return {"status": "ok", "database": store.ping()}
 
 
 @router.get("/api/v1/auth/whoami", tags=["auth"])

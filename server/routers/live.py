@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -15,8 +16,9 @@ from starlette.websockets import WebSocketDisconnect
 from ..auth import Tokens, bearer
 from ..deps import authorize_run
 from ..errors import Forbidden, NotFound, Unauthenticated
-from ..live import LiveCursor, LiveHub, open_cursor, read_new, status_message
-from ..store import Store
+from ..live import LiveHub
+from ..schemas import json_float
+from ..storage import LiveCursor, LiveUpdate, Store
 
 router = APIRouter(prefix="/api/v1/runs", tags=["live"])
 logger = logging.getLogger("gradwatch.live")
@@ -78,6 +80,34 @@ def _dumps(message: dict[str, Any]) -> str:
     return json.dumps(message, allow_nan=False, separators=(",", ":"))
 
 
+def status_message(status: tuple[str, int | None]) -> dict[str, Any]:
+    return {"type": "status", "status": status[0], "last_step": status[1]}
+
+
+def messages(update: LiveUpdate, max_points: int = 5_000, max_events: int = 500) -> Iterator[dict[str, Any]]:
+    """A read's news as protocol messages (see live()): points per (key, rank) in pieces of at most
+    max_points, events in pieces of at most max_events, the status last."""
+    for chunk in update.points:
+        for lo in range(0, len(chunk.steps), max_points):
+            yield {
+                "type": "points",
+                "key": chunk.key,
+                "rank": chunk.rank,
+                "steps": chunk.steps[lo : lo + max_points],
+                "values": [json_float(v) for v in chunk.values[lo : lo + max_points]],
+            }
+    for lo in range(0, len(update.events), max_events):
+        yield {
+            "type": "events",
+            "data": [
+                {"step": e.step, "kind": e.kind, "rank": e.rank, "data": e.data}
+                for e in update.events[lo : lo + max_events]
+            ],
+        }
+    if update.status is not None:
+        yield status_message(update.status)
+
+
 @router.websocket("/{run_id}/live")
 async def live(websocket: WebSocket, run_id: str) -> None:
     """A run's data as it is stored, pushed within about a second of ingest (from any server process
@@ -126,9 +156,10 @@ async def live(websocket: WebSocket, run_id: str) -> None:
         await _close(websocket, CLOSE_NOT_FOUND, str(exc))
         return
     hub: LiveHub = websocket.app.state.live
+    store: Store = websocket.app.state.store
     with hub.subscribe(run_id) as wake:  # before the cursor: nothing stored meanwhile is missed
         try:
-            cursor = await hub.read(lambda session: open_cursor(session, run_id, keys, rank, since))
+            cursor = await hub.read(lambda: store.live.open_cursor(run_id, keys, rank, since))
         except NotFound as exc:
             await _close(websocket, CLOSE_NOT_FOUND, str(exc))
             return
@@ -143,7 +174,7 @@ async def live(websocket: WebSocket, run_id: str) -> None:
             return
         wake.set()  # read at once: the backlog after `since`, and whatever was stored since the cursor
         receiver = asyncio.create_task(_until_disconnect(websocket))
-        pusher = asyncio.create_task(_push(websocket, hub, cursor, wake))
+        pusher = asyncio.create_task(_push(websocket, hub, store, cursor, wake))
         access = asyncio.create_task(_keep_authorized(websocket, run_id))
         try:
             await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
@@ -180,7 +211,7 @@ async def _until_disconnect(websocket: WebSocket) -> None:
         pass
 
 
-async def _push(websocket: WebSocket, hub: LiveHub, cursor: LiveCursor, wake: asyncio.Event) -> None:
+async def _push(websocket: WebSocket, hub: LiveHub, store: Store, cursor: LiveCursor, wake: asyncio.Event) -> None:
     """Read what is new whenever woken (or every refresh interval) and send it; one read at a time,
     wake-ups during a read or a slow send merge into the next read."""
     loop = asyncio.get_running_loop()
@@ -190,7 +221,7 @@ async def _push(websocket: WebSocket, hub: LiveHub, cursor: LiveCursor, wake: as
         await hub.wait(wake, last_read)
         last_read = loop.time()
         try:
-            update = await hub.read(lambda session: read_new(session, cursor))
+            update = await hub.read(lambda: store.live.read_new(cursor))
         except NotFound:
             raise
         except Exception:  # the database may be back by the next read; the cursor did not move
@@ -201,7 +232,7 @@ async def _push(websocket: WebSocket, hub: LiveHub, cursor: LiveCursor, wake: as
             wake.set()
             continue
         failures = 0
-        for message in update.messages():
+        for message in messages(update):
             await websocket.send_text(_dumps(message))
         if update.more:
             wake.set()

@@ -1,9 +1,11 @@
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 
 from ..deps import PrincipalDep, StoreDep, authorize_run
+from ..ingest_limits import RESPONSES as INGEST_REFUSALS
+from ..ingest_limits import charge_ingest
 from ..schemas import (
     BatchAck,
     BatchIn,
@@ -17,15 +19,10 @@ from ..schemas import (
     Tag,
     json_float,
 )
-from ..store import RunFilter, RunRecord
+from ..storage import RunFilter, RunRecord
+from ..storage.codecs import iso_time
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
-
-
-def _iso(seconds: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
 
 
 def run_out(record: RunRecord) -> RunOut:
@@ -34,8 +31,8 @@ def run_out(record: RunRecord) -> RunOut:
         project=record.project,
         name=record.name,
         status=record.status,
-        created_at=_iso(record.created_at),
-        updated_at=_iso(record.updated_at),
+        created_at=iso_time(record.created_at),
+        updated_at=iso_time(record.updated_at),
         last_step=record.last_step,
         tags=record.tags,
         config=record.config,
@@ -115,7 +112,7 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.post("/{run_id}/batches")
+@router.post("/{run_id}/batches", dependencies=[Depends(charge_ingest)], responses=INGEST_REFUSALS)  # ingest_limits
 def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> BatchAck:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
     authorize_run(store, principal, run_id, "ingest")

@@ -17,23 +17,25 @@ silently small):
 A NaN on any rank makes the combined value NaN; an infinity makes it infinite (l2, sum, mean, max).
 The per-rank values stay available next to the combined one, so a diverging rank stands out.
 
-Functions take a SQLAlchemy Session and read only; gradwatch.server.routers.ranks serves them.
+RankReads (Store.ranks) answers these questions, each call in a session of its own that only reads;
+gradwatch.server.routers.ranks serves them over HTTP.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import Engine, case, func, select
 from sqlalchemy.orm import Session
 
-from .errors import InvalidRequest, NotFound
-from .models import AgentBatch, Event, Flag, HistogramPoint, Point, Run, Series, VectorPoint
-from .store import decode_float, unpack
+from ..errors import InvalidRequest, NotFound
+from ..models import AgentBatch, Event, Flag, HistogramPoint, Point, VectorPoint
+from . import queries
+from .codecs import decode_float, unpack
 
 __all__ = [
     "COMBINES",
@@ -43,12 +45,8 @@ __all__ = [
     "CombinedVectors",
     "Disagreement",
     "RankInfo",
+    "RankReads",
     "RanksSummary",
-    "combined_histograms",
-    "combined_series",
-    "combined_vectors",
-    "disagreements",
-    "rank_summary",
     "resolve_combine",
 ]
 
@@ -57,7 +55,6 @@ NORM_KEYS = frozenset({"grad/global_norm", "grad/norm", "param/norm"})
 RANK_EVENT = "rank"
 SKIPPED_KEY = "amp/skipped"
 SHARDED = "sharded"
-_IN_CHUNK = 500  # IN-lists are sent in chunks of this many values
 
 
 @dataclass(frozen=True)
@@ -129,14 +126,53 @@ class Disagreement:
     layers: list[str] = field(default_factory=list)  # non-finite layers named by the skipping ranks
 
 
+class RankReads:
+    """The ranks of distributed runs, read only: each call opens a session of its own (never committed).
+
+    NotFound names an unknown run or layer, InvalidRequest an unknown combine mode or a key holding
+    another kind of data."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def rank_summary(self, run_id: str) -> RanksSummary:
+        """Every rank that sent anything to the run or announced itself, with what it reported."""
+        with Session(self.engine) as session:
+            return _rank_summary(session, run_id)
+
+    def combined_series(
+        self, run_id: str, key: str, combine: str = "auto", start: int | None = None, end: int | None = None,
+        max_points: int = 2000,
+    ) -> CombinedSeries:
+        """One scalar key combined over the ranks for start <= step < end (see the module docstring)."""
+        with Session(self.engine) as session:
+            return _combined_series(session, run_id, key, combine, start, end, max_points)
+
+    def combined_vectors(
+        self, run_id: str, key: str, combine: str = "auto", start: int | None = None, end: int | None = None,
+        max_steps: int = 500,
+    ) -> CombinedVectors:
+        """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix."""
+        with Session(self.engine) as session:
+            return _combined_vectors(session, run_id, key, combine, start, end, max_steps)
+
+    def combined_histograms(
+        self, run_id: str, layer: str, key: str = "grad/hist", combine: str = "auto", start: int | None = None,
+        end: int | None = None, max_steps: int = 200,
+    ) -> CombinedHistograms:
+        """One layer's log2|g| histograms over the ranks (summed for sharded gradients)."""
+        with Session(self.engine) as session:
+            return _combined_histograms(session, run_id, layer, key, combine, start, end, max_steps)
+
+    def disagreements(
+        self, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1000
+    ) -> tuple[list[Disagreement], int]:
+        """Steps skipped on some ranks but applied on others, oldest first, and how many there are."""
+        with Session(self.engine) as session:
+            return _disagreements(session, run_id, start, end, limit)
+
+
 # -- the ranks of a run ------------------------------------------------------------------------------
-
-
-def _require_run(session: Session, run_id: str) -> Run:
-    run = session.get(Run, run_id)
-    if run is None:
-        raise NotFound(f"run {run_id!r} does not exist")
-    return run
 
 
 def _rank_documents(session: Session, run_id: str) -> dict[int, dict[str, Any]]:
@@ -165,9 +201,9 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def rank_summary(session: Session, run_id: str) -> RanksSummary:
+def _rank_summary(session: Session, run_id: str) -> RanksSummary:
     """Every rank that sent anything to the run or announced itself, with what it reported."""
-    run = _require_run(session, run_id)
+    run = queries.require_run(session, run_id)
     documents = _rank_documents(session, run_id)
     activity = {
         rank: (count, last_seen)
@@ -224,28 +260,6 @@ def _expected_ranks(summary: RanksSummary, mode: str, reporting: list[int]) -> i
     return len(reporting)
 
 
-def _series_id(session: Session, run_id: str, key: str, kind: str) -> int | None:
-    row = session.execute(select(Series.id, Series.kind).where(Series.run_id == run_id, Series.key == key)).first()
-    if row is None:
-        return None
-    if row.kind != kind:
-        raise InvalidRequest(f"key {key!r} holds {row.kind} data, not {kind} data")
-    return row.id
-
-
-def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
-    if start is not None:
-        query = query.where(column >= start)
-    if end is not None:
-        query = query.where(column < end)
-    return query
-
-
-def _chunks(values: list[int]) -> Iterator[list[int]]:
-    for i in range(0, len(values), _IN_CHUNK):
-        yield values[i : i + _IN_CHUNK]
-
-
 # -- scalar series -----------------------------------------------------------------------------------
 
 
@@ -272,7 +286,7 @@ def _is_lower(a: float, b: float) -> bool:
     return math.isfinite(b) and a < b
 
 
-def combined_series(
+def _combined_series(
     session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
     end: int | None = None, max_points: int = 2000,
 ) -> CombinedSeries:
@@ -280,12 +294,14 @@ def combined_series(
 
     More than max_points combined steps are downsampled: max_points // 2 equal step buckets keep the
     steps of their lowest and highest combined value (a non-finite one counts as the lowest)."""
-    summary = rank_summary(session, run_id)
+    summary = _rank_summary(session, run_id)
     mode = resolve_combine(combine, key, summary.gradients)
-    series_id = _series_id(session, run_id, key, "scalar")
+    series_id = queries.series_id(session, run_id, key, "scalar")
     if series_id is None:
         return CombinedSeries(key, mode, [], [], [], {}, downsampled=False)
-    in_range = _step_range(select(Point).where(Point.series_id == series_id), Point.step, start, end).subquery()
+    in_range = queries.step_range(
+        select(Point).where(Point.series_id == series_id), Point.step, start, end
+    ).subquery()
     extent = session.execute(
         select(in_range.c.rank, func.count(), func.min(in_range.c.step), func.max(in_range.c.step))
         .group_by(in_range.c.rank)
@@ -317,7 +333,7 @@ def combined_series(
     steps = [step for step, _ in points]
     per_rank: dict[int, list[float]] = {rank: [math.nan] * len(steps) for rank in ranks}
     index = {step: i for i, step in enumerate(steps)}
-    for chunk in _chunks(steps):
+    for chunk in queries.chunks(steps):
         rows = session.execute(
             select(Point.step, Point.rank, Point.value, Point.flag)
             .where(Point.series_id == series_id, Point.step.in_(chunk))
@@ -383,21 +399,21 @@ def _worst(values: Iterable[float]) -> float:
     return largest
 
 
-def combined_vectors(
+def _combined_vectors(
     session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
     end: int | None = None, max_steps: int = 500,
 ) -> CombinedVectors:
     """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix; more than
     max_steps steps are merged into equal step buckets keeping per layer the first non-finite value
     or else the largest (as the single-rank heatmap does)."""
-    run = _require_run(session, run_id)
+    run = queries.require_run(session, run_id)
     layers = json.loads(run.layers_json)
-    summary = rank_summary(session, run_id)
+    summary = _rank_summary(session, run_id)
     mode = resolve_combine(combine, key, summary.gradients)
-    series_id = _series_id(session, run_id, key, "vector")
+    series_id = queries.series_id(session, run_id, key, "vector")
     if series_id is None:
         return CombinedVectors(key, mode, [], layers, [], [], downsampled=False)
-    query = _step_range(
+    query = queries.step_range(
         select(VectorPoint.step, VectorPoint.rank, VectorPoint.data).where(VectorPoint.series_id == series_id),
         VectorPoint.step, start, end,
     )
@@ -423,7 +439,7 @@ def combined_vectors(
 # -- histograms --------------------------------------------------------------------------------------
 
 
-def combined_histograms(
+def _combined_histograms(
     session: Session, run_id: str, layer: str, key: str = "grad/hist", combine: str = "auto",
     start: int | None = None, end: int | None = None, max_steps: int = 200,
 ) -> CombinedHistograms:
@@ -433,18 +449,18 @@ def combined_histograms(
     Steps are thinned evenly to at most max_steps."""
     if combine not in ("auto", "sum", "first"):
         raise InvalidRequest(f"combine must be one of auto, sum, first for histograms, got {combine!r}")
-    run = _require_run(session, run_id)
+    run = queries.require_run(session, run_id)
     layers = json.loads(run.layers_json)
     if layer not in layers:
         raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
     index = layers.index(layer)
-    summary = rank_summary(session, run_id)
+    summary = _rank_summary(session, run_id)
     mode = combine if combine != "auto" else ("sum" if summary.gradients == SHARDED else "first")
-    series_id = _series_id(session, run_id, key, "histogram")
+    series_id = queries.series_id(session, run_id, key, "histogram")
     empty = CombinedHistograms(key, layer, mode, [], [], [], [], [], [])
     if series_id is None:
         return empty
-    query = _step_range(
+    query = queries.step_range(
         select(HistogramPoint).where(HistogramPoint.series_id == series_id), HistogramPoint.step, start, end
     )
     points = session.scalars(query.order_by(HistogramPoint.step, HistogramPoint.rank)).all()
@@ -482,23 +498,23 @@ def combined_histograms(
 # -- rank disagreement -------------------------------------------------------------------------------
 
 
-def disagreements(
+def _disagreements(
     session: Session, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1000
 ) -> tuple[list[Disagreement], int]:
     """Steps skipped (amp/skipped) on some ranks but applied on others, oldest first, and how many
     there are in the range before `limit`."""
-    _require_run(session, run_id)
-    series_id = _series_id(session, run_id, SKIPPED_KEY, "scalar")
+    queries.require_run(session, run_id)
+    series_id = queries.series_id(session, run_id, SKIPPED_KEY, "scalar")
     if series_id is None:
         return [], 0
     skipped = case((Point.value >= 0.5, 1), else_=0)
-    query = _step_range(
+    query = queries.step_range(
         select(Point.step).where(Point.series_id == series_id), Point.step, start, end
     ).group_by(Point.step).having(func.count() > 1, func.min(skipped) != func.max(skipped))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     steps = list(session.scalars(query.order_by(Point.step).limit(limit)))
     found: dict[int, Disagreement] = {}
-    for chunk in _chunks(steps):
+    for chunk in queries.chunks(steps):
         rows = session.execute(
             select(Point.step, Point.rank, Point.value)
             .where(Point.series_id == series_id, Point.step.in_(chunk))

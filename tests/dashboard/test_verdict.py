@@ -10,9 +10,9 @@ import math
 import gradwatch
 import httpx
 import pytest
+from dashboard_support import FakeApi, refresh, skip_event
 from gradwatch.dashboard import create_dash_app, verdict
 from gradwatch.dashboard.api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
-from test_dashboard_figures import FakeApi, refresh, skip_event
 
 HOSTILE = "<script>alert('x')</script><img src=x onerror=alert(1)>"
 

@@ -28,8 +28,8 @@ import numpy as np
 from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
+from ..models import Point, PointRollup, VectorPoint, VectorRollup
 from . import bulk
-from .models import Point, PointRollup, VectorPoint, VectorRollup
 
 BASE = 32
 LEVELS = 3

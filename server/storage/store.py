@@ -1,32 +1,30 @@
-"""Persistence: the Store owns every transaction (commit on success, rollback and translate otherwise).
+"""The Store: runs, ingest and the series queries; it owns their transactions (commit on success,
+rollback and translate otherwise).
 
-Routers call Store methods with validated schemas and get plain results back; no SQLAlchemy object
-leaves this module.
+Routers call Store methods with validated schemas and get frozen dataclasses back; no SQLAlchemy
+object leaves the storage package. The read models of the ranks (store.ranks) and of live streams
+(store.live) open their own sessions the same way.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import uuid
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Engine, case, delete, func, or_, select, update
+from sqlalchemy import Engine, case, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from . import bulk, rollups
-from .database import Transactions
-from .errors import Conflict, InvalidRequest, NotFound
-from .models import (
+from ..database import Transactions
+from ..errors import Conflict, InvalidRequest, NotFound
+from ..models import (
     AgentBatch,
     Event,
     Flag,
@@ -39,61 +37,13 @@ from .models import (
     VectorPoint,
     VectorRollup,
 )
-from .schemas import BatchIn, RunIn, json_float
+from ..schemas import BatchIn, RunIn
+from . import bulk, queries, rollups
+from .codecs import decode_float, dump_json, encode_float, pack, unpack
+from .live import LiveReads
+from .ranks import RankReads
 
-_FLAG_VALUES = {Flag.NAN: math.nan, Flag.POS_INF: math.inf, Flag.NEG_INF: -math.inf}
 SCALE_KEY = "amp/scale"
-
-
-def encode_float(value: float) -> tuple[float | None, int]:
-    """(value column, flag column) for a float: non-finite values are stored as NULL plus a flag."""
-    if math.isfinite(value):
-        return value, Flag.FINITE
-    if math.isnan(value):
-        return None, Flag.NAN
-    return None, Flag.POS_INF if value > 0 else Flag.NEG_INF
-
-
-def decode_float(value: float | None, flag: int) -> float:
-    if flag == Flag.FINITE and value is not None:
-        return value
-    return _FLAG_VALUES.get(Flag(flag), math.nan)
-
-
-def pack(values: list[float] | list[int], typecode: str) -> bytes:
-    """Little-endian bytes of a float64 ("d") or int64 ("q") array: compact, portable, NaN-preserving."""
-    packed = array(typecode, values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack(data: bytes, typecode: str) -> list[Any]:
-    values = array(typecode)
-    values.frombytes(data)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values.tolist()
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else json_float(obj)
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def iso_time(seconds: float | None) -> str | None:
-    """A stored Unix time as the API shows it (ISO 8601, UTC); None stays None."""
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
-
-
-def dump_json(document: dict[str, Any]) -> str:
-    """Standard JSON text for a free-form document; NaN/±Inf become "NaN"/"Infinity"/"-Infinity"."""
-    return json.dumps(_json_safe(document), allow_nan=False, default=str)
 
 
 @dataclass(frozen=True)
@@ -160,14 +110,6 @@ class HistogramsResult:
     non_finite: list[int]
 
 
-def _step_range(query: Any, column: Any, start: int | None, end: int | None) -> Any:
-    if start is not None:
-        query = query.where(column >= start)
-    if end is not None:
-        query = query.where(column < end)
-    return query
-
-
 def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, int, int, float | None, int]]:
     """(series_id, rank, step, value, flag) rows of a batch's scalars. A step repeated for a key within
     the batch keeps its last value (one row per key for the database's upsert)."""
@@ -198,19 +140,29 @@ class EventRecord:
 
 
 class Store:
-    """All reads and writes of gradwatch's database, on SQLite or PostgreSQL."""
+    """Runs and their data (create, list, ingest, series, vectors, histograms, events), on SQLite or
+    PostgreSQL."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._transaction = Transactions(engine)  # commit on success, roll back on any error
         dialect = engine.dialect.name
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self.ranks = RankReads(engine)  # the ranks of distributed runs, combined at query time
+        self.live = LiveReads(engine)  # what is new for a live stream's subscriber
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
         # Called with (run_id, batch) after a newly stored batch has committed (live streams):
         # must be quick and must not raise; the data is already durable.
         self.after_commit: list[Callable[[str, BatchIn], None]] = []
+
+    def ping(self) -> str:
+        """The database's dialect name ("sqlite", "postgresql") once a trivial query has run on it
+        (liveness checks); the driver's error when the database cannot be reached."""
+        with self.engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        return self.engine.dialect.name
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -228,11 +180,12 @@ class Store:
                 if existing is None:
                     taken = session.scalar(select(Run.id).where(Run.id == requested)) is not None
                     run_id = uuid.uuid4().hex if taken else requested
-                    values = dict(
-                        id=run_id, project=run.project, name=run.name or requested[:8], status="running",
-                        requested_id=requested if taken else None, config_json=dump_json(run.config),
-                        metadata_json=dump_json(run.metadata), created_at=time.time(), updated_at=time.time(),
-                    )
+                    values = {
+                        "id": run_id, "project": run.project, "name": run.name or requested[:8], "status": "running",
+                        "requested_id": requested if taken else None, "config_json": dump_json(run.config),
+                        "metadata_json": dump_json(run.metadata), "created_at": time.time(),
+                        "updated_at": time.time(),
+                    }
                     conflict = ["project", "requested_id"] if taken else ["id"]
                     session.execute(self._insert(Run).values(**values).on_conflict_do_nothing(index_elements=conflict))
                     existing = session.scalar(select(Run).where(Run.id == run_id, Run.project == run.project))
@@ -246,7 +199,7 @@ class Store:
 
     def update_run(self, run_id: str, name: str | None, tags: list[str] | None) -> RunRecord:
         with self._transaction() as session:
-            run = self._require_run(session, run_id)
+            run = queries.require_run(session, run_id)
             if name is not None:
                 run.name = name
             if tags is not None:
@@ -267,7 +220,7 @@ class Store:
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction() as session:
-            return self._run_record(session, self._require_run(session, run_id))
+            return self._run_record(session, queries.require_run(session, run_id))
 
     def list_runs(self, filters: RunFilter, limit: int, offset: int) -> tuple[list[RunRecord], int]:
         """Runs matching every given filter, in the requested order, and how many match before
@@ -324,7 +277,7 @@ class Store:
     def _ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
         now = time.time()
         with self._transaction() as session:
-            self._require_run(session, run_id, lock=True)
+            queries.require_run(session, run_id, lock=True)
             claimed = session.execute(
                 self._insert(AgentBatch)
                 .values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=now)
@@ -460,7 +413,7 @@ class Store:
 
     def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
         with self._transaction() as session:
-            self._require_run(session, run_id)
+            queries.require_run(session, run_id)
             return list(
                 session.scalars(
                     select(Series.key).where(Series.run_id == run_id, Series.kind == kind).order_by(Series.key)
@@ -474,9 +427,9 @@ class Store:
         are grouped into at most max_steps equal buckets keeping, per layer, the first non-finite
         value or else the largest (read from the rollups: cost independent of the run's length)."""
         with self._transaction() as session:
-            run = self._require_run(session, run_id)
+            run = queries.require_run(session, run_id)
             layers = json.loads(run.layers_json)
-            series_id = self._series_id(session, run_id, key)
+            series_id = queries.series_id(session, run_id, key)
             extent = None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
             if extent is None:
                 return VectorsResult(layers, [], [], downsampled=False)
@@ -501,15 +454,15 @@ class Store:
         """One layer's log2 histograms over steps (evenly thinned to at most max_steps snapshots).
         Only the chosen snapshots are read, and of each only the layer's slice of the counts."""
         with self._transaction() as session:
-            run = self._require_run(session, run_id)
+            run = queries.require_run(session, run_id)
             layers = json.loads(run.layers_json)
             if layer not in layers:
                 raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
             index = layers.index(layer)
-            series_id = self._series_id(session, run_id, key)
+            series_id = queries.series_id(session, run_id, key)
             in_series = (HistogramPoint.series_id == series_id, HistogramPoint.rank == rank)
             steps = session.scalars(
-                _step_range(select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end)
+                queries.step_range(select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end)
                 .order_by(HistogramPoint.step)
             ).all()
             if len(steps) > max_steps:
@@ -543,8 +496,8 @@ class Store:
         one-step spike survives any zoom; read from the rollups, so a 10M-point series costs about
         as much as a 10k-point one."""
         with self._transaction() as session:
-            self._require_run(session, run_id)
-            series_id = self._series_id(session, run_id, key)
+            queries.require_run(session, run_id)
+            series_id = queries.series_id(session, run_id, key)
             extent = None if series_id is None else self._extent(session, Point, series_id, rank, start, end)
             if extent is None:
                 return SeriesResult([], [], downsampled=False)
@@ -565,15 +518,11 @@ class Store:
         return SeriesResult([row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], False)
 
     @staticmethod
-    def _series_id(session: Session, run_id: str, key: str) -> int | None:
-        return session.scalar(select(Series.id).where(Series.run_id == run_id, Series.key == key))
-
-    @staticmethod
     def _extent(
         session: Session, model: Any, series_id: int, rank: int, start: int | None, end: int | None
     ) -> tuple[int, int] | None:
         """First and last stored step of a series in [start, end): two index seeks, no scan."""
-        query = _step_range(
+        query = queries.step_range(
             select(model.step).where(model.series_id == series_id, model.rank == rank), model.step, start, end
         )
         first = session.scalar(query.order_by(model.step).limit(1))
@@ -585,25 +534,16 @@ class Store:
         self, run_id: str, kind: str | None, start: int | None, end: int | None, limit: int
     ) -> tuple[list[EventRecord], int]:
         with self._transaction() as session:
-            self._require_run(session, run_id)
+            queries.require_run(session, run_id)
             query = select(Event).where(Event.run_id == run_id)
             if kind is not None:
                 query = query.where(Event.kind == kind)
-            query = _step_range(query, Event.step, start, end)
+            query = queries.step_range(query, Event.step, start, end)
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             rows = session.scalars(query.order_by(Event.step, Event.id).limit(limit)).all()
             return [EventRecord(e.step, e.kind, e.rank, json.loads(e.data_json)) for e in rows], total
 
     # -- helpers ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _require_run(session: Session, run_id: str, lock: bool = False) -> Run:
-        """The run, or NotFound. lock: hold a KEY SHARE lock on its row until commit (PostgreSQL;
-        ingest), so delete_run cannot remove the run's series under a batch being written."""
-        run = session.get(Run, run_id, with_for_update={"key_share": True} if lock else None)
-        if run is None:
-            raise NotFound(f"run {run_id!r} does not exist")
-        return run
 
     @staticmethod
     def _run_record(session: Session, run: Run) -> RunRecord:

@@ -1,22 +1,37 @@
-"""Signing in to a server that requires tokens.
+"""The sign-in page (/dashboard/signin) and its form's routes: signing in to a server that requires
+tokens.
 
 The token a person pastes is checked against the API (GET /api/v1/auth/whoami) and kept only in a
 browser-session cookie: HttpOnly (page scripts cannot read it), SameSite=Strict (other sites cannot
 make the browser send it), scoped to the dashboard's path, no expiry (gone when the browser closes).
 The dashboard keeps nothing on the server; every API call it makes on someone's behalf carries
 their token (ApiClient's token_provider).
+
+Login CSRF (another site signing the browser in with the attacker's token): the server refuses a
+cross-site Origin (server.web_security); the form also carries a double-submit token, the value of a
+SameSite=Strict cookie that a cross-site page can neither read nor make the browser send, so a browser
+that sends no Origin cannot be signed in from elsewhere either.
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urlencode
 
+import dash
 import flask
 from dash import dcc, html
 
-from .api_client import ApiClient, ApiError
+from ..api_client import ApiClient, ApiError
+
+if TYPE_CHECKING:
+    from werkzeug.wrappers import Response
 
 COOKIE = "gradwatch_token"
+CSRF_COOKIE = "gradwatch_csrf"
+CSRF_FIELD = "csrf"
 
 
 def token_from_request() -> str | None:
@@ -26,6 +41,38 @@ def token_from_request() -> str | None:
     return flask.request.cookies.get(COOKIE) or None
 
 
+def csrf_token(prefix: str) -> str:
+    """The sign-in form's CSRF token, while serving a request: this browser's CSRF cookie, or a new
+    random value that the response sets as that cookie (HttpOnly, SameSite=Strict, the dashboard's path)."""
+    existing = flask.request.cookies.get(CSRF_COOKIE, "")
+    if 32 <= len(existing) <= 64:
+        return existing
+    if "gradwatch_csrf" not in flask.g:  # one new value per request, however many forms it renders
+        token = flask.g.gradwatch_csrf = secrets.token_urlsafe(32)
+
+        @flask.after_this_request
+        def _set_cookie(response: flask.Response) -> flask.Response:
+            response.set_cookie(
+                CSRF_COOKIE,
+                token,
+                httponly=True,
+                samesite="Strict",
+                path=prefix,
+                secure=flask.request.is_secure,
+            )
+            return response
+
+    csrf: str = flask.g.gradwatch_csrf
+    return csrf
+
+
+def _csrf_matches() -> bool:
+    """The double-submit check: the form's token equals the cookie's (compared in constant time)."""
+    cookie = flask.request.cookies.get(CSRF_COOKIE, "")
+    field = flask.request.form.get(CSRF_FIELD, "")
+    return bool(cookie) and hmac.compare_digest(cookie.encode(), field.encode())
+
+
 def _safe_next(target: str | None, prefix: str) -> str:
     """Only a path inside the dashboard: never an open redirect to another site."""
     if target and target.startswith(prefix) and not target.startswith("//") and "\\" not in target:
@@ -33,14 +80,18 @@ def _safe_next(target: str | None, prefix: str) -> str:
     return prefix
 
 
-def register_routes(server: flask.Flask, api: ApiClient, prefix: str) -> None:
+def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     """POST {prefix}signin (the sign-in form) and GET {prefix}signout on the dashboard's Flask server
     (its routes are relative to the mount point)."""
+    server: flask.Flask = app.server
 
     @server.post("/signin")
-    def signin() -> flask.Response:
+    def signin() -> Response:
         token = (flask.request.form.get("token") or "").strip()
         target = _safe_next(flask.request.form.get("next"), prefix)
+        if not _csrf_matches():  # before the token is tried: another site's form learns nothing
+            message = "The sign-in form had expired or came from another site: sign in again."
+            return flask.redirect(prefix + "signin?" + urlencode({"error": message, "next": target}))
         try:
             identity = api.whoami(token=token) if token else None
         except ApiError as exc:
@@ -57,14 +108,16 @@ def register_routes(server: flask.Flask, api: ApiClient, prefix: str) -> None:
         return response
 
     @server.get("/signout")
-    def signout() -> flask.Response:
+    def signout() -> Response:
         response = flask.redirect(prefix + "signin")
         response.delete_cookie(COOKIE, path=prefix)
         return response
 
 
-def signin_page(prefix: str, next_path: str, error: str | None, signed_in: bool) -> html.Div:
-    """The sign-in card: a plain HTML form posted to the server (no script handles the token)."""
+def layout(prefix: str, next_path: str, error: str | None, signed_in: bool) -> html.Div:
+    """The sign-in card: a plain HTML form posted to the server (no script handles the token); rendered
+    while serving a request, it carries that browser's CSRF token."""
+    csrf = csrf_token(prefix) if flask.has_request_context() else None
     return html.Div(
         [
             html.H1("Sign in"),
@@ -76,9 +129,16 @@ def signin_page(prefix: str, next_path: str, error: str | None, signed_in: bool)
             html.P(error, className="error-text", id="signin-error") if error else None,
             html.Form(
                 [
-                    dcc.Input(type="password", name="token", id="signin-token", placeholder="gw_…",
-                              autoComplete="off", className="token-input"),
+                    dcc.Input(
+                        type="password",
+                        name="token",
+                        id="signin-token",
+                        placeholder="gw_…",
+                        autoComplete="off",
+                        className="token-input",
+                    ),
                     dcc.Input(type="hidden", name="next", value=next_path),
+                    dcc.Input(type="hidden", name=CSRF_FIELD, value=csrf) if csrf else None,
                     html.Button("Sign in", type="submit", id="signin-submit", className="button primary"),
                 ],
                 action=prefix + "signin",

@@ -1,0 +1,212 @@
+"""Host-side derivation: what the sender thread computes from a watcher's transferred values.
+
+Pure functions of plain host values (the steps, floats and lists of a Resolved packet; no torch, no
+device, no watcher): skip events naming the layers whose gradients went non-finite, weights too large
+for fp16, the loss scale falling below 1, fp16 underflow / precision-loss / overflow and zero fractions
+from the gradient histograms, the safe-scale band, update ratios and rounded-away fractions with the
+skipped steps left out, and the post-clip global norm. derive() applies them all to one packet;
+WatchDerivation binds it to one watched model and keeps the once-per-run state. The histogram
+arithmetic itself (fp16_fractions, safe_scale_band…) lives with the other quantities in _quantities.
+
+The agent-internal keys (leading "_") are recorded by the Watcher for this module only; they never
+leave the process (Resolved.wire_fields drops them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _quantities
+
+if TYPE_CHECKING:
+    from ._buffer import Resolved
+
+SCALE_BEFORE = "_amp/scale_before"  # the loss scale a step was taken with (before scaler.update)
+UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
+CLIP_MAX_NORM = "grad/clip_max_norm"
+MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
+MAX_LAYERS_IN_EVENT = 50
+
+Scalars = dict[str, list[tuple[int, float]]]
+Vectors = dict[str, list[tuple[int, list[float]]]]
+Matrices = dict[str, list[tuple[int, list[list[float]]]]]
+Event = dict[str, Any]
+
+
+def oversized_weight_events(scalars: Scalars) -> list[Event]:
+    """`weights_exceed_fp16` events: the model's largest |weight| (MAX_ABS_WEIGHT) is above 65504."""
+    return [
+        {
+            "step": step,
+            "kind": "weights_exceed_fp16",
+            "data": {
+                "max_abs_weight": largest,
+                "hint": f"a weight of magnitude {largest:.3g} does not fit in fp16 (max 65504): fp16 "
+                "autocast will produce inf. Train in bf16, or keep that layer in fp32.",
+            },
+        }
+        for step, largest in scalars.get(MAX_ABS_WEIGHT, [])
+        if largest > _quantities.FP16_MAX
+    ]
+
+
+def skipped_steps(scalars: Scalars) -> set[int]:
+    """The steps whose optimizer update was skipped (amp/skipped is 1)."""
+    return {step for step, flag in scalars.get("amp/skipped", []) if flag >= 0.5}
+
+
+def skip_events(
+    skipped: set[int], scalars: Scalars, vectors: Vectors, layer_names: Sequence[str]
+) -> list[Event]:
+    """One `skip` event per skipped step, in step order: the scale before and after, and, where the
+    step's per-layer gradient norms were taken, the layers whose norm is not finite (NaN/Inf)."""
+    before = dict(scalars.get(SCALE_BEFORE, []))
+    after = dict(scalars.get("amp/scale", []))
+    layer_norms = dict(vectors.get("grad/norm", []))
+    events = []
+    for step in sorted(skipped):
+        norms = layer_norms.get(step)
+        data: dict[str, Any] = {"scale_before": before.get(step), "scale_after": after.get(step)}
+        if norms is not None:
+            bad = [name for name, norm in zip(layer_names, norms, strict=True) if not math.isfinite(norm)]
+            data["non_finite_layers"] = bad[:MAX_LAYERS_IN_EVENT]
+            data["non_finite_layer_count"] = len(bad)
+        events.append({"step": step, "kind": "skip", "data": data})
+    return events
+
+
+def rounded_away_fractions(matrices: Matrices, skipped: set[int]) -> list[tuple[int, list[float]]]:
+    """update/rounded_away_frac per layer from the unchanged counts, skipped steps left out (nothing
+    changed there because nothing was applied)."""
+    return [
+        (step, [_quantities.rounded_away_fraction(unchanged, stepped) for unchanged, stepped in rows])
+        for step, rows in matrices.get(UNCHANGED_COUNTS, [])
+        if step not in skipped
+    ]
+
+
+def scale_below_one_event(scalars: Scalars) -> Event | None:
+    """A `scale_below_one` event at the first step whose amp/scale is below 1, else None."""
+    for step, value in scalars.get("amp/scale", []):
+        if value < 1.0:
+            return {
+                "step": step,
+                "kind": "scale_below_one",
+                "data": {
+                    "scale": value,
+                    "hint": "the loss scale fell below 1: gradients overflow even unscaled; look for a "
+                    "layer producing inf (skip events name it), lower the learning rate or switch to bf16",
+                },
+            }
+    return None
+
+
+def post_clip_norms(scalars: Scalars) -> list[tuple[int, float]] | None:
+    """grad/global_norm_post_clip at the steps that clipped (CLIP_MAX_NORM present), or None when no
+    step in the packet did: clip_grad_norm_ multiplies by max_norm / (norm + 1e-6), capped at 1."""
+    max_norms = dict(scalars.get(CLIP_MAX_NORM, []))
+    if not max_norms:
+        return None
+    return [
+        (step, norm * min(1.0, max_norms[step] / (norm + 1e-6)))
+        for step, norm in scalars.get("grad/global_norm", [])
+        if step in max_norms
+    ]
+
+
+def histogram_fractions(
+    histograms: list[tuple[int, list[list[float]]]], scale_at: dict[int, float] | None
+) -> tuple[Vectors, Scalars]:
+    """From the grad/hist matrices: per layer grad/zero_frac and, when the run scales its loss
+    (`scale_at`: the scale each step was taken with; 1.0 where a step's is unknown), the fp16
+    fractions grad/underflow_frac, grad/precision_loss_frac, grad/overflow_frac, their grad/global_*
+    scalars over all layers and the safe-scale band amp/safe_scale_min / amp/safe_scale_max.
+    Returns (vectors, scalars), keys in first-recorded order."""
+    vectors: Vectors = {}
+    scalars: Scalars = {}
+    for step, rows in histograms:
+        vectors.setdefault("grad/zero_frac", []).append(
+            (step, [_quantities.zero_fraction(row) for row in rows])
+        )
+        if scale_at is None:
+            continue
+        scale = scale_at.get(step, 1.0)
+        fractions = [_quantities.fp16_fractions(row, scale) for row in rows]
+        for index, key in enumerate(
+            ("grad/underflow_frac", "grad/precision_loss_frac", "grad/overflow_frac")
+        ):
+            vectors.setdefault(key, []).append((step, [f[index] for f in fractions]))
+        total = [sum(column) for column in zip(*rows, strict=True)] if rows else []
+        if total:
+            under, precision, over = _quantities.fp16_fractions(total, scale)
+            scalars.setdefault("grad/global_underflow_frac", []).append((step, under))
+            scalars.setdefault("grad/global_precision_loss_frac", []).append((step, precision))
+            scalars.setdefault("grad/global_overflow_frac", []).append((step, over))
+        low, high = _quantities.safe_scale_band(rows)
+        scalars.setdefault("amp/safe_scale_min", []).append((step, low))
+        scalars.setdefault("amp/safe_scale_max", []).append((step, high))
+    return vectors, scalars
+
+
+def derive(
+    resolved: Resolved,
+    layer_names: Sequence[str],
+    *,
+    loss_scaling: bool,
+    partial_norms: bool,
+    report_scale_below_one: bool = True,
+) -> bool:
+    """Add one packet's host-side quantities and events to `resolved`, in place; drop the update
+    ratios of skipped steps. loss_scaling: the run uses a GradScaler (fp16 fractions are computed);
+    partial_norms: this rank's norms cover its shard only (no post-clip norm from them);
+    report_scale_below_one: look for the scale falling below 1. Returns whether that event was added."""
+    scalars, vectors = resolved.scalars, resolved.vectors
+    resolved.layers = list(layer_names)
+    resolved.events.extend(oversized_weight_events(scalars))
+    skipped = skipped_steps(scalars)
+    resolved.events.extend(skip_events(skipped, scalars, vectors, layer_names))
+    if "update/ratio" in vectors and skipped:
+        vectors["update/ratio"] = [(s, v) for s, v in vectors["update/ratio"] if s not in skipped]
+    rounded_away = rounded_away_fractions(resolved.matrices, skipped)
+    if rounded_away:
+        vectors["update/rounded_away_frac"] = rounded_away
+    below_one = scale_below_one_event(scalars) if report_scale_below_one else None
+    if below_one is not None:
+        resolved.events.append(below_one)
+    if not partial_norms:
+        post = post_clip_norms(scalars)
+        if post is not None:
+            scalars["grad/global_norm_post_clip"] = post
+    scale_at = dict(scalars.get(SCALE_BEFORE, [])) if loss_scaling else None
+    fraction_vectors, fraction_scalars = histogram_fractions(resolved.matrices.get("grad/hist", []), scale_at)
+    for key, rows in fraction_vectors.items():
+        vectors.setdefault(key, []).extend(rows)
+    for key, points in fraction_scalars.items():
+        scalars.setdefault(key, []).extend(points)
+    return below_one is not None
+
+
+class WatchDerivation:
+    """derive() for one watched model, called by the sender thread on each packet (a Packet deriver).
+
+    Holds the once-per-run state: a `scale_below_one` event is reported once. Set loss_scaling to
+    False when the loss scale cannot be read (the fp16 fractions would be taken at a wrong scale).
+    """
+
+    def __init__(self, layer_names: Sequence[str], *, loss_scaling: bool, partial_norms: bool) -> None:
+        self.layer_names = list(layer_names)
+        self.loss_scaling = loss_scaling
+        self.partial_norms = partial_norms
+        self.scale_below_one_reported = False
+
+    def __call__(self, resolved: Resolved) -> None:
+        if derive(
+            resolved,
+            self.layer_names,
+            loss_scaling=self.loss_scaling,
+            partial_norms=self.partial_norms,
+            report_scale_below_one=not self.scale_below_one_reported,
+        ):
+            self.scale_below_one_reported = True

@@ -1,0 +1,299 @@
+"""Ingest isolation: another tenant's latency while one token does its worst, per-tenant limits on and off.
+
+    .venv/bin/python bench/ingest_isolation.py [--databases sqlite,postgresql] [--baseline-s 5]
+        [--attack-s 15] [--swarm 8] [--no-batches] [--firing] [--postgres-admin-url URL]
+
+For each database and each configuration, a fresh database (a SQLite file in a temp folder; a
+PostgreSQL database created through --postgres-admin-url and dropped after) and a real server child
+process on 127.0.0.1 (uvicorn with create_app(Settings(...)), the API only; `gradwatch server` adds
+the dashboard) with two ingest tokens, for projects "victim" and "hostile":
+
+- limits on:  the server's defaults (server.settings: per token 2 batch requests in flight, 20,000
+  points/s in bursts of 100,000; per batch 100,000 points and 2,000,000 numbers).
+- limits off: ingest_concurrency=0, ingest_points_per_s=0 (no concurrency or rate limit); the
+  per-batch caps stay, so the hostile sends the same batches in both.
+
+The scenario is tests/test_ingest_limits.py's (run_scenario): the victim posts a 1-point batch 4 times
+a second through the agent's own HttpTransport, for --baseline-s alone and then for --attack-s while
+the hostile token, ignoring every Retry-After, posts batches at the caps back to back (scalars of the
+keys the alert rules read, and one thread of per-layer vectors of zeros at the numbers cap), oversized
+ones (past the points cap; a gzip body inflating past the byte limit), --swarm threads of concurrent
+2,000-point batches, and asks for a grad_norm_spike rule with the largest window (an ingest token is
+refused that: 403). Its values are a healthy run's (the rules read them, none fires); with --firing
+its rank-0 batches skip every step, so that rules fire on each step. All request bodies are built before
+the clock starts; the hostile runs in a process of its own. Reported per configuration:
+the victim's latency (p50, p95, worst), its errors (any non-200 answer or failure) and samples, the
+hostile's accepted points per second and answers, and the server's peak RSS (VmHWM).
+
+First (skip with --no-batches), the server's peak RSS for single batches, each sent gzip-compressed to
+a fresh server with the default limits (SQLite): one at the points cap and one at the numbers cap
+(accepted), one ten times over the points cap and one just under the byte limit (32 MB of JSON, 8x
+the numbers cap), both refused with 413 after parsing, before validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gradwatch.server.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import test_ingest_limits as scenario  # noqa: E402 - tests/ is put on the path just above
+
+CONFIGS = {"off": {"ingest_concurrency": 0, "ingest_points_per_s": 0}, "on": {}}
+SERVE = """
+import json, sys
+import uvicorn
+from gradwatch.server.app import create_app
+from gradwatch.server.settings import Settings
+uvicorn.run(create_app(Settings(**json.loads(sys.argv[1]))), host="127.0.0.1", port=int(sys.argv[2]),
+            log_level="warning")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def database(kind: str, folder: Path, admin_url: str) -> Iterator[str]:
+    if kind == "sqlite":
+        yield f"sqlite:///{folder / f'isolation-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(admin_url)
+    name = f"gradwatch_isolation_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(
+        admin.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True
+    ) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield admin.set(database=name).render_as_string(hide_password=False)
+        finally:
+            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def server(
+    database_url: str, overrides: dict[str, Any], log_path: Path
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    settings = {"database_url": database_url, **overrides}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE, json.dumps(settings), str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited: {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=1):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start within 60 s")
+            time.sleep(0.1)
+        yield url, process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def one_batch_rss(folder: Path) -> None:
+    """Peak RSS of a fresh server (limits on, SQLite) for one batch at each cap, and one past each."""
+    defaults = Settings(database_url="sqlite://")
+    points, values = defaults.max_batch_points, defaults.max_batch_values
+    rows = (defaults.max_body_bytes - 100_000) // 20_001  # rows of 10,000 zeros ("0," each) within the limit
+    cases = [
+        (
+            f"{points:,} scalar points (the points cap)",
+            scenario.scalar_body(0, 0, points, scenario.RULE_KEYS),
+        ),
+        (
+            f"{10 * points:,} scalar points (10x the cap)",
+            scenario.scalar_body(0, 0, 10 * points, scenario.RULE_KEYS),
+        ),
+        (f"{values:,} vector zeros (the numbers cap)", scenario.vector_body(0, 0, values // 1000, 1000)),
+        (f"{rows * 10_000:,} vector zeros (at the byte limit)", scenario.vector_body(0, 0, rows, 10_000)),
+    ]
+    for label, (before, after) in cases:
+        body = before + b"1" + after
+        with (
+            database("sqlite", folder, "") as url,
+            server(url, {}, folder / "server-batch.log") as (server_url, process),
+        ):
+            status, _, _ = scenario.post(
+                server_url, "/api/v1/runs", json.dumps({"id": "r", "project": "p"}).encode()
+            )
+            assert status == 201
+            idle = peak_rss_mb(process.pid)
+            started = time.monotonic()
+            status, _, _ = scenario.post(
+                server_url, "/api/v1/runs/r/batches", gzip.compress(body, 1), gzipped=True
+            )
+            took = time.monotonic() - started
+            peak = peak_rss_mb(process.pid)
+        print(
+            f"one batch, {label}: {len(body) / 1e6:.1f} MB of JSON -> HTTP {status} in {took:.2f} s; "
+            f"server peak RSS {idle:.0f} -> {peak:.0f} MB (+{peak - idle:.0f} MB)",
+            flush=True,
+        )
+
+
+def run_one(kind: str, config: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    defaults = Settings(database_url="sqlite://")
+    with database(kind, folder, args.postgres_admin_url) as url:
+        victim_token, hostile_token = scenario.make_tokens(url)
+        with server(url, CONFIGS[config], folder / f"server-{kind}-{config}.log") as (server_url, process):
+            result = scenario.run_scenario(
+                server_url,
+                victim_token,
+                hostile_token,
+                args.baseline_s,
+                args.attack_s,
+                swarm=args.swarm,
+                firing=args.firing,
+                max_batch_points=defaults.max_batch_points,
+                max_batch_values=defaults.max_batch_values,
+                max_body_bytes=defaults.max_body_bytes,
+            )
+            rss = peak_rss_mb(process.pid)
+    hostile = result.hostile
+    row = {
+        "database": kind,
+        "limits": config,
+        "baseline": result.baseline,
+        "attack": result.attack,
+        "hostile_points_per_s": hostile.accepted_points / result.attack_seconds,
+        "hostile_statuses": dict(sorted(hostile.statuses.items())),
+        "hostile_limits": dict(hostile.limits_named),
+        "rule_status": hostile.rule_status,
+        "peak_rss_mb": rss,
+    }
+    a, b = result.attack, result.baseline
+    print(
+        f"{kind:10} limits {config:3}: victim baseline p50 {b.p50 * 1000:.0f} ms p95 {b.p95 * 1000:.0f} ms "
+        f"({b.samples} samples, {b.errors} errors); "
+        f"under attack p50 {a.p50 * 1000:.0f} ms p95 {a.p95 * 1000:.0f} ms "
+        f"worst {a.worst * 1000:.0f} ms ({a.samples} samples, {a.errors} errors, {a.server_errors} 5xx); "
+        f"hostile {row['hostile_points_per_s']:,.0f} points/s accepted, answers {row['hostile_statuses']}, "
+        f"limits {row['hostile_limits']}, rule {hostile.rule_status}; server peak RSS {rss:.0f} MB",
+        flush=True,
+    )
+    return row
+
+
+FIGURES = (  # (name, figure of a result row, unit, format)
+    ("victim p50, baseline", lambda r: r["baseline"].p50 * 1000, " ms", "{:,.0f}"),
+    ("victim p50, under attack", lambda r: r["attack"].p50 * 1000, " ms", "{:,.0f}"),
+    ("victim p95, under attack", lambda r: r["attack"].p95 * 1000, " ms", "{:,.0f}"),
+    ("victim worst, under attack", lambda r: r["attack"].worst * 1000, " ms", "{:,.0f}"),
+    ("victim requests answered in the attack", lambda r: r["attack"].samples, "", "{:,.0f}"),
+    (
+        "victim error rate, under attack",
+        lambda r: 100 * r["attack"].errors / max(r["attack"].samples, 1),
+        " %",
+        "{:.1f}",
+    ),
+    ("hostile accepted points/s", lambda r: r["hostile_points_per_s"], "", "{:,.0f}"),
+    ("server peak RSS", lambda r: r["peak_rss_mb"], " MB", "{:,.0f}"),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| database | figure | limits off | limits on | on / off |", "|---|---|---|---|---|"]
+    by = {(r["database"], r["limits"]): r for r in rows}
+    for kind in dict.fromkeys(r["database"] for r in rows):
+        off, on = by.get((kind, "off")), by.get((kind, "on"))
+        if off is None or on is None:
+            continue
+        for name, figure, unit, fmt in FIGURES:
+            low, high = figure(off), figure(on)
+            ratio = f"{high / low:.2f}x" if low else "—"
+            lines.append(
+                f"| {kind} | {name} | {fmt.format(low)}{unit} | {fmt.format(high)}{unit} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--databases", default="sqlite,postgresql")
+    parser.add_argument("--baseline-s", type=float, default=5.0)
+    parser.add_argument("--attack-s", type=float, default=15.0)
+    parser.add_argument("--swarm", type=int, default=8)
+    parser.add_argument("--no-batches", action="store_true", help="skip the one-batch peak RSS figures")
+    parser.add_argument(
+        "--firing",
+        action="store_true",
+        help="the hostile's rank-0 batches skip every step, so that alert rules fire on each",
+    )
+    parser.add_argument(
+        "--postgres-admin-url",
+        default=os.environ.get(
+            "GRADWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    args = parser.parse_args()
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        capability = "torch not installed"
+    print(
+        f"Python {platform.python_version()}; {os.cpu_count()} CPUs; torch CPU capability: {capability}; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gradwatch-isolation-") as folder:
+        if not args.no_batches:
+            one_batch_rss(Path(folder))
+        for kind in args.databases.split(","):
+            for config in CONFIGS:
+                rows.append(run_one(kind, config, args, Path(folder)))
+    print(f"\n{time.monotonic() - started:.0f} s in all; load average {os.getloadavg()[0]:.1f} at the end\n")
+    print(table(rows))
+    return 0 if all(r["attack"].server_errors == 0 for r in rows if r["limits"] == "on") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""What the figure builders share: the API's values read safely, the house style, the empty figure,
+the step marker. Private to the figures package (its names are public within the package).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+NO_DATA_TEXT = "no data yet"
+NON_FINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+LINE_COLOR = "#2563eb"
+ALERT_COLOR = "#dc2626"
+POST_CLIP_COLOR = "#f59e0b"
+BAND_COLOR = "rgba(34, 197, 94, 0.16)"
+BAND_EDGE_COLOR = "rgba(21, 128, 61, 0.45)"
+STEP_MARKER_COLOR = "#7c3aed"
+COMPARE_COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
+FIGURE_HEIGHT_PX = 320
+MAX_LAYERS_IN_HOVER = 5
+
+
+def finite_or_none(value: Any) -> float | None:
+    """A finite float, or None for "NaN"/"Infinity"/"-Infinity", null, non-finite floats and junk."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def format_scale(scale: Any) -> str:
+    """A loss scale for people: "2^16" for exact powers of two, else 4 significant digits.
+
+    Accepts what the API sends (a number, "NaN", "Infinity", null); null and junk give "–".
+    """
+    if isinstance(scale, str) and scale in NON_FINITE_STRINGS:
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return "–"
+    number = float(scale)
+    if not math.isfinite(number):
+        return non_finite_label(number)
+    if number > 0:
+        mantissa, exponent = math.frexp(number)
+        if mantissa == 0.5:
+            return f"2^{exponent - 1}"
+    return f"{number:.4g}"
+
+
+def empty_figure(title: str, message: str = NO_DATA_TEXT, *, uirevision: str = "gradwatch") -> go.Figure:
+    """A blank figure with `message` in the middle, for series that have no points (yet)."""
+    figure = go.Figure()
+    base_layout(figure, title, uirevision)
+    figure.update_layout(
+        xaxis={"visible": False},
+        yaxis={"visible": False},
+        annotations=[
+            {
+                "text": message,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0.5,
+                "y": 0.5,
+                "showarrow": False,
+                "font": {"size": 14, "color": "#6b7280"},
+            }
+        ],
+    )
+    return figure
+
+
+def step_marker_shapes(step: Any) -> list[dict[str, Any]]:
+    """A dashed vertical line at `step` across the plot, as layout shapes; [] when step is not a step.
+
+    For figures whose x axis is the step (every run-page chart but the histogram at one step).
+    """
+    if not is_step(step):
+        return []
+    return [
+        {
+            "type": "line",
+            "xref": "x",
+            "yref": "paper",
+            "x0": step,
+            "x1": step,
+            "y0": 0,
+            "y1": 1,
+            "line": {"color": STEP_MARKER_COLOR, "width": 1.5, "dash": "dash"},
+            "layer": "above",
+        }
+    ]
+
+
+def base_layout(figure: go.Figure, title: str, uirevision: str) -> None:
+    """The house style every figure starts from: title, fonts, margins, grid, `uirevision`."""
+    figure.update_layout(
+        # Title in the top strip (shared with the mode bar on hover), legend on its own row below it.
+        title={
+            "text": title,
+            "x": 0.02,
+            "xanchor": "left",
+            "y": 0.97,
+            "yanchor": "top",
+            "font": {"size": 15},
+        },
+        # The "none" template plus a few settings: a named template like "plotly_white" would be
+        # embedded in every figure, ~7 kB per graph on every refresh.
+        template="none",
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font={
+            "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
+            "size": 12,
+            "color": "#1f2933",
+        },
+        height=FIGURE_HEIGHT_PX,
+        margin={"l": 60, "r": 20, "t": 64, "b": 40},
+        hovermode="closest",
+        showlegend=False,
+        legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom"},
+        # Kept constant across refreshes, so new data does not reset the user's zoom and pan.
+        uirevision=uirevision,
+    )
+    axis_style = {
+        "visible": True,
+        "gridcolor": "#eef0f3",
+        "linecolor": "#d1d5db",
+        "zeroline": False,
+        "automargin": True,
+    }
+    figure.update_xaxes(title="step", **axis_style)
+    figure.update_yaxes(**axis_style)
+
+
+def series_points(series: Mapping[str, Any] | None) -> tuple[list[Any], list[Any]]:
+    """Paired steps and raw values of an API series; anything malformed reads as no points."""
+    if not isinstance(series, Mapping):
+        return [], []
+    steps, values = series.get("steps"), series.get("values")
+    if not isinstance(steps, list) or not isinstance(values, list):
+        return [], []
+    pairs = [(step, value) for step, value in zip(steps, values, strict=False) if is_step(step)]
+    return [step for step, _ in pairs], [value for _, value in pairs]
+
+
+def positive_points(series: Mapping[str, Any] | None) -> tuple[list[Any], list[float | None]]:
+    """Steps and values usable on a log axis (finite and > 0), the rest None."""
+    steps, raw_values = series_points(series)
+    values = [finite_or_none(value) for value in raw_values]
+    return steps, [value if value is not None and value > 0 else None for value in values]
+
+
+def layer_names(value: Any) -> list[str]:
+    """The layer names of a skip event's "non_finite_layers", as strings; junk gives []."""
+    if not isinstance(value, list):
+        return []
+    return [str(name) for name in value]
+
+
+def summarize_layers(names: Sequence[str], limit: int = MAX_LAYERS_IN_HOVER) -> str:
+    """The first `limit` names joined by commas, then "(+N more)" for the rest."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} (+{len(names) - limit} more)"
+
+
+def non_finite_of(value: Any) -> str | None:
+    """ "NaN", "Infinity" or "-Infinity" when value is one (as the API's string or a float), else None."""
+    if isinstance(value, str):
+        return value if value in NON_FINITE_STRINGS else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return non_finite_label(value)
+    return None
+
+
+def non_finite_label(number: float) -> str:
+    """The API's name for a non-finite float: "NaN", "Infinity" or "-Infinity"."""
+    if math.isnan(number):
+        return "NaN"
+    return "Infinity" if number > 0 else "-Infinity"
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_step(value: Any) -> bool:
+    """A usable step number (an int, not a bool)."""
+    return is_int(value)

@@ -1,0 +1,366 @@
+"""Line charts by step: loss, loss scale (with skipped steps and the fp16 safe band), gradient norm,
+learning rate, and one key of several runs overlaid (compare).
+
+Each trace of the run page's line charts has a `uid` naming its role ("line", "non-finite", "scale",
+"skipped-step", "safe-band-low"…): live updates append new points to the trace with the same uid
+(see `live`).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from ._common import (
+    ALERT_COLOR,
+    BAND_COLOR,
+    BAND_EDGE_COLOR,
+    COMPARE_COLORS,
+    FIGURE_HEIGHT_PX,
+    LINE_COLOR,
+    POST_CLIP_COLOR,
+    base_layout,
+    empty_figure,
+    finite_or_none,
+    format_scale,
+    is_step,
+    layer_names,
+    non_finite_of,
+    positive_points,
+    series_points,
+    summarize_layers,
+)
+
+# Where non-finite markers sit, as a fraction of the plot height (on a hidden, fixed 0..1 axis).
+NON_FINITE_MARKER_Y = 0.96
+
+
+def loss_figure(series: Mapping[str, Any] | None, *, uirevision: str = "gradwatch") -> go.Figure:
+    """Loss per optimizer step; NaN/Inf losses are gaps in the line and red markers along the top."""
+    return _scalar_figure(series, "Loss", "loss", uirevision=uirevision)
+
+
+def grad_norm_figure(
+    series: Mapping[str, Any] | None,
+    post_clip: Mapping[str, Any] | None = None,
+    *,
+    log_y: bool = True,
+    uirevision: str = "gradwatch",
+) -> go.Figure:
+    """L2 norm of the unscaled gradients per step (log y-axis by default: explosions span decades).
+
+    post_clip: the norm after gradient clipping (grad/global_norm_post_clip), drawn as a second line
+    when it has points. Non-finite norms (a skipped step's overflow) are marked along the top; on a
+    log axis, zero norms cannot be drawn and show as gaps.
+    """
+    figure = _scalar_figure(
+        series, "Gradient norm (global, unscaled)", "‖g‖₂", log_y=log_y, uirevision=uirevision
+    )
+    steps, values = positive_points(post_clip) if log_y else series_points(post_clip)
+    values = [finite_or_none(value) for value in values]
+    if not any(value is not None for value in values):
+        return figure
+    if figure.data:
+        figure.data[0].name = "pre-clip"
+    else:  # only the post-clip norm so far: replace the "no data yet" placeholder
+        figure = go.Figure()
+        base_layout(figure, "Gradient norm (global, unscaled)", uirevision)
+        figure.layout.yaxis.update(title="‖g‖₂", type="log" if log_y else "linear")
+    figure.add_trace(
+        go.Scatter(
+            x=steps,
+            y=values,
+            mode="lines",
+            line={"color": POST_CLIP_COLOR, "width": 1.2},
+            connectgaps=False,
+            name="post-clip",
+            uid="post-clip",
+            hovertemplate="step %{x}<br>post-clip %{y:.6g}<extra></extra>",
+        )
+    )
+    figure.update_layout(showlegend=True)
+    return figure
+
+
+def lr_figure(series: Mapping[str, Any] | None, *, uirevision: str = "gradwatch") -> go.Figure:
+    """Learning rate per step (of the first param group)."""
+    figure = _scalar_figure(series, "Learning rate", "lr", mark_non_finite=False, uirevision=uirevision)
+    figure.layout.yaxis.update(exponentformat="e")
+    _, raw_values = series_points(series)
+    finite = [v for v in (finite_or_none(value) for value in raw_values) if v is not None]
+    if finite and min(finite) == max(finite) and finite[0] > 0:
+        # Plotly pads a constant line to value ± 1, which draws a 3e-4 learning rate as "0". The clip
+        # bounds say the same as the range in a form the app's zoom-keeping updates still send.
+        figure.layout.yaxis.update(
+            range=[0, 2 * finite[0]], autorangeoptions={"clipmin": 0, "clipmax": 2 * finite[0]}
+        )
+    return figure
+
+
+def scale_figure(
+    scale_series: Mapping[str, Any] | None,
+    skip_events: Sequence[Mapping[str, Any]] | None = None,
+    safe_band: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] | None = None,
+    *,
+    uirevision: str = "gradwatch",
+) -> go.Figure:
+    """Loss scale S per step on a log2 axis (ticks 2^k), each skipped step a red x at S before the skip.
+
+    skip_events: the API's events of kind "skip", {"step", "data": {"scale_before", "scale_after",
+    "non_finite_layers"}}. When an event lacks a usable scale_before, the last scale recorded before its
+    step is used; an event with neither gets no marker.
+    safe_band: the (amp/safe_scale_min, amp/safe_scale_max) series: scales at which no gradient would
+    underflow or overflow in fp16. Known only at histogram steps, so it is shaded behind the scale as
+    a step-shaped band, each value held until the next histogram step (the last up to the last step).
+    """
+    title = "Loss scale"
+    steps, values = positive_points(scale_series)
+    skips = _skip_markers(skip_events or (), steps, values)
+    if not any(value is not None for value in values) and not skips:
+        return empty_figure(title, uirevision=uirevision)
+
+    figure = go.Figure()
+    base_layout(figure, title, uirevision)
+    band = _band_points(*(safe_band or (None, None)), last_step=max(steps, default=None))
+    if band:
+        band_steps = [step for step, _, _ in band]
+        figure.add_trace(
+            go.Scatter(
+                x=band_steps,
+                y=[low for _, low, _ in band],
+                mode="lines",
+                line={"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
+                name="safe band (low)",
+                uid="safe-band-low",
+                showlegend=False,
+                hovertemplate="step %{x}<br>safe scale ≥ %{y:.3g}<extra></extra>",
+            )
+        )
+        figure.add_trace(
+            go.Scatter(
+                x=band_steps,
+                y=[high for _, _, high in band],
+                mode="lines",
+                line={"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
+                fill="tonexty",
+                fillcolor=BAND_COLOR,
+                name="fp16 safe band",
+                uid="safe-band-high",
+                hovertemplate="step %{x}<br>safe scale ≤ %{y:.3g}<extra></extra>",
+            )
+        )
+    figure.add_trace(
+        go.Scatter(
+            x=steps,
+            y=values,
+            customdata=[format_scale(value) if value is not None else None for value in values],
+            mode="lines",
+            line={"color": LINE_COLOR, "width": 2, "shape": "hv"},
+            connectgaps=False,
+            name="scale",
+            uid="scale",
+            hovertemplate="step %{x}<br>scale %{customdata}<extra></extra>",
+        )
+    )
+    if skips:
+        figure.add_trace(
+            go.Scatter(
+                x=[step for step, _, _ in skips],
+                y=[scale for _, scale, _ in skips],
+                hovertext=[text for _, _, text in skips],
+                hoverinfo="text",
+                mode="markers",
+                marker={"symbol": "x", "size": 9, "color": ALERT_COLOR, "line": {"width": 1}},
+                name="skipped step",
+                uid="skipped-step",
+            )
+        )
+    band_values = [value for _, low, high in band for value in (low, high)]
+    tickvals, ticktext = _log2_ticks(
+        [v for v in values if v is not None] + [s for _, s, _ in skips] + band_values
+    )
+    figure.layout.yaxis.update(
+        type="log", tickmode="array", tickvals=tickvals, ticktext=ticktext, title="scale"
+    )
+    figure.update_layout(showlegend=bool(skips or band))
+    return figure
+
+
+def compare_figure(
+    runs: Sequence[tuple[str, Mapping[str, Any] | None]],
+    key: str,
+    *,
+    log_y: bool = False,
+    uirevision: str = "gradwatch",
+) -> go.Figure:
+    """One scalar key of several runs overlaid by step: `runs` is [(run label, API series)...].
+
+    Labels (run names) are escaped. Non-finite values are gaps; a run without points is left out.
+    """
+    title = html.escape(key)
+    figure = go.Figure()
+    base_layout(figure, title, uirevision)
+    drawn = 0
+    for index, (label, series) in enumerate(runs):
+        steps, raw_values = series_points(series)
+        values = [finite_or_none(value) for value in raw_values]
+        if log_y:
+            values = [value if value is not None and value > 0 else None for value in values]
+        if not any(value is not None for value in values):
+            continue
+        drawn += 1
+        name = html.escape(label)
+        figure.add_trace(
+            go.Scatter(
+                x=steps,
+                y=values,
+                mode="lines",
+                line={"color": COMPARE_COLORS[index % len(COMPARE_COLORS)], "width": 1.5},
+                connectgaps=False,
+                name=name,
+                hovertemplate=name + "<br>step %{x}<br>%{y:.6g}<extra></extra>",
+            )
+        )
+    if not drawn:
+        return empty_figure(title, uirevision=uirevision)
+    figure.layout.yaxis.update(title=title, type="log" if log_y else "linear")
+    figure.update_layout(showlegend=True, height=FIGURE_HEIGHT_PX + 100)
+    return figure
+
+
+def _band_points(
+    low_series: Mapping[str, Any] | None, high_series: Mapping[str, Any] | None, last_step: Any
+) -> list[tuple[int, float, float]]:
+    """(step, low, high) where both band edges are positive and finite, plus a closing point at
+    last_step holding the last band so the step-shaped fill reaches the end of the scale line."""
+    low_steps, low_values = positive_points(low_series)
+    highs = dict(zip(*positive_points(high_series), strict=True))
+    band = [
+        (step, low, highs[step])
+        for step, low in zip(low_steps, low_values, strict=True)
+        if low is not None and highs.get(step) is not None
+    ]
+    band.sort()
+    if band and is_step(last_step) and last_step > band[-1][0]:
+        band.append((last_step, band[-1][1], band[-1][2]))
+    return band
+
+
+def _scalar_figure(
+    series: Mapping[str, Any] | None,
+    title: str,
+    y_title: str,
+    *,
+    log_y: bool = False,
+    mark_non_finite: bool = True,
+    uirevision: str,
+) -> go.Figure:
+    """The one line-chart builder behind loss, grad norm and lr."""
+    steps, raw_values = series_points(series)
+    values = [finite_or_none(value) for value in raw_values]
+    if log_y:
+        values = [value if value is not None and value > 0 else None for value in values]
+    non_finite = [
+        (step, label)
+        for step, value in zip(steps, raw_values, strict=True)
+        if (label := non_finite_of(value))
+    ]
+    if not mark_non_finite:
+        non_finite = []
+    if not steps or (not any(value is not None for value in values) and not non_finite):
+        return empty_figure(title, uirevision=uirevision)
+
+    figure = go.Figure()
+    base_layout(figure, title, uirevision)
+    figure.add_trace(
+        go.Scatter(
+            x=steps,
+            y=values,
+            mode="lines",
+            line={"color": LINE_COLOR, "width": 1.5},
+            connectgaps=False,
+            name=y_title,
+            uid="line",
+            hovertemplate="step %{x}<br>" + y_title + " %{y:.6g}<extra></extra>",
+        )
+    )
+    figure.layout.yaxis.update(title=y_title, type="log" if log_y else "linear")
+    if non_finite:
+        _add_non_finite_markers(figure, non_finite)
+    return figure
+
+
+def _add_non_finite_markers(figure: go.Figure, points: list[tuple[int, str]]) -> None:
+    # A hidden 0..1 axis over the plot keeps the markers at the top whatever the y zoom is.
+    figure.add_trace(
+        go.Scatter(
+            x=[step for step, _ in points],
+            y=[NON_FINITE_MARKER_Y] * len(points),
+            yaxis="y2",
+            hovertext=[f"{label} at step {step}" for step, label in points],
+            hoverinfo="text",
+            mode="markers",
+            marker={"symbol": "triangle-down", "size": 10, "color": ALERT_COLOR},
+            name="non-finite",
+            uid="non-finite",
+        )
+    )
+    figure.update_layout(
+        yaxis2={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True},
+        showlegend=True,
+    )
+
+
+def _skip_markers(
+    events: Iterable[Mapping[str, Any]], steps: list[Any], values: list[float | None]
+) -> list[tuple[int, float, str]]:
+    """(step, scale before the skip, hover text) for each skip event that has a drawable scale."""
+    markers = []
+    for event in events:
+        if not isinstance(event, Mapping) or not is_step(event.get("step")):
+            continue
+        step = event["step"]
+        data = event.get("data")
+        if not isinstance(data, Mapping):
+            data = {}
+        scale_before = finite_or_none(data.get("scale_before"))
+        if scale_before is None or scale_before <= 0:
+            scale_before = _last_value_before(step, steps, values)
+        if scale_before is None:
+            continue
+        text = (
+            f"skipped step {step}<br>"
+            f"scale {format_scale(scale_before)} → {format_scale(data.get('scale_after'))}"
+        )
+        layers = layer_names(data.get("non_finite_layers"))
+        if layers:
+            text += "<br>non-finite: " + html.escape(summarize_layers(layers))
+        markers.append((step, scale_before, text))
+    return markers
+
+
+def _last_value_before(step: int, steps: list[Any], values: list[float | None]) -> float | None:
+    best_step, best_value = None, None
+    for candidate_step, value in zip(steps, values, strict=True):
+        if value is not None and candidate_step < step and (best_step is None or candidate_step > best_step):
+            best_step, best_value = candidate_step, value
+    return best_value
+
+
+def _log2_ticks(values: list[float], max_ticks: int = 10) -> tuple[list[float], list[str]]:
+    """Tick positions at powers of two spanning `values`, labelled "2^k", at most about max_ticks."""
+    positive = [value for value in values if value > 0 and math.isfinite(value)]
+    if not positive:
+        return [], []
+    low = math.floor(math.log2(min(positive)))
+    high = math.ceil(math.log2(max(positive)))
+    if low == high:
+        low, high = low - 1, high + 1
+    stride = max(1, math.ceil((high - low + 1) / max_ticks))
+    first = low - low % stride  # multiples of the stride: 2^0, 2^4, 2^8… rather than 2^1, 2^5…
+    exponents = range(first, high + stride, stride)
+    return [2.0**exponent for exponent in exponents], [f"2^{exponent}" for exponent in exponents]

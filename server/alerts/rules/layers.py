@@ -1,0 +1,235 @@
+"""Per-layer rules over the per-layer vectors: update ratios out of band (update_ratio), and layers that
+underflow, get no gradient or stop learning (underflow, dead_layers, not_learning)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from .base import (
+    CLEAR,
+    MAX_EVIDENCE_LAYERS,
+    MAX_WINDOW,
+    Finding,
+    Param,
+    RuleType,
+    StepData,
+    Verdict,
+    _names,
+)
+
+__all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand"]
+
+class UpdateRatioBand(RuleType):
+    name = "update_ratio"
+    family = "divergence"
+    description = "A layer's update ratio ||dW||/||W|| is outside [low, high] (zero ratios are ignored)."
+    params: ClassVar[dict[str, Param]] = {
+        "low": Param(1e-6, minimum=0.0),
+        "high": Param(1e-2, minimum=0.0, exclusive_minimum=True),
+        "key": Param("update/ratio"),
+    }
+    vector_keys = frozenset({"update/ratio"})
+
+    def validate(self) -> None:
+        if self.low >= self.high:
+            raise ValueError(f"update_ratio: low ({self.low:g}) must be below high ({self.high:g})")
+
+    def reads_signature(self, rank: int, present: frozenset[str]) -> bool:
+        return rank == 0 and self.key in present
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        row = data.vectors.get(self.key)
+        if row is None:
+            return None
+        bad = [(i, v) for i, v in enumerate(row) if not math.isfinite(v) or v > self.high or 0 < v < self.low]
+        if not bad:
+            return CLEAR
+        bad.sort(key=lambda item: -abs(item[1]) if math.isfinite(item[1]) else -math.inf)  # non-finite first
+        bad = bad[:MAX_EVIDENCE_LAYERS]
+        names = [_layer(layers, i) for i, _ in bad]
+        values = [v for _, v in bad]
+        high = any(not math.isfinite(v) or v > self.high for v in values)
+        return Finding(
+            data.step,
+            f"update ratio of {names[0]} is {values[0]:.3g}, outside [{self.low:g}, {self.high:g}]"
+            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
+            {"key": self.key, "steps": [data.step], "values": values, "layers": names},
+            cause="update_ratio_high" if high else "update_ratio_low",
+        )
+
+
+
+def _layer(layers: list[str], index: int) -> str:
+    return layers[index] if index < len(layers) else f"layer{index}"
+
+
+class _PersistentLayers(RuleType):
+    """Per-layer conditions that must hold on `observations` consecutive observations of a layer
+    (one odd step is not a stalled layer), on steps after the run's first applied optimizer step (before
+    it, a zero-initialised LoRA B makes A's gradient exactly zero, healthily)."""
+
+    family = "stalled"
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"streaks": {}, "applied": 0, "scaler": False}  # streaks: layer index -> observations in a row
+
+    @staticmethod
+    def skipped(data: StepData) -> bool:
+        """A skipped step's gradients overflowed: what they show about a layer means nothing."""
+        return data.scalars.get("amp/skipped", 0.0) >= 0.5
+
+    def count_applied(self, state: dict[str, Any], data: StepData) -> int:
+        """Applied optimizer steps before this one (every step, without a GradScaler)."""
+        before = state["applied"]
+        skipped = data.scalars.get("amp/skipped")
+        if skipped is not None:
+            state["scaler"] = True
+        if skipped is None and not state["scaler"]:
+            state.setdefault("first", data.step)
+            before = data.step - state["first"]
+        elif skipped is not None and skipped < 0.5:
+            state["applied"] = before + 1
+        return before
+
+    def streaks(self, state: dict[str, Any], bad: set[int], width: int) -> list[int]:
+        """Layers whose condition held on enough consecutive observations, worst (longest) first."""
+        streaks: dict[str, int] = state["streaks"]
+        updated = {str(i): streaks.get(str(i), 0) + 1 for i in bad if i < width}
+        state["streaks"] = updated
+        held = [int(i) for i, n in updated.items() if n >= self.observations]
+        return sorted(held, key=lambda i: (-updated[str(i)], i))
+
+
+class UnderflowFraction(_PersistentLayers):
+    name = "underflow"
+    family = "precision"
+    description = (
+        "A layer's gradients underflow in fp16: most of its elements are exactly zero while the survivors sit "
+        "in fp16's subnormal range (zero fraction >= `zero_fraction` and precision-loss fraction >= "
+        "`precision_loss`), or more than `threshold` of its non-zero gradients are below 2^-24 once scaled; "
+        "on `observations` histogram steps in a row."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "threshold": Param(0.1, minimum=0.0, maximum=1.0),
+        "zero_fraction": Param(0.3, minimum=0.0, maximum=1.0),
+        "precision_loss": Param(0.5, minimum=0.0, maximum=1.0),
+        "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True),
+        "all_zero": Param(False, doc="a layer whose gradients are all zero counts as underflowing"),
+        "key": Param("grad/underflow_frac"),
+    }
+    scalar_keys = frozenset({"amp/skipped"})
+    vector_keys = frozenset({"grad/underflow_frac", "grad/zero_frac", "grad/precision_loss_frac"})
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        self.count_applied(state, data)
+        under = data.vectors.get(self.key)
+        zeros = data.vectors.get("grad/zero_frac")
+        subnormal = data.vectors.get("grad/precision_loss_frac")
+        if (under is None and zeros is None) or self.skipped(data):
+            return None
+        width = max(len(under or ()), len(zeros or ()))
+        bad: dict[int, float] = {}
+        for i in range(width):
+            u = under[i] if under is not None and i < len(under) else math.nan
+            z = zeros[i] if zeros is not None and i < len(zeros) else math.nan
+            p = subnormal[i] if subnormal is not None and i < len(subnormal) else math.nan
+            if math.isfinite(u) and u > self.threshold:
+                bad[i] = u
+            elif math.isfinite(z) and z >= self.zero_fraction and math.isfinite(p) and p >= self.precision_loss:
+                bad[i] = z
+            elif self.all_zero and math.isnan(u) and (math.isnan(z) or z >= 1.0):
+                bad[i] = 1.0
+        held = self.streaks(state, set(bad), width)
+        if not held:
+            return CLEAR if not bad else None
+        held = held[:MAX_EVIDENCE_LAYERS]
+        names = [_layer(layers, i) for i in held]
+        return Finding(
+            data.step,
+            f"{bad[held[0]]:.0%} of {names[0]}'s gradients underflow to zero in fp16"
+            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
+            {"key": "grad/zero_frac" if zeros is not None else self.key, "steps": [data.step],
+             "values": [bad[i] for i in held], "layers": names},
+        )
+
+
+class DeadLayers(_PersistentLayers):
+    name = "dead_layers"
+    description = (
+        "Trainable layers get no gradient (grad None or exactly zero: a stray .detach(), torch.no_grad(), an "
+        "unused module) on `observations` gradient-norm samples in a row after the first applied step."
+    )
+    params: ClassVar[dict[str, Param]] = {"observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True)}
+    scalar_keys = frozenset({"amp/skipped"})
+    vector_keys = frozenset({"grad/norm"})
+    event_kinds = frozenset({"no_gradient"})
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        for kind, event in data.events:
+            if kind == "no_gradient":
+                state["none"] = _names(event.get("layers"))
+        applied_before = self.count_applied(state, data)
+        row = data.vectors.get("grad/norm")
+        if row is None or applied_before < 1 or self.skipped(data):
+            return None
+        held = self.streaks(state, {i for i, v in enumerate(row) if v == 0.0}, len(row))
+        if not held:
+            return CLEAR
+        names = [_layer(layers, i) for i in held]
+        missing = set(state.get("none") or ())
+        without = [name for name in names if name in missing]
+        what = "no gradient (grad is None)" if without else "a gradient of exactly zero"
+        return Finding(
+            data.step,
+            f"{len(names)} of {len(row)} trainable layers get {what}: {', '.join(names[:3])}"
+            + ("…" if len(names) > 3 else ""),
+            {"key": "grad/norm", "steps": [data.step], "layers": names[:MAX_EVIDENCE_LAYERS], "count": len(names),
+             "grad_none": without[:MAX_EVIDENCE_LAYERS]},
+            cause="dead_layers_none" if without else "dead_layers_zero",
+        )
+
+
+class NotLearning(_PersistentLayers):
+    name = "not_learning"
+    description = (
+        "Weights stop changing: at least `rounded_away` of a layer's elements with a non-zero gradient were "
+        "left unchanged by the optimizer step (updates rounded away in bf16/fp16 storage, or a zero learning "
+        "rate) on `observations` sampled steps in a row; without that signal, an update ratio of exactly 0."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "rounded_away": Param(0.5, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True),
+    }
+    scalar_keys = frozenset({"amp/skipped"})
+    vector_keys = frozenset({"update/ratio", "update/rounded_away_frac"})
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        self.count_applied(state, data)
+        ratios = data.vectors.get("update/ratio")
+        rounded = data.vectors.get("update/rounded_away_frac")
+        if ratios is None and rounded is None:
+            return None
+        width = max(len(ratios or ()), len(rounded or ()))
+        bad: dict[int, float] = {}
+        for i in range(width):
+            r = ratios[i] if ratios is not None and i < len(ratios) else math.nan
+            f = rounded[i] if rounded is not None and i < len(rounded) else math.nan
+            if rounded is not None:
+                if math.isfinite(f) and f >= self.rounded_away:
+                    bad[i] = f
+            elif r == 0.0:
+                bad[i] = 1.0
+        held = self.streaks(state, set(bad), width)
+        if not held:
+            return CLEAR if not bad else None
+        held = held[:MAX_EVIDENCE_LAYERS]
+        names = [_layer(layers, i) for i in held]
+        ratio_values = [ratios[i] if ratios is not None and i < len(ratios) else None for i in held]
+        return Finding(
+            data.step,
+            f"weights of {len(held)} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
+            "updates were rounded away (or the learning rate is 0)",
+            {"key": "update/rounded_away_frac" if rounded is not None else "update/ratio", "steps": [data.step],
+             "values": [bad[i] for i in held], "update_ratios": ratio_values, "layers": names},
+        )

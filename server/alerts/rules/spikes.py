@@ -1,0 +1,303 @@
+"""The run's trends against robust baselines: gradient-norm and loss spikes, learning-rate jumps, and a
+clip that cuts the gradient on nearly every step (grad_norm_spike, loss_spike, lr_jump, clip_saturation)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from .base import (
+    CLEAR,
+    LOSS_KEYS,
+    MAX_STEPS,
+    MAX_WINDOW,
+    Finding,
+    Param,
+    RuleType,
+    StepData,
+    Verdict,
+    _finite,
+    _loss_of,
+    _times,
+)
+
+__all__ = ["ClipSaturation", "GradNormSpike", "LossSpike", "LrJump"]
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+RECENT = 5  # the sustained rules look at this many latest observations
+BASELINE_REFRESH = 10  # steps between recomputations of a baseline's median and spread (sorting is O(window))
+
+
+def _append_bounded(items: list[Any], item: Any, most: int) -> None:
+    """Append, then keep the last `most` items, in place: no copy of the window per point."""
+    items.append(item)
+    if len(items) > most:
+        del items[: len(items) - most]
+
+
+def _baseline_stats(state: dict[str, Any], step: int, baseline: list[list[float]]) -> tuple[float, float]:
+    """(median, MAD-based spread) of the baseline's values but its latest RECENT ones, cached in
+    state["stats"] for BASELINE_REFRESH steps: the baseline moves slowly, and ingest must stay cheap
+    per point however large the window."""
+    cached = state.get("stats")
+    if cached is None or step - cached[0] >= BASELINE_REFRESH or step < cached[0]:
+        values = [v for _, v in baseline[:-RECENT] or baseline]
+        median = _median(values)
+        cached = state["stats"] = [step, median, 1.4826 * _median([abs(v - median) for v in values])]
+    return cached[1], cached[2]
+
+
+
+class GradNormSpike(RuleType):
+    name = "grad_norm_spike"
+    family = "divergence"
+    description = (
+        "The global gradient norm jumped and stays up: on at least `sustain` of the last 5 applied steps the "
+        "robust z-score of log10(norm) against the median/MAD of the `window` steps before was at least `z` "
+        "and the norm at least `min_ratio`x that median (a single odd batch is not a divergence)."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "window": Param(100, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
+        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
+        "z": Param(6.0, minimum=0.0, exclusive_minimum=True),
+        "min_ratio": Param(10.0, minimum=1.0),
+        "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
+    }
+    scalar_keys = frozenset({"grad/global_norm"})
+    MIN_SPREAD = 0.01  # log10 units (~2%): a perfectly flat baseline must not make every wiggle a spike
+
+    def validate(self) -> None:
+        if self.warmup > self.window:
+            raise ValueError(f"grad_norm_spike: warmup ({self.warmup}) cannot exceed window ({self.window})")
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"baseline": [], "recent": []}  # baseline: [step, log10 norm]; recent: [step, hit, norm]
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        norm = data.scalars.get("grad/global_norm")
+        if not _finite(norm) or norm <= 0 or data.scalars.get("amp/skipped", 0.0) >= 0.5:
+            return None
+        x = math.log10(norm)
+        baseline = state["baseline"]
+        recent = state.setdefault("recent", [])
+        verdict: Verdict = None
+        if len(baseline) >= self.warmup:
+            # The baseline excludes the latest RECENT steps, so a sustained rise does not hide itself.
+            median, spread = _baseline_stats(state, data.step, baseline)
+            spread = max(spread, self.MIN_SPREAD)
+            z = (x - median) / spread
+            ratio = 10 ** (x - median)
+            hit = z >= self.z and ratio >= self.min_ratio
+            recent = (recent + [[data.step, hit, norm]])[-RECENT:]
+            hits = [r for r in recent if r[1]]
+            if hit and len(hits) >= self.sustain:
+                verdict = Finding(
+                    data.step,
+                    f"gradient norm {norm:.3g} is {_times(ratio)} its running median {10 ** median:.3g} "
+                    f"(z={z:.1f}; {len(hits)} of the last {len(recent)} steps)",
+                    {
+                        "key": "grad/global_norm",
+                        "steps": [r[0] for r in hits],
+                        "values": [r[2] for r in hits],
+                        "onset_step": hits[0][0],
+                        "baseline_median": 10**median,
+                        "baseline_steps": [baseline[0][0], baseline[-1][0]],
+                        "ratio": ratio,
+                        "z": z,
+                    },
+                )
+            elif not hits:
+                verdict = CLEAR
+        state["recent"] = recent
+        _append_bounded(baseline, [data.step, x], self.window)
+        return verdict
+
+
+class LossSpike(RuleType):
+    name = "loss_spike"
+    family = "divergence"
+    description = (
+        "The loss rose and stays up: on at least `sustain` of the last 5 steps it was at least `min_ratio`x the "
+        "median of the `window` steps before and `z` robust deviations above it. Warm-up (a falling loss) is "
+        "never a spike; within `restart_grace` steps of the lr rising back to a level the run used before (a "
+        "scheduled restart) only a loss above the run's starting loss counts."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "window": Param(100, minimum=10, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
+        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
+        "z": Param(8.0, minimum=0.0, exclusive_minimum=True),
+        "min_ratio": Param(2.0, minimum=1.0, doc="loss / baseline median (for a positive loss)"),
+        "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
+        "restart_grace": Param(200, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps after a scheduled lr restart"),
+    }
+    scalar_keys = frozenset({*LOSS_KEYS, "lr"})
+
+    def validate(self) -> None:
+        if self.warmup > self.window:
+            raise ValueError(f"loss_spike: warmup ({self.warmup}) cannot exceed window ({self.window})")
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"baseline": [], "recent": [], "start_loss": None, "lr": None, "lr_max": None, "grace_until": -1}
+
+    def _track_lr(self, state: dict[str, Any], data: StepData) -> None:
+        lr = data.scalars.get("lr")
+        if not _finite(lr):
+            return
+        previous, peak = state["lr"], state["lr_max"]
+        if _finite(previous) and previous > 0 and lr > 2 * previous and _finite(peak) and lr <= 1.5 * peak:
+            state["grace_until"] = data.step + self.restart_grace  # back to a level used before: a restart
+        state["lr"] = lr
+        state["lr_max"] = lr if peak is None else max(peak, lr)
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        self._track_lr(state, data)
+        loss = _loss_of(data)
+        if loss is None or not math.isfinite(loss[1]):
+            return None  # non-finite losses are loss_non_finite's
+        key, value = loss
+        baseline = state["baseline"]
+        if len(baseline) < self.warmup:
+            state["start_loss"] = value if state["start_loss"] is None else max(state["start_loss"], value)
+        verdict: Verdict = None
+        if len(baseline) >= self.warmup:
+            median, spread = _baseline_stats(state, data.step, baseline)
+            spread = max(spread, 0.01 * abs(median), 1e-8)
+            z = (value - median) / spread
+            ratio_ok = value >= self.min_ratio * median if median > 0 else z >= 2 * self.z
+            hit = z >= self.z and ratio_ok
+            if hit and data.step <= state["grace_until"]:
+                hit = state["start_loss"] is not None and value > state["start_loss"]
+            recent = (state["recent"] + [[data.step, hit, value]])[-RECENT:]
+            state["recent"] = recent
+            hits = [r for r in recent if r[1]]
+            if hit and len(hits) >= self.sustain:
+                ratio = value / median if median > 0 else None
+                size = f"{_times(ratio)} its running median" if ratio is not None else f"{z:.3g} deviations above its median"
+                verdict = Finding(
+                    data.step,
+                    f"{key} {value:.4g} is {size} {median:.4g} ({len(hits)} of the last {len(recent)} steps)",
+                    {
+                        "key": key,
+                        "steps": [r[0] for r in hits],
+                        "values": [r[2] for r in hits],
+                        "onset_step": hits[0][0],
+                        "baseline_median": median,
+                        "baseline_steps": [baseline[0][0], baseline[-1][0]],
+                        "ratio": ratio,
+                        "z": z,
+                    },
+                )
+            elif not hits:
+                verdict = CLEAR
+        _append_bounded(baseline, [data.step, value], self.window)
+        return verdict
+
+
+class LrJump(RuleType):
+    name = "lr_jump"
+    family = "divergence"
+    description = (
+        "The learning rate jumped at least `factor`x in one step to at least twice the highest value the run "
+        "had used (a scheduler or config bug; warm-up and restarts to an earlier level do not count). Judged "
+        "after `warmup` steps of lr history; resolves when the lr is back within twice the earlier peak."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "factor": Param(30.0, minimum=1.0, exclusive_minimum=True, doc="lr(step) / lr(step - 1)"),
+        "warmup": Param(10, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps of lr history needed"),
+    }
+    scalar_keys = frozenset({"lr"})
+    cooldown_steps = 0
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"count": 0, "lr": None, "peak": None, "jump": None}  # jump: [step, from, to, peak before]
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        lr = data.scalars.get("lr")
+        if not _finite(lr):
+            return None
+        previous, peak = state["lr"], state["peak"]
+        state["lr"] = lr
+        state["count"] += 1
+        state["peak"] = lr if peak is None else max(peak, lr)
+        jump = state["jump"]
+        if jump is not None:
+            if lr <= 2 * jump[3]:
+                state["jump"] = None
+                return CLEAR
+            return None
+        if state["count"] <= self.warmup or not (_finite(previous) and previous > 0 and peak):
+            return None
+        if lr < self.factor * previous or lr < 2 * peak:
+            return None
+        state["jump"] = [data.step, previous, lr, peak]
+        return Finding(
+            data.step,
+            f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> {lr:.3g}; "
+            f"the run's highest before was {peak:.3g})",
+            {"key": "lr", "steps": [data.step - 1, data.step], "values": [previous, lr], "ratio": lr / previous,
+             "previous_peak": peak},
+        )
+
+
+class ClipSaturation(RuleType):
+    name = "clip_saturation"
+    family = "stalled"
+    description = (
+        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation (several backward "
+        "passes per optimizer step): of the last `window` applied steps at least `fraction` clipped, with a "
+        "median norm/max_norm of at least `min_ratio_accumulating` (an undivided loss). Without it, over "
+        "`plain_window` steps and a median of at least `min_ratio` (early training often clips for a while)."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, accumulating"),
+        "plain_window": Param(200, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, otherwise"),
+        "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        "min_ratio": Param(3.0, minimum=1.0),
+        "min_ratio_accumulating": Param(1.25, minimum=1.0),
+    }
+    scalar_keys = frozenset({"grad/global_norm", "grad/clip_max_norm", "amp/micro_batches"})
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"recent": [], "micro_batches": 1}  # recent: [step, norm / max_norm]
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        micro = data.scalars.get("amp/micro_batches")
+        if _finite(micro):
+            state["micro_batches"] = micro
+        norm, max_norm = data.scalars.get("grad/global_norm"), data.scalars.get("grad/clip_max_norm")
+        if not (_finite(norm) and _finite(max_norm) and max_norm > 0) or data.scalars.get("amp/skipped", 0) >= 0.5:
+            return None
+        accumulating = state["micro_batches"] > 1
+        window = self.window if accumulating else self.plain_window
+        recent = state["recent"]
+        recent.append([data.step, norm / max_norm])
+        if len(recent) > max(self.window, self.plain_window):
+            del recent[0]
+        if len(recent) < window:
+            return None
+        recent = recent[-window:]
+        share = sum(1 for r in recent if r[1] > 1.0) / len(recent)
+        median = _median([r[1] for r in recent])
+        threshold = self.min_ratio_accumulating if accumulating else self.min_ratio
+        if share < self.fraction or median < threshold:
+            return CLEAR if share < self.fraction / 2 else None
+        return Finding(
+            data.step,
+            f"clipping cut the gradient on {share:.0%} of the last {len(recent)} steps: the pre-clip norm is "
+            f"{median:.3g}x max_norm={max_norm:g} (median)"
+            + (f", with {state['micro_batches']:g} micro-batches per step" if accumulating else ""),
+            {
+                "key": "grad/global_norm",
+                "steps": [recent[0][0], data.step],
+                "fraction_clipped": share,
+                "median_ratio": median,
+                "max_norm": max_norm,
+                "micro_batches": state["micro_batches"],
+            },
+            cause="clip_saturation_accumulation" if accumulating else "",
+        )

@@ -1,0 +1,122 @@
+"""The Dash app's shell through Flask's test client: exports, routes, query strings, pages served."""
+
+from __future__ import annotations
+
+import json
+
+import gradwatch.dashboard
+import pytest
+from dashboard_support import app_client, render, run_api
+from gradwatch.dashboard import app, create_dash_app, figures, live, verdict, views
+from gradwatch.dashboard.app import parse_route
+from gradwatch.dashboard.pages import alerts, alerts_views, compare, run, run_views, runs
+from gradwatch.dashboard.pages.compare import parse_run_ids
+from gradwatch.dashboard.pages.run import parse_step
+
+PAGES = (alerts, alerts_views, compare, run, run_views, runs)
+
+
+@pytest.fixture
+def fake_api():
+    return run_api()
+
+
+@pytest.fixture
+def dash_client(fake_api):
+    return app_client(fake_api)
+
+
+def test_package_exports_exactly_create_dash_app():
+    assert gradwatch.dashboard.__all__ == ["create_dash_app"]
+    modules = (gradwatch.dashboard, app, figures, live, verdict, views, *PAGES)
+    for module in modules:
+        for name in module.__all__:
+            assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize(
+    ("pathname", "route"),
+    [
+        ("/dashboard/", ("runs", None)),
+        ("/dashboard", ("runs", None)),
+        (None, ("runs", None)),
+        ("/dashboard/runs/abc", ("run", "abc")),
+        ("/dashboard/runs/abc/", ("run", "abc")),
+        ("/dashboard/runs/a%2Fb", ("run", "a/b")),
+        ("/dashboard/nope", ("unknown", "/nope")),
+        ("/dashboard/runs", ("unknown", "/runs")),
+        ("/dashboard/alerts", ("alerts", None)),
+        ("/dashboard/alerts/", ("alerts", None)),
+    ],
+)
+def test_parse_route(pathname, route):
+    assert parse_route(pathname, "/dashboard/") == route
+
+
+def test_prefix_must_be_slash_delimited():
+    with pytest.raises(ValueError, match="requests_pathname_prefix"):
+        create_dash_app("http://127.0.0.1:1", "dashboard")
+
+
+def get(client, path):
+    response = client.get(path)
+    response.close()  # static files are streamed; an unclosed one warns
+    return response
+
+
+def test_index_layout_and_assets_are_served_relative_to_the_mount(dash_client):
+    index = get(dash_client, "/")
+    assert index.status_code == 200
+    assert b"<title>gradwatch</title>" in index.data
+    assert b"/dashboard/assets/style.css" in index.data  # browser URLs carry the mount prefix
+
+    layout = get(dash_client, "/_dash-layout")
+    assert layout.status_code == 200
+    layout_text = json.dumps(layout.json)
+    assert '"id": "url"' in layout_text and '"id": "page"' in layout_text
+
+    assert get(dash_client, "/runs/r1").status_code == 200  # deep links serve the app too
+    assert get(dash_client, "/assets/style.css").status_code == 200
+
+
+def test_run_page_has_the_four_graphs_and_a_live_refresh(dash_client):
+    page = render(dash_client, "/dashboard/runs/r1")
+
+    text = json.dumps(page)
+    for graph_id in ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph"):
+        assert f'"id": "{graph_id}"' in text
+    assert '"id": "refresh"' in text and '"interval": 2000' in text
+    for graph_id in (
+        "grad-norm-heatmap",
+        "update-ratio-heatmap",
+        "underflow-heatmap",
+        "hist-graph",
+        "hist-time-graph",
+    ):
+        assert f'"id": "{graph_id}"' in text
+    assert '"value": "fc1.weight"' in text  # the histogram's layer picker is filled up front
+
+
+def test_unknown_run_shows_a_friendly_not_found_page(dash_client):
+    page = render(dash_client, "/dashboard/runs/unknown")
+
+    assert "Run not found" in json.dumps(page)
+
+
+@pytest.mark.parametrize(
+    ("search", "step"), [("?step=120", 120), ("?step=x", None), ("", None), (None, None)]
+)
+def test_parse_step(search, step):
+    assert parse_step(search) == step
+
+
+def test_an_alert_link_opens_the_run_page_with_its_step_marked(dash_client):
+    page = json.dumps(render(dash_client, "/dashboard/runs/r1", "?step=4"))
+    assert '"id": "selected-step", "data": 4' in page
+
+
+@pytest.mark.parametrize(
+    ("search", "ids"), [("?runs=a,b", ["a", "b"]), ("?runs=a,,a,b%2Fc", ["a", "b/c"]), ("", []), (None, [])]
+)
+def test_parse_run_ids(search, ids):
+    assert parse_run_ids(search) == ids

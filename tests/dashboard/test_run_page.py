@@ -1,0 +1,287 @@
+"""The run page's callbacks through Flask's test client against a fake API: refresh, timeline, header,
+heatmaps and histograms."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from dashboard_support import (
+    LAYERS,
+    RUN,
+    SCALE_SERIES,
+    SKIPS,
+    FakeApi,
+    alert,
+    app_client,
+    apply_patch,
+    dash_call,
+    refresh,
+    refresh_runs,
+    render,
+    run_api,
+)
+from gradwatch.dashboard import create_dash_app, figures
+from gradwatch.dashboard.views import keep_view
+
+
+@pytest.fixture
+def fake_api():
+    return run_api()
+
+
+@pytest.fixture
+def dash_client(fake_api):
+    return app_client(fake_api)
+
+
+# -- line charts and timeline ----------------------------------------------------------------------
+
+
+def test_refresh_draws_the_figures_and_keeps_polling_a_running_run(dash_client, fake_api):
+    response = refresh(dash_client)
+
+    scale = apply_patch(response["scale-graph"]["figure"])
+    assert scale["layout"]["yaxis"]["type"] == "log"
+    assert [trace["x"] for trace in scale["data"] if trace["name"] == "skipped step"] == [[1, 3, 4]]
+    loss = apply_patch(response["loss-graph"]["figure"])
+    assert loss["data"][0]["y"] == [2.0, None, 1.5]
+    assert loss["layout"]["uirevision"] == "r1"
+    assert loss["layout"]["annotations"] == []  # replaces the "loading…" placeholder
+    lr = apply_patch(response["lr-graph"]["figure"])
+    assert figures.NO_DATA_TEXT in [annotation["text"] for annotation in lr["layout"]["annotations"]]
+    assert "fc1.weight" in json.dumps(response["events-table"]["children"])
+    assert response["refresh"]["disabled"] is False
+    assert response["scale-series"]["data"] == {
+        "steps": SCALE_SERIES["steps"],
+        "values": SCALE_SERIES["values"],
+    }
+    full_series = [
+        r for r in fake_api.requests if r.url.path.endswith("/series") and "start" not in r.url.params
+    ]
+    assert {r.url.params["max_points"] for r in full_series} == {"2000"}  # downsampled by the server
+
+
+def test_keep_view_updates_everything_but_the_zoomable_axis_ranges():
+    figure = figures.loss_figure({"steps": [0, 1, 2], "values": [2.0, "NaN", 1.5]}, uirevision="r1")
+    figure.update_xaxes(range=[0, 1], autorange=False)
+
+    patch = keep_view(figure).to_plotly_json()
+
+    locations = [operation["location"] for operation in patch["operations"]]
+    assert ["data"] in locations
+    assert ["layout", "xaxis", "title"] in locations
+    assert not [
+        loc for loc in locations if loc[1:2] in (["xaxis"], ["yaxis"]) and loc[-1] in ("range", "autorange")
+    ]
+    # The hidden marker axis is fixed: its 0..1 range belongs to the figure and is always sent.
+    assert ["layout", "yaxis2"] in locations
+    assert apply_patch(patch)["layout"]["yaxis2"]["range"] == [0, 1]
+
+
+@pytest.mark.parametrize("status", ["finished", "crashed"])
+def test_refresh_stops_when_the_run_has_ended(dash_client, fake_api, status):
+    fake_api.run["status"] = status
+
+    response = refresh(dash_client)
+    assert response["refresh"]["disabled"] is True
+    assert response["layers-refresh"]["disabled"] is True
+
+
+def test_unreachable_api_shows_a_banner_instead_of_failing():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    app = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(refuse))
+    )
+    client = app.server.test_client()
+
+    runs = refresh_runs(client)
+    assert "Cannot reach the gradwatch API" in json.dumps(runs)
+    response = refresh(client)
+    assert "Cannot reach the gradwatch API" in json.dumps(response["run-header"])
+    assert response["refresh"]["disabled"] is False  # keeps retrying
+
+
+def test_events_table_lists_every_kind_with_its_hint_and_a_clickable_step():
+    events = [
+        *SKIPS,
+        {
+            "step": 7,
+            "kind": "clip_before_unscale",
+            "rank": 0,
+            "data": {"hint": "<script>x</script> unscale first", "scale": 1024.0},
+        },
+    ]
+    app = create_dash_app(
+        "http://gradwatch.test",
+        http_client=httpx.Client(transport=httpx.MockTransport(FakeApi(events=events))),
+    )
+    response = refresh(app.server.test_client())
+
+    table = json.dumps(response["events-table"]["children"])
+    assert "clip_before_unscale" in table and "<script>x</script> unscale first" in table
+    assert "scale=2^10" in table
+    assert '"type": "event-step", "step": 7' in table
+    assert "dangerouslySetInnerHTML" not in table
+
+
+def test_run_header_shows_agent_health_and_the_page_shows_config_as_text():
+    health = {"steps": [5], "values": [3.0]}
+    api = FakeApi(
+        run={**RUN, "config": {"lr": "<img src=x onerror=alert(1)>"}},
+        series={
+            "amp/scale": SCALE_SERIES,
+            "agent/queued": health,
+            "agent/dropped": {"steps": [5], "values": [2.0]},
+        },
+    )
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    ).server.test_client()
+
+    header = json.dumps(refresh(client)["run-header"])
+    assert '"id": "agent-health"' in header and '"children": "3"' in header
+    page = json.dumps(render(client, "/dashboard/runs/r1"))
+    assert "<img src=x onerror=alert(1)>" in page and '"id": "run-details"' in page
+
+
+def test_the_run_timeline_has_the_runs_alerts_with_clickable_steps():
+    api = FakeApi(alerts=[alert(1, step=3, title="<img src=x onerror=alert(1)>"), alert(2, run_id="other")])
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
+    response = refresh(client.server.test_client())
+
+    table = json.dumps(response["events-table"]["children"])
+    assert "alert: scale_drop" in table and "<img src=x onerror=alert(1)>" in table
+    assert '"type": "event-step", "step": 3, "row": "alert-0"' in table
+    assert table.count("alert: scale_drop") == 1  # only this run's alerts
+    assert "dangerouslySetInnerHTML" not in table
+    alerts_request = next(r for r in api.requests if r.url.path == "/api/v1/alerts")
+    assert alerts_request.url.params["run_id"] == "r1"
+
+
+def test_a_distributed_run_shows_its_ranks_and_a_crashed_one_stands_out(fake_api):
+    single = create_dash_app("http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api)))
+    assert "ranks-line" not in json.dumps(refresh(single.server.test_client())["run-header"])
+    assert not [r for r in fake_api.requests if r.url.path.endswith("/ranks")]  # not asked for one process
+
+    fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
+    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2, "data": [
+        {"rank": 0, "host": "node-a", "status": "finished", "batches": 10},
+        {"rank": 1, "host": "<b>node-b</b>", "status": "crashed", "batches": 4},
+    ]}
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
+    ).server.test_client()
+    header = json.dumps(refresh(client)["run-header"], ensure_ascii=False)
+    assert "2 ranks, gradients sharded" in header
+    assert "rank 0 \u00b7 node-a \u00b7 finished" in header
+    assert "rank 1 \u00b7 <b>node-b</b> \u00b7 crashed" in header and "rank-chip bad" in header  # text, flagged
+
+
+def test_a_sharded_run_draws_its_global_norm_combined_over_the_ranks(fake_api):
+    fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
+    fake_api.series["grad/global_norm"] = {"steps": [0, 1, 2], "values": [0.3, 0.4, 0.5]}  # rank 0's shard
+    fake_api.combined["grad/global_norm"] = {"steps": [0, 1, 2], "values": [1.0, 1.1, 1.2]}
+    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2,
+                      "data": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]}
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
+    ).server.test_client()
+    norms = apply_patch(refresh(client)["grad-norm-graph"]["figure"])
+    assert norms["data"][0]["y"] == [1.0, 1.1, 1.2]  # the combined norm, not rank 0's shard
+    fake_api.ranks["gradients"] = "replicated"  # DDP: every rank has the whole gradient
+    norms = apply_patch(refresh(client)["grad-norm-graph"]["figure"])
+    assert norms["data"][0]["y"] == [0.3, 0.4, 0.5]
+
+
+# -- per-layer heatmaps and histograms -------------------------------------------------------------
+
+
+LAYER_OUTPUTS = [
+    "grad-norm-heatmap.figure",
+    "update-ratio-heatmap.figure",
+    "underflow-heatmap.figure",
+    "hist-layer.options",
+    "hist-layer.value",
+]
+
+
+def refresh_layers(client, layer=None, selected_step=None, options=None):
+    return dash_call(
+        client,
+        LAYER_OUTPUTS,
+        [(("layers-refresh", "n_intervals"), None)],
+        state=[
+            (("run-id", "data"), "r1"),
+            (("selected-step", "data"), selected_step),
+            (("hist-layer", "value"), layer),
+            (("hist-layer", "options"), options),
+        ],
+    )
+
+
+def test_layers_refresh_draws_heatmaps_and_offers_the_layers(dash_client, fake_api):
+    response = refresh_layers(dash_client, selected_step=13)
+
+    heatmap = apply_patch(response["grad-norm-heatmap"]["figure"])
+    assert heatmap["data"][0]["y"][2] == "&lt;b&gt;head&lt;/b&gt;.weight"
+    assert heatmap["layout"]["shapes"][0]["x0"] == 13  # the selected step stays marked
+    assert figures.NO_DATA_TEXT in json.dumps(response["update-ratio-heatmap"]["figure"])
+    assert [option["label"] for option in response["hist-layer"]["options"]] == LAYERS  # text, not HTML
+    assert response["hist-layer"]["value"] == "fc1.weight"
+    assert {r.url.params["max_steps"] for r in fake_api.requests if r.url.path.endswith("/vectors")} == {
+        "500"
+    }
+    options = response["hist-layer"]["options"]
+    unchanged = refresh_layers(dash_client, layer="fc1.bias", options=options)
+    assert "hist-layer" not in unchanged  # same layers, a valid choice: the picker is left alone
+
+
+HISTOGRAM_OUTPUTS = ["hist-step.options", "hist-step.value", "hist-graph.figure", "hist-time-graph.figure"]
+
+
+def show_histogram(client, layer, step=None, selected_step=None, trigger="hist-layer"):
+    inputs = [
+        (("hist-layer", "value"), layer),
+        (("hist-step", "value"), step),
+        (("selected-step", "data"), selected_step),
+        (("layers-refresh", "n_intervals"), None),
+        (("scale-series", "data"), SCALE_SERIES),
+    ]
+    body_inputs = sorted(inputs, key=lambda item: item[0][0] != trigger)  # the trigger goes first
+    response = client.post(
+        "/_dash-update-component",
+        json={
+            "output": ".." + "...".join(HISTOGRAM_OUTPUTS) + "..",
+            "outputs": [dict(zip(("id", "property"), o.split("."))) for o in HISTOGRAM_OUTPUTS],
+            "inputs": [{"id": i, "property": p, "value": v} for (i, p), v in inputs],
+            "state": [{"id": "run-id", "property": "data", "value": "r1"}],
+            "changedPropIds": [f"{i}.{p}" for (i, p), _ in body_inputs[:1]],
+        },
+    )
+    assert response.status_code == 200, response.data
+    return response.json["response"]
+
+
+def test_histogram_of_the_chosen_layer_at_the_latest_step_then_at_a_selected_step(dash_client):
+    response = show_histogram(dash_client, "fc1.bias")
+    assert response["hist-step"]["value"] == 20
+    assert [option["value"] for option in response["hist-step"]["options"]] == [20, 0]
+    assert "fc1.bias" in apply_patch(response["hist-graph"]["figure"])["layout"]["title"]["text"]
+    assert "S=2^13" in json.dumps(apply_patch(response["hist-graph"]["figure"])["layout"]["annotations"])
+    over_time = apply_patch(response["hist-time-graph"]["figure"])
+    assert "fp16 underflow" in [trace["name"] for trace in over_time["data"]]  # from the shared scale series
+
+    moved = show_histogram(dash_client, "fc1.bias", step=20, selected_step=3, trigger="selected-step")
+    assert moved["hist-step"]["value"] == 0  # the histogram step nearest the clicked event
+    assert "step 0" in apply_patch(moved["hist-graph"]["figure"])["layout"]["title"]["text"]
+
+
+def test_histogram_of_an_unknown_layer_says_so(dash_client):
+    response = show_histogram(dash_client, "gone.weight")
+    assert "not one of" in json.dumps(response["hist-graph"]["figure"])
