@@ -13,7 +13,7 @@ is therefore a new run: its step counter starts at 0 again and would overwrite t
 points. Without any of these a distributed process gets a random id of its own (one run per rank)
 and init() says so in a warning.
 
-Gradient layouts, which decide how the server combines the ranks' values (see server/ranks.py):
+Gradient layouts, which decide how the server combines the ranks' values (see server/storage/ranks.py):
     "sharded"     each rank holds a disjoint part of every gradient (FSDP2 fully_shard, FSDP1 with
                   FULL_SHARD/SHARD_GRAD_OP): a rank's norms are its shard's; the global norm is
                   sqrt(sum over ranks of norm^2) and histograms add up

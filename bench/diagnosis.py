@@ -3,7 +3,7 @@ with trainpulse 0.4.0 fed the very same per-step values.
 
     .venv/bin/python bench/diagnosis.py [--markdown] [--scenarios lr_jump,resumed,...]
 
-Every scenario of tests/pathologies.py (realistic CPU training runs that go wrong through a scheduler,
+Every scenario of tests/support/pathologies.py (realistic CPU training runs that go wrong through a scheduler,
 a data pipeline, a loop-order or dtype mistake, plus healthy controls; each with ground truth
 measured by plain torch, not by gradwatch) trains once:
 
@@ -46,7 +46,7 @@ import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests" / "support")]
 
 import pathologies  # noqa: E402 - tests/ is put on the path just above
 from webhook_receiver import WebhookReceiver  # noqa: E402

@@ -13,7 +13,7 @@ the dashboard) with two ingest tokens, for projects "victim" and "hostile":
 - limits off: ingest_concurrency=0, ingest_points_per_s=0 (no concurrency or rate limit); the
   per-batch caps stay, so the hostile sends the same batches in both.
 
-The scenario is tests/test_ingest_limits.py's (run_scenario): the victim posts a 1-point batch 4 times
+The scenario is tests/server/test_ingest_limits.py's (run_scenario): the victim posts a 1-point batch 4 times
 a second through the agent's own HttpTransport, for --baseline-s alone and then for --attack-s while
 the hostile token, ignoring every Retry-After, posts batches at the caps back to back (scalars of the
 keys the alert rules read, and one thread of per-layer vectors of zeros at the numbers cap), oversized
@@ -53,7 +53,7 @@ from typing import Any
 from gradwatch.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests" / "server"), str(ROOT / "tests" / "support"), str(ROOT / "tests")]
 
 import test_ingest_limits as scenario  # noqa: E402 - tests/ is put on the path just above
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import free_port, unavailable
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 NGINX_CONF = ROOT / "server" / "deploy" / "nginx.conf"
 SERVERS = ("gradwatch-1", "gradwatch-2")

@@ -22,7 +22,7 @@ from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
 from training import RecordingTransport, reference_steps, spawn_ranks
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1] / "support"  # training.py, for spawned ranks
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ def test_every_source_package_is_in_the_wheel():
     """pyproject.toml lists packages one by one: a new folder (dashboard/pages, …) left out installs
     fine in editable mode and breaks in a wheel or the Docker image."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {Path(folder): name for name, folder in config["package-dir"].items()}
     expected = set()
