@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from ..models import Alert, Delivery, Incident, Point, Run, Series, VectorPoint, Webhook
 from ..storage.codecs import decode_float, dump_json, iso_time, unpack
 from ..storage.queries import events_of_kinds
-from .diagnosis import RunContext, diagnose
+from .diagnosis import SEVERITY_ORDER, RunContext, diagnose
 from .rules import MISUSE_EVENTS, RULE_TYPES
 from .webhooks import render
 
@@ -107,7 +107,12 @@ class Incidents:
             )
             # A run that diverged, overflows or computes NaN explains layers that stop learning after it.
             consequence = family == "stalled" and incident.family in ("divergence", "precision", "data")
-            if same_family or nearby or consequence:
+            # A worse finding after people were told (a NaN loss after a loss-spike warning) must not be
+            # folded silently into what they already read: it opens, and notifies, an incident of its own.
+            escalates = incident.notified_at is not None and (
+                SEVERITY_ORDER.get(alert.severity, 0) > SEVERITY_ORDER.get(incident.severity, 0)
+            )
+            if (same_family or nearby or consequence) and not escalates:
                 alert.incident_id = incident.id
                 return incident
         now = time.time()
