@@ -70,12 +70,14 @@ def _alerts(settings: Settings, store: Store) -> tuple[OutboxWorker | None, Aler
     """The alert engine hooked into ingest, the API's alert service and (optionally) the delivery worker."""
     worker: OutboxWorker | None = None
     engine = AlertEngine(
-        settings.public_url, group_wait_steps=settings.incident_group_wait_steps,
+        settings.public_url,
+        group_wait_steps=settings.incident_group_wait_steps,
         group_wait_s=settings.incident_group_wait_s,
     )
     if settings.alert_worker:
         worker = OutboxWorker(
-            store.engine, settings,
+            store.engine,
+            settings,
             periodic=(
                 (settings.heartbeat_check_interval_s, engine.check_heartbeats),
                 (settings.incident_check_interval_s, engine.notify_due_incidents),

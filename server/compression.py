@@ -78,7 +78,9 @@ class GzipRequestBody:
             return
         try:
             if encoding not in (b"gzip", b"x-gzip"):
-                raise _Refused(415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r}; use gzip or none")
+                raise _Refused(
+                    415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r}; use gzip or none"
+                )
             inflater = _Inflater(self.max_bytes)
             more = True
             while more:

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import gradwatch.migrations
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -25,6 +24,8 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+import gradwatch.migrations
 
 
 class Transactions:
@@ -73,7 +74,9 @@ def make_engine(database_url: str) -> Engine:
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
             Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S}
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):

@@ -1,11 +1,11 @@
 """Errors the store raises; the API turns each into one HTTP status with its message.
 
-    GradwatchServerError
-    ├── Unauthenticated → 401 (no token, or one that is unknown or revoked)
-    ├── Forbidden       → 403 (a valid token without the right scope or project)
-    ├── NotFound        → 404
-    ├── Conflict        → 409
-    └── InvalidRequest  → 422
+GradwatchServerError
+├── Unauthenticated → 401 (no token, or one that is unknown or revoked)
+├── Forbidden       → 403 (a valid token without the right scope or project)
+├── NotFound        → 404
+├── Conflict        → 409
+└── InvalidRequest  → 422
 """
 
 

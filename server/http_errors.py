@@ -93,7 +93,9 @@ def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
             detail = f"request body is not valid UTF-8 (byte {cause.start}: {cause.reason})"
         else:
             detail = f"request body could not be parsed: {type(cause).__name__}: {_short(str(cause))}"
-    return AsciiJSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return AsciiJSONResponse(
+        {"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
 
 
 def _out_of_range(_request: Request, exc: OverflowError) -> JSONResponse:
@@ -121,7 +123,8 @@ async def _database_busy(_request: Request, exc: OperationalError) -> JSONRespon
         raise exc  # any other database failure stays a 500, logged with its traceback
     return JSONResponse(  # SQLite's write lock stayed taken (database.SQLITE_BUSY_TIMEOUT_S): retryable
         {"detail": "the database is busy with other writes; retry shortly", "retry_after_s": 2},
-        status_code=503, headers={"Retry-After": "2"},
+        status_code=503,
+        headers={"Retry-After": "2"},
     )
 
 

@@ -70,7 +70,13 @@ from .deps import PrincipalDep
 from .settings import Settings
 
 __all__ = [
-    "RESPONSES", "IngestLimitMiddleware", "IngestLimited", "IngestLimits", "LimitedOut", "batch_size", "charge_ingest",
+    "RESPONSES",
+    "IngestLimitMiddleware",
+    "IngestLimited",
+    "IngestLimits",
+    "LimitedOut",
+    "batch_size",
+    "charge_ingest",
     "install",
 ]
 
@@ -101,7 +107,10 @@ class LimitedOut(BaseModel):
 RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": LimitedOut, "description": "the batch is larger than the server takes (or the body is)"},
     429: {"model": LimitedOut, "description": "this token's ingest limit: wait Retry-After seconds"},
-    503: {"model": LimitedOut, "description": "the database is busy with other writes: wait Retry-After seconds"},
+    503: {
+        "model": LimitedOut,
+        "description": "the database is busy with other writes: wait Retry-After seconds",
+    },
 }
 
 
@@ -189,9 +198,13 @@ class IngestLimits:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """0 turns a limit off. burst_points: what a full bucket holds (at least one point)."""
-        for name, value in (("concurrency", concurrency), ("points_per_s", points_per_s),
-                            ("burst_points", burst_points), ("max_batch_points", max_batch_points),
-                            ("max_batch_values", max_batch_values)):
+        for name, value in (
+            ("concurrency", concurrency),
+            ("points_per_s", points_per_s),
+            ("burst_points", burst_points),
+            ("max_batch_points", max_batch_points),
+            ("max_batch_values", max_batch_values),
+        ):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"ingest limit {name} must be a number >= 0 (0: off), got {value!r}")
         if points_per_s and burst_points < 1:
@@ -208,8 +221,11 @@ class IngestLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> IngestLimits:
         return cls(
-            settings.ingest_concurrency, settings.ingest_points_per_s, settings.ingest_burst_points,
-            settings.max_batch_points, settings.max_batch_values,
+            settings.ingest_concurrency,
+            settings.ingest_points_per_s,
+            settings.ingest_burst_points,
+            settings.max_batch_points,
+            settings.max_batch_values,
         )
 
     # -- who is asking --------------------------------------------------------------------------
@@ -254,7 +270,9 @@ class IngestLimits:
         else:
             self._tenants.move_to_end(key)
             if self.points_per_s:
-                tenant.balance = min(self.burst_points, tenant.balance + (now - tenant.refilled_at) * self.points_per_s)
+                tenant.balance = min(
+                    self.burst_points, tenant.balance + (now - tenant.refilled_at) * self.points_per_s
+                )
             tenant.refilled_at = now
         return tenant
 
@@ -273,7 +291,8 @@ class IngestLimits:
             return None
         wait = _seconds(needed - tenant.balance, self.points_per_s)
         return IngestLimited(
-            429, "rate",
+            429,
+            "rate",
             f"ingest rate limit: {self.points_per_s:,.0f} points/s {_per(key)} (bursts of {self.burst_points:,.0f}); "
             f"{what}; retry in {wait} s",
             wait,
@@ -285,15 +304,20 @@ class IngestLimits:
         """Before the body is read: take a concurrency slot (waiting up to QUEUE_WAIT_S) unless the
         tenant cannot yet pay for a batch like its last one; IngestLimited otherwise."""
         tenant = self._tenant(key)
-        refusal = self._rate_refusal(key, tenant, tenant.expected, f"the last batch cost {tenant.expected:,.0f}")
+        refusal = self._rate_refusal(
+            key, tenant, tenant.expected, f"the last batch cost {tenant.expected:,.0f}"
+        )
         if refusal is not None:
             raise refusal
         if not self.concurrency or tenant.in_flight < self.concurrency:
             tenant.in_flight += 1
             return
-        if len(tenant.waiters) >= self.concurrency * QUEUE_PER_SLOT or not await self._wait_for_slot(key, tenant):
+        if len(tenant.waiters) >= self.concurrency * QUEUE_PER_SLOT or not await self._wait_for_slot(
+            key, tenant
+        ):
             raise IngestLimited(
-                429, "concurrency",
+                429,
+                "concurrency",
                 f"ingest concurrency limit: {self.concurrency} batch requests in flight {_per(key)}; retry in 1 s",
                 1,
             )
@@ -347,13 +371,15 @@ class IngestLimits:
             tenant.balance -= cost
         if over_points:
             raise IngestLimited(
-                413, "batch_points",
+                413,
+                "batch_points",
                 f"the batch has {points:,} points (scalar points, vector rows and histograms); this server "
                 f"takes at most {self.max_batch_points:,} per batch: send it as smaller batches",
             )
         if over_values:
             raise IngestLimited(
-                413, "batch_values",
+                413,
+                "batch_values",
                 f"the batch carries {values:,} numbers (vector and histogram entries count one each); this "
                 f"server takes at most {self.max_batch_values:,} per batch: send it as smaller batches",
             )
@@ -406,6 +432,8 @@ def _measuring(ingest: Callable[..., Any]) -> Callable[..., Any]:
             ticket.cpu_s += time.thread_time() - started
 
     return measured
+
+
 # Answers given before charge_ingest could count the batch: the body was read (and perhaps inflated or
 # parsed) but could not be counted. Such a request costs its time (IngestLimits.penalize).
 _UNCOUNTED_REFUSALS = frozenset({400, 413, 415})
@@ -422,7 +450,9 @@ class IngestLimitMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or not INGEST_PATH.match(scope["path"]):
             await self.app(scope, receive, send)
             return
-        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        authorization = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
+        )
         client = scope.get("client")
         key = self.limits.request_key(authorization, client[0] if client else None)
         try:

@@ -313,4 +313,3 @@ class PostgresRelay:
             if time.monotonic() - last_used > self._keepalive_s:  # a silently dead connection shows here
                 connection.execute("SELECT 1")
                 last_used = time.monotonic()
-

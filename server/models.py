@@ -151,7 +151,6 @@ class AgentBatch(Base):
     received_at: Mapped[float] = mapped_column(Float)
 
 
-
 # -- rollups and tags (migration 0004) --------------------------------------------------------------
 
 
@@ -197,7 +196,9 @@ class RunTag(Base):
     __tablename__ = "run_tags"
     __table_args__ = (Index(None, "tag"),)
 
-    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
     tag: Mapped[str] = mapped_column(String(100), primary_key=True)
 
 
@@ -242,7 +243,9 @@ class AlertRuleState(Base):
     rule_id: Mapped[int] = mapped_column(
         Integer, ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True
     )
-    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
     state_json: Mapped[str] = mapped_column(Text, default="{}")
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -287,8 +290,11 @@ class Incident(Base):
     ends (the run reached that step, or that time passed); notified_at once it was sent."""
 
     __tablename__ = "incidents"
-    __table_args__ = (Index(None, "run_id", "status"), Index(None, "project", "created_at"),
-                      Index(None, "notified_at", "status"))
+    __table_args__ = (
+        Index(None, "run_id", "status"),
+        Index(None, "project", "created_at"),
+        Index(None, "notified_at", "status"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     project: Mapped[str] = mapped_column(String(200))

@@ -50,6 +50,8 @@ def _no_booleans(values: Any) -> Any:
     if isinstance(values, list) and any(type(v) is bool for v in values):
         raise ValueError('values must be numbers (or "NaN", "Infinity", "-Infinity"), not true/false')
     return values
+
+
 Text = AfterValidator(_plain_text)
 
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Client- or server-chosen id")]
@@ -57,7 +59,9 @@ Name = Annotated[str, Field(min_length=1, max_length=200), Text]
 MetricKey = Annotated[str, Field(min_length=1, max_length=250), Text]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 RunStatus = Literal["running", "finished", "crashed"]
-Tag = Annotated[str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text]
+Tag = Annotated[
+    str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text
+]
 MAX_TAGS = 50
 JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
@@ -198,7 +202,9 @@ class HistogramIn(BaseModel):
     @model_validator(mode="after")
     def _row_width(self) -> HistogramIn:
         if self.exponent_max < self.exponent_min:
-            raise ValueError(f"histogram {self.key!r}: exponent_max {self.exponent_max} < exponent_min {self.exponent_min}")
+            raise ValueError(
+                f"histogram {self.key!r}: exponent_max {self.exponent_max} < exponent_min {self.exponent_min}"
+            )
         width = self.exponent_max - self.exponent_min + 3
         for index, row in enumerate(self.counts):
             if len(row) != width:
@@ -395,7 +401,9 @@ class AlertRulePatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name | None = None
-    params: dict[str, Any] | None = Field(default=None, description="replaces the parameters (others default)")
+    params: dict[str, Any] | None = Field(
+        default=None, description="replaces the parameters (others default)"
+    )
     enabled: bool | None = None
     cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = None
 
@@ -456,7 +464,9 @@ class AlertOut(BaseModel):
     link: str = Field(description="the run page at the alert's step")
     created_at: str | None
     resolved_at: str | None
-    acknowledged_at: str | None = Field(default=None, description="when someone acknowledged it, if anyone did")
+    acknowledged_at: str | None = Field(
+        default=None, description="when someone acknowledged it, if anyone did"
+    )
     incident_id: int | None = Field(default=None, description="the incident this alert is part of")
 
 
@@ -491,7 +501,9 @@ class IncidentOut(BaseModel):
     cause: str = Field(description="the most likely cause, in one sentence")
     next_steps: list[str] = Field(description="what to do, with numbers")
     rules: list[str] = Field(description="the rule types that fired in this incident")
-    layers: list[str] = Field(default_factory=list, description="the layers the diagnosis names, most likely first")
+    layers: list[str] = Field(
+        default_factory=list, description="the layers the diagnosis names, most likely first"
+    )
     findings: list[IncidentFinding]
     first_step: int
     last_step: int
@@ -500,7 +512,9 @@ class IncidentOut(BaseModel):
     created_at: str | None
     updated_at: str | None
     resolved_at: str | None
-    notified_at: str | None = Field(description="when its one notification was sent (null: not yet, or never)")
+    notified_at: str | None = Field(
+        description="when its one notification was sent (null: not yet, or never)"
+    )
 
 
 class IncidentList(BaseModel):
@@ -527,7 +541,8 @@ class WebhookIn(BaseModel):
     )
     enabled: bool = True
     send_resolved: bool = Field(
-        default=False, description="also POST when an incident resolves (default: one notification per incident)"
+        default=False,
+        description="also POST when an incident resolves (default: one notification per incident)",
     )
 
 

@@ -26,6 +26,7 @@ def create_full_app(settings: Settings, api_base_url: str) -> FastAPI:
     """API under /api/v1 plus the Dash dashboard under /dashboard/."""
     import httpx
     from a2wsgi import WSGIMiddleware
+
     from gradwatch.dashboard import create_dash_app
 
     app = create_app(settings)

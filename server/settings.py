@@ -61,11 +61,21 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Ingest limits (server.ingest_limits), per token, or per client address on an open server; 0: off.
     # Points as the agent counts them: scalar points, vector rows, histograms. Env: the names shown.
-    max_batch_points: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_POINTS", 100_000)))
-    max_batch_values: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_VALUES", 2_000_000)))
-    ingest_concurrency: int = field(default_factory=lambda: int(limit_from_env("GRADWATCH_INGEST_CONCURRENCY", 2)))
-    ingest_points_per_s: float = field(default_factory=lambda: limit_from_env("GRADWATCH_INGEST_POINTS_PER_S", 20_000))
-    ingest_burst_points: float = field(default_factory=lambda: limit_from_env("GRADWATCH_INGEST_BURST_POINTS", 100_000))
+    max_batch_points: int = field(
+        default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_POINTS", 100_000))
+    )
+    max_batch_values: int = field(
+        default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_VALUES", 2_000_000))
+    )
+    ingest_concurrency: int = field(
+        default_factory=lambda: int(limit_from_env("GRADWATCH_INGEST_CONCURRENCY", 2))
+    )
+    ingest_points_per_s: float = field(
+        default_factory=lambda: limit_from_env("GRADWATCH_INGEST_POINTS_PER_S", 20_000)
+    )
+    ingest_burst_points: float = field(
+        default_factory=lambda: limit_from_env("GRADWATCH_INGEST_BURST_POINTS", 100_000)
+    )
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
     # Host names answered besides loopback names, IP addresses, public_url's host and the listening host

@@ -49,7 +49,9 @@ _AUTHORITY = re.compile(r"(?:\[(?P<ipv6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9_.-]+))(?
 _ORIGIN = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<authority>[^/?#@\\\s]+)")
 _MAX_ECHO = 100  # characters of a refused Host or Origin shown back
 _SECURITY_HEADERS = (
-    ("X-Frame-Options", "DENY"), ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "same-origin"),
+    ("X-Frame-Options", "DENY"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "same-origin"),
 )
 _FRAME_ANCESTORS = "frame-ancestors 'none'"
 
@@ -160,8 +162,10 @@ class WebSecurityPolicy:
         beyond loopback, without --insecure. (Without --open, a server that passed check_exposure
         keeps requiring tokens: Tokens.required() stays true once a token was created.)"""
         return (
-            self.open_after_revocation and not self.insecure
-            and self.listening_host is not None and not is_loopback(self.listening_host)
+            self.open_after_revocation
+            and not self.insecure
+            and self.listening_host is not None
+            and not is_loopback(self.listening_host)
         )
 
 
@@ -189,7 +193,9 @@ class WebSecurity:
         status, detail = refusal
         response = AsciiJSONResponse({"detail": detail}, status_code=status)
         if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
-            await send({"type": "websocket.close", "code": 1008})  # before the handshake: the server sends 403
+            await send(
+                {"type": "websocket.close", "code": 1008}
+            )  # before the handshake: the server sends 403
             return
         await response(scope, receive, send)  # on a WebSocket: a denial response (the ASGI extension)
 

@@ -90,7 +90,9 @@ def api_server(database_url) -> Iterator:
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
-    server = BackgroundServer(Settings(database_url=database_url), "127.0.0.1", free_port(), with_dashboard=False)
+    server = BackgroundServer(
+        Settings(database_url=database_url), "127.0.0.1", free_port(), with_dashboard=False
+    )
     server.start()
     yield server
     server.stop()
@@ -117,8 +119,16 @@ def client(api_server):
 
 
 # Debian's Chromium, headless, with nothing that would reach beyond 127.0.0.1.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 @pytest.fixture
@@ -131,7 +141,9 @@ def browser_page(chromium_path):
         browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on(
+            "console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None
+        )
         page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
         page.on("dialog", lambda d: (problems.append(f"dialog opened: {d.message}"), d.dismiss()))
         page.problems = problems
@@ -154,9 +166,19 @@ def server_process(database_url: str, tmp_path) -> Iterator[str]:
     log_path = tmp_path / f"server-{port}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port),
-             "--database-url", database_url],
-            stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
+            [
+                sys.executable,
+                "-m",
+                "gradwatch.cli",
+                "server",
+                "--port",
+                str(port),
+                "--database-url",
+                database_url,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"GRADWATCH_HOME": str(tmp_path)},
         )
         url = f"http://127.0.0.1:{port}"
         try:

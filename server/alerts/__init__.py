@@ -1,12 +1,12 @@
 """Alerts: rules evaluated on ingest, alerts with evidence and hints, webhooks through an outbox.
 
-    rules     pure incremental evaluators (one class per rule type, a module per kind of rule) and
-              the registry of rule types with the default rule set
-    engine    AlertEngine: runs the rules inside Store.ingest's transaction, opens/resolves alerts,
-              enqueues deliveries; heartbeat checks on the clock
-    webhooks  payload formats (json, slack, discord) and HMAC-SHA256 signing
-    outbox    OutboxWorker: the delivery thread (claims, retries with backoff)
-    service   AlertService: the API's reads and writes of rules, alerts, webhooks, deliveries
+rules     pure incremental evaluators (one class per rule type, a module per kind of rule) and
+          the registry of rule types with the default rule set
+engine    AlertEngine: runs the rules inside Store.ingest's transaction, opens/resolves alerts,
+          enqueues deliveries; heartbeat checks on the clock
+webhooks  payload formats (json, slack, discord) and HMAC-SHA256 signing
+outbox    OutboxWorker: the delivery thread (claims, retries with backoff)
+service   AlertService: the API's reads and writes of rules, alerts, webhooks, deliveries
 """
 
 from .engine import AlertEngine

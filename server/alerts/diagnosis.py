@@ -38,7 +38,9 @@ class RunContext:
     clip_max_norm: float | None = None
     lr_peak_before: float | None = None  # the highest lr before the `lr` window, and how many points it had
     lr_points_before: int = 0
-    max_abs_weights: list[tuple[str, float]] = field(default_factory=list)  # (layer, max |w|) when watching began
+    max_abs_weights: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # (layer, max |w|) when watching began
 
 
 @dataclass
@@ -82,8 +84,11 @@ def _named(layers: list[str], most: int = 3) -> str:
 
 
 def lr_jump_near(
-    lr: list[tuple[int, float]], step: int, lookback: int = DIVERGENCE_LOOKBACK,
-    peak_before: float | None = None, points_before: int = 0,
+    lr: list[tuple[int, float]],
+    step: int,
+    lookback: int = DIVERGENCE_LOOKBACK,
+    peak_before: float | None = None,
+    points_before: int = 0,
 ) -> tuple[int, float, float] | None:
     """The largest one-step rise of the lr by LR_JUMP_FACTOR or more within `lookback` steps up to `step`
     that also reaches twice the highest lr used before it, after at least LR_HISTORY points (a warm-up
@@ -159,7 +164,9 @@ def _suspect_weights(context: RunContext) -> list[tuple[str, float]]:
     return sorted(((n, v) for n, v in finite if v >= 256 and v >= 20 * typical), key=lambda item: -item[1])
 
 
-def _clip_before_unscale(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _clip_before_unscale(
+    by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int
+) -> Result:
     if "clip_before_unscale" not in misuse:
         return None
     max_norm = misuse["clip_before_unscale"].get("max_norm", context.clip_max_norm)
@@ -170,11 +177,15 @@ def _clip_before_unscale(by_rule: dict, findings: list, context: RunContext, mis
     return (
         "clip_before_unscale",
         "clip_grad_norm_ runs before scaler.unscale_: every step is clipped to almost nothing",
-        ("clip_grad_norm_ is called on the SCALED gradients, before scaler.unscale_(optimizer): it clips on nearly "
-        f"every step and shrinks the true gradient by the loss scale{cut}, so the model barely learns."),
+        (
+            "clip_grad_norm_ is called on the SCALED gradients, before scaler.unscale_(optimizer): it clips on nearly "
+            f"every step and shrinks the true gradient by the loss scale{cut}, so the model barely learns."
+        ),
         [
-            ("Call scaler.unscale_(optimizer) right before torch.nn.utils.clip_grad_norm_(...), then "
-            "scaler.step(optimizer) and scaler.update() as before."),
+            (
+                "Call scaler.unscale_(optimizer) right before torch.nn.utils.clip_grad_norm_(...), then "
+                "scaler.step(optimizer) and scaler.update() as before."
+            ),
             "Keep max_norm as it is: after unscale_ it compares the true gradient norm.",
         ],
     )
@@ -187,7 +198,8 @@ def _fp16_range(by_rule: dict, findings: list, context: RunContext, misuse: dict
     layers = _layers(findings)
     largest = misuse[kind].get("max_abs_weight")
     what = (
-        f"a weight of magnitude {largest:.3g} does not fit fp16 (max 65504)" if isinstance(largest, (int, float))
+        f"a weight of magnitude {largest:.3g} does not fit fp16 (max 65504)"
+        if isinstance(largest, (int, float))
         else "the model was trained or stored in bfloat16"
     )
     return (
@@ -197,7 +209,9 @@ def _fp16_range(by_rule: dict, findings: list, context: RunContext, misuse: dict
         "no loss scale can help" + (f" (first non-finite layers: {_named(layers)})" if layers else "") + ".",
         [
             "Train in bf16: torch.autocast(device_type, dtype=torch.bfloat16) and no GradScaler.",
-            "If you must use fp16, keep " + (_named(layers) if layers else "the overflowing layers") + " in fp32.",
+            "If you must use fp16, keep "
+            + (_named(layers) if layers else "the overflowing layers")
+            + " in fp32.",
         ],
     )
 
@@ -208,7 +222,9 @@ def _divergence_trigger(by_rule: dict, context: RunContext, step: int) -> tuple[
         values = evidence.get("values") or []
         if len(values) == 2:
             return by_rule["lr_jump"]["step"], float(values[0]), float(values[1])
-    return lr_jump_near(context.lr, step, peak_before=context.lr_peak_before, points_before=context.lr_points_before)
+    return lr_jump_near(
+        context.lr, step, peak_before=context.lr_peak_before, points_before=context.lr_points_before
+    )
 
 
 def _onset(by_rule: dict, rules: tuple[str, ...]) -> int | None:
@@ -234,19 +250,23 @@ def _forward_overflow(by_rule: dict, findings: list, context: RunContext, misuse
     suspects = _suspect_weights(context)
     named = [name for name, _ in suspects[:5]]
     where = (
-        " — the largest weights are in " + ", ".join(f"{n} (|w| up to {v:.3g})" for n, v in suspects[:3]) if suspects
+        " — the largest weights are in " + ", ".join(f"{n} (|w| up to {v:.3g})" for n, v in suspects[:3])
+        if suspects
         else ""
     )
     return (
         "fp16_forward_overflow",
         "the forward pass overflows fp16 on every step" + (f" (likely {named[0]})" if named else ""),
-        (f"The loss is non-finite on {len(bad)} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under fp16 autocast: "
-        f"activations exceed fp16's 65504 in the forward pass{where}, as a model trained in bf16 (outlier features) "
-        "does in fp16; no loss scale helps, and the GradScaler skips every step (or every batch is corrupt)."),
+        (
+            f"The loss is non-finite on {len(bad)} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under fp16 autocast: "
+            f"activations exceed fp16's 65504 in the forward pass{where}, as a model trained in bf16 (outlier features) "
+            "does in fp16; no loss scale helps, and the GradScaler skips every step (or every batch is corrupt)."
+        ),
         [
             "Train in bf16: torch.autocast(device_type, dtype=torch.bfloat16) and no GradScaler.",
             ("Or keep " + ", ".join(named[:3]) + " in fp32 (run it under torch.autocast(..., enabled=False))")
-            if named else "Or find the layer whose output exceeds 65504 and keep it in fp32.",
+            if named
+            else "Or find the layer whose output exceeds 65504 and keep it in fp32.",
         ],
         named or _layers(findings),
     )
@@ -259,29 +279,40 @@ def _bad_loss(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
     evidence = finding["evidence"]
     nan_step = int(evidence.get("first_step", finding["step"]))
     spikes = _onset(by_rule, ("grad_norm_spike", "loss_spike"))
-    if _divergence_trigger(by_rule, context, nan_step) is not None or (spikes is not None and spikes < nan_step):
+    if _divergence_trigger(by_rule, context, nan_step) is not None or (
+        spikes is not None and spikes < nan_step
+    ):
         return None  # a divergence that ended in NaN: _divergence explains it
     ids = evidence.get("batch_ids") or []
     value = (evidence.get("values") or ["NaN"])[0]
     batch = f" on batch {', '.join(map(str, ids[:10]))}" if ids else ""
     applied = any(f["rule"] == "non_finite" and f["evidence"].get("applied") for f in findings)
     steps = [
-        f"Inspect and drop the samples of batch {', '.join(map(str, ids[:10]))} (step {nan_step})." if ids
+        f"Inspect and drop the samples of batch {', '.join(map(str, ids[:10]))} (step {nan_step})."
+        if ids
         else "Log each batch's sample ids with run.log_batch(ids): the next NaN loss will name its batch.",
-        ("Look for log(0), division by zero, sqrt of a negative or an empty mask in the loss on that batch; "
-        "torch.autograd.set_detect_anomaly(True) on it names the operation."),
+        (
+            "Look for log(0), division by zero, sqrt of a negative or an empty mask in the loss on that batch; "
+            "torch.autograd.set_detect_anomaly(True) on it names the operation."
+        ),
     ]
     if applied:
-        steps.append(f"The optimizer applied that step and the weights may be NaN: restart from the checkpoint "
-                     f"before step {nan_step}.")
+        steps.append(
+            f"The optimizer applied that step and the weights may be NaN: restart from the checkpoint "
+            f"before step {nan_step}."
+        )
     elif context.fp16_scaler:
-        steps.append("The GradScaler skipped the step; lowering the scale will not help, since the loss is NaN "
-                     "before any scaling.")
+        steps.append(
+            "The GradScaler skipped the step; lowering the scale will not help, since the loss is NaN "
+            "before any scaling."
+        )
     return (
         "loss_non_finite",
         f"the loss is {value} at step {nan_step}{batch}",
-        (f"The loss itself was {value} at step {nan_step}{batch}: the forward pass or the data produced it, not "
-        "an overflow of the gradients that the GradScaler could cure."),
+        (
+            f"The loss itself was {value} at step {nan_step}{batch}: the forward pass or the data produced it, not "
+            "an overflow of the gradients that the GradScaler could cure."
+        ),
         steps,
     )
 
@@ -323,7 +354,8 @@ def _divergence(by_rule: dict, findings: list, context: RunContext, misuse: dict
         "divergence" if trigger is None else "lr_jump",
         title,
         cause,
-        first_step + [
+        first_step
+        + [
             f"Lower the learning rate by half{lr_text} and rewind to the checkpoint before step {rewind}.",
             "Clip gradients at max_norm=0.5 (after scaler.unscale_ with fp16) for the next 1,000 steps.",
         ],
@@ -342,16 +374,20 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
         return (
             "non_finite_applied",
             f"non-finite gradients reached the weights at step {by_rule['non_finite']['step']}",
-            (f"A non-finite gradient{where} was applied by the optimizer at step {by_rule['non_finite']['step']}: "
-            "no GradScaler skipped it, so the weights are probably NaN from here on."),
+            (
+                f"A non-finite gradient{where} was applied by the optimizer at step {by_rule['non_finite']['step']}: "
+                "no GradScaler skipped it, so the weights are probably NaN from here on."
+            ),
             [
                 f"Restart from the checkpoint before step {by_rule['non_finite']['step']} with half the learning rate.",
                 "Train in bf16, or use torch.amp.GradScaler with fp16 so overflowing steps are skipped.",
             ],
         )
-    if "scaler_calibration" in by_rule and not by_rule["scaler_calibration"]["evidence"].get("skipped") and (
-        (by_rule["scaler_calibration"]["evidence"].get("values") or [None])[-1] or 1.0
-    ) < 1.0:
+    if (
+        "scaler_calibration" in by_rule
+        and not by_rule["scaler_calibration"]["evidence"].get("skipped")
+        and ((by_rule["scaler_calibration"]["evidence"].get("values") or [None])[-1] or 1.0) < 1.0
+    ):
         scale = by_rule["scaler_calibration"]["evidence"]["values"][-1]
         settings = scaler_settings(context.safe_scale, prefer="high")
         return (
@@ -359,9 +395,15 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
             f"the loss scale is {_power(scale)} without any overflow: init_scale below 1",
             f"The loss scale is {_power(scale)}, below 1, although nothing overflowed: the GradScaler was created "
             "(or restored) with init_scale below 1, so small gradients underflow to zero in fp16"
-            + (f" ({_named(_layers(findings, 'underflow'))})" if "underflow" in by_rule else "") + ".",
-            [(settings + ".") if settings else "Use the default GradScaler(init_scale=2**16); it backs off by "
-             "itself if that overflows.", "Or train in bf16 (no GradScaler needed)."],
+            + (f" ({_named(_layers(findings, 'underflow'))})" if "underflow" in by_rule else "")
+            + ".",
+            [
+                (settings + ".")
+                if settings
+                else "Use the default GradScaler(init_scale=2**16); it backs off by "
+                "itself if that overflows.",
+                "Or train in bf16 (no GradScaler needed).",
+            ],
         )
     if "scaler_calibration" in by_rule or "scale_floor" in by_rule:
         evidence = (by_rule.get("scaler_calibration") or by_rule["scale_floor"])["evidence"]
@@ -376,8 +418,12 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
         count = evidence.get("count")
         cause = (
             f"Gradients overflow fp16 again and again from step {step}{where}"
-            + (f" ({count} skipped steps" + (f", scale now {_power(evidence['scales'][-1])})" if evidence.get("scales") else ")")
-               if count else "")
+            + (
+                f" ({count} skipped steps"
+                + (f", scale now {_power(evidence['scales'][-1])})" if evidence.get("scales") else ")")
+                if count
+                else ""
+            )
             + ": after calibration this is not the scaler's sawtooth but values growing past fp16's range."
         )
         title = f"fp16 overflow storm from step {step}" + where
@@ -385,11 +431,17 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
     if settings:
         steps.append(settings + ".")
     else:
-        steps.append("No fp16 loss scale fits these gradients: train in bf16 (torch.autocast(dtype=torch.bfloat16), "
-                     "no GradScaler).")
-    steps.append("Keep " + (_named(layers) if layers else "the overflowing layers") + " in fp32, or train in bf16.")
-    steps.append(f"If the overflows began mid-run, lower the learning rate by half and rewind to the checkpoint "
-                 f"before step {step}.")
+        steps.append(
+            "No fp16 loss scale fits these gradients: train in bf16 (torch.autocast(dtype=torch.bfloat16), "
+            "no GradScaler)."
+        )
+    steps.append(
+        "Keep " + (_named(layers) if layers else "the overflowing layers") + " in fp32, or train in bf16."
+    )
+    steps.append(
+        f"If the overflows began mid-run, lower the learning rate by half and rewind to the checkpoint "
+        f"before step {step}."
+    )
     return ("scale_collapse" if "scaler_calibration" in by_rule else "overflow", title, cause, steps)
 
 
@@ -405,11 +457,23 @@ def _underflow(by_rule: dict, findings: list, context: RunContext, misuse: dict,
     return (
         "underflow",
         f"gradients of {_named(layers)} underflow in fp16",
-        (f"Gradients of {_named(layers)} underflow in fp16: {share}their elements are exactly zero{at_scale}, so "
-        "those weights barely learn (tiny adapter gradients, as LoRA/QLoRA has, are the usual case)."),
-        ([settings + "."] if settings else [("Raise the GradScaler's init_scale (and lower growth_interval to 100 so "
-                                            "it climbs) until the zero fraction falls.")])
-        + ["Or train in bf16 (fp32's exponent range: nothing underflows), or keep the adapters' matmuls in fp32."],
+        (
+            f"Gradients of {_named(layers)} underflow in fp16: {share}their elements are exactly zero{at_scale}, so "
+            "those weights barely learn (tiny adapter gradients, as LoRA/QLoRA has, are the usual case)."
+        ),
+        (
+            [settings + "."]
+            if settings
+            else [
+                (
+                    "Raise the GradScaler's init_scale (and lower growth_interval to 100 so "
+                    "it climbs) until the zero fraction falls."
+                )
+            ]
+        )
+        + [
+            "Or train in bf16 (fp32's exponent range: nothing underflows), or keep the adapters' matmuls in fp32."
+        ],
     )
 
 
@@ -425,20 +489,33 @@ def _clipping(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
         return (
             "clip_saturation_accumulation",
             f"clipping fires on every step: the loss is summed over {k} micro-batches",
-            (f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps, the pre-clip norm "
-            f"{median:.3g}x max_norm={max_norm:g}, with {k} micro-batches per optimizer step: the loss is probably "
-            f"not divided by {k}, so gradients are {k}x too large and the clip, not the lr, sets every step."),
-            [(f"Divide the loss by the accumulation steps before backward: (loss / {k}).backward() "
-             f"(scaler.scale(loss / {k}) with fp16)."), f"Then keep max_norm={max_norm:g}."],
+            (
+                f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps, the pre-clip norm "
+                f"{median:.3g}x max_norm={max_norm:g}, with {k} micro-batches per optimizer step: the loss is probably "
+                f"not divided by {k}, so gradients are {k}x too large and the clip, not the lr, sets every step."
+            ),
+            [
+                (
+                    f"Divide the loss by the accumulation steps before backward: (loss / {k}).backward() "
+                    f"(scaler.scale(loss / {k}) with fp16)."
+                ),
+                f"Then keep max_norm={max_norm:g}.",
+            ],
         )
     return (
         "clip_saturation",
         "clipping fires on nearly every step",
-        (f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps (pre-clip norm {median:.3g}x "
-        f"max_norm={max_norm:g}): the clip, not the learning rate, sets the step size; with gradient accumulation "
-        "an undivided loss does this."),
-        [(f"If you accumulate gradients, divide the loss by the number of micro-batches; otherwise raise max_norm "
-         f"to about {median * max_norm:.2g} (the median pre-clip norm) or lower the learning rate.")],
+        (
+            f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps (pre-clip norm {median:.3g}x "
+            f"max_norm={max_norm:g}): the clip, not the learning rate, sets the step size; with gradient accumulation "
+            "an undivided loss does this."
+        ),
+        [
+            (
+                f"If you accumulate gradients, divide the loss by the number of micro-batches; otherwise raise max_norm "
+                f"to about {median * max_norm:.2g} (the median pre-clip norm) or lower the learning rate."
+            )
+        ],
     )
 
 
@@ -458,15 +535,18 @@ def _dead(by_rule: dict, findings: list, context: RunContext, misuse: dict, step
         cause = (
             f"{len(layers)} trainable layers get a gradient of exactly zero on every step ({_named(layers)}): a "
             "multiplication by zero, dead ReLUs or a zero-initialised layer after them"
-            + (", or gradients underflowing in fp16" if context.fp16_scaler else "") + "."
+            + (", or gradients underflowing in fp16" if context.fp16_scaler else "")
+            + "."
         )
     return (
         "dead_layers",
         f"no gradient reaches {_named(layers)}",
         cause,
         [
-            (f"Find the .detach() / .data / torch.no_grad() between {layers[0] if layers else 'those layers'} and the "
-            "loss (print the grad_fn of the activations along the forward)."),
+            (
+                f"Find the .detach() / .data / torch.no_grad() between {layers[0] if layers else 'those layers'} and the "
+                "loss (print the grad_fn of the activations along the forward)."
+            ),
             "If they are frozen on purpose, call requires_grad_(False) on them and leave them out of the optimizer.",
         ],
     )
@@ -482,9 +562,13 @@ def _stalled(by_rule: dict, findings: list, context: RunContext, misuse: dict, s
         return (
             "lr_zero",
             "the learning rate is 0: no weight changes",
-            (f"The learning rate is 0 at step {finding['step']}, so the optimizer changes no weight (a scheduler "
-            "that decays to 0 or starts there for too long)."),
-            ["Check the scheduler: its value at this step should not be 0 (e.g. eta_min, warm-up start_factor)."],
+            (
+                f"The learning rate is 0 at step {finding['step']}, so the optimizer changes no weight (a scheduler "
+                "that decays to 0 or starts there for too long)."
+            ),
+            [
+                "Check the scheduler: its value at this step should not be 0 (e.g. eta_min, warm-up start_factor)."
+            ],
         )
     values = finding["evidence"].get("values") or []
     share = f"{values[0]:.0%} of " if values and isinstance(values[0], (int, float)) else ""
@@ -493,13 +577,27 @@ def _stalled(by_rule: dict, findings: list, context: RunContext, misuse: dict, s
         f"weights of {_named(layers)} stop changing: updates round away",
         f"Weights of {_named(layers)} stop changing: {share}their updates are rounded away, as happens when weights "
         "are stored in bf16/fp16 and an update is below half an ulp of the weight"
-        + (f" (lr {lr:.3g})" if lr else "") + ".",
+        + (f" (lr {lr:.3g})" if lr else "")
+        + ".",
         [
             "Keep fp32 master weights: model.float() and torch.autocast(dtype=torch.bfloat16) for the speed.",
-            ("Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher learning "
-            "rate only hides it."),
+            (
+                "Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher learning "
+                "rate only hides it."
+            ),
         ],
     )
 
 
-_CAUSES = (_clip_before_unscale, _fp16_range, _forward_overflow, _bad_loss, _divergence, _scaler, _underflow, _clipping, _dead, _stalled)
+_CAUSES = (
+    _clip_before_unscale,
+    _fp16_range,
+    _forward_overflow,
+    _bad_loss,
+    _divergence,
+    _scaler,
+    _underflow,
+    _clipping,
+    _dead,
+    _stalled,
+)

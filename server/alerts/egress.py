@@ -38,8 +38,10 @@ ALLOW_PRIVATE_HINT = "set GRADWATCH_WEBHOOK_ALLOW_PRIVATE=1 to allow private tar
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
-_PRIVATE = tuple(ipaddress.ip_network(net) for net in
-                 ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fec0::/10"))
+_PRIVATE = tuple(
+    ipaddress.ip_network(net)
+    for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fec0::/10")
+)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 

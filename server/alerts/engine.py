@@ -78,10 +78,17 @@ HINTS = {
 }
 # When a run has a misuse event, its hint comes first in the rules it explains.
 _EXPLAINED_BY_MISUSE = {
-    "scale_drop", "skip_storm", "scale_floor", "non_finite", "no_scale_growth", "grad_norm_spike", "underflow",
-    "scaler_calibration", "clip_saturation", "not_learning",
+    "scale_drop",
+    "skip_storm",
+    "scale_floor",
+    "non_finite",
+    "no_scale_growth",
+    "grad_norm_spike",
+    "underflow",
+    "scaler_calibration",
+    "clip_saturation",
+    "not_learning",
 }
-
 
 
 def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
@@ -138,15 +145,20 @@ class AlertEngine:
     and enqueues their webhook deliveries in the caller's transaction."""
 
     def __init__(
-        self, public_url: str, on_enqueued: Callable[[], None] | None = None,
-        group_wait_steps: int = 10, group_wait_s: float = 5.0,
+        self,
+        public_url: str,
+        on_enqueued: Callable[[], None] | None = None,
+        group_wait_steps: int = 10,
+        group_wait_s: float = 5.0,
     ) -> None:
         self.public_url = public_url.rstrip("/")
         self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
         self._projects_ready: set[str] = set()
         self.incidents = Incidents(
-            self.link, lambda session, _rows: self.notify_after_commit(session),
-            group_wait_steps=group_wait_steps, group_wait_s=group_wait_s,
+            self.link,
+            lambda session, _rows: self.notify_after_commit(session),
+            group_wait_steps=group_wait_steps,
+            group_wait_s=group_wait_s,
         )
 
     # -- rules of a project -----------------------------------------------------------------------
@@ -158,17 +170,26 @@ class AlertEngine:
         insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
         now = time.time()
         created = session.execute(
-            insert(AlertProject).values(project=project, created_at=now).on_conflict_do_nothing().returning(
-                AlertProject.project
-            )
+            insert(AlertProject)
+            .values(project=project, created_at=now)
+            .on_conflict_do_nothing()
+            .returning(AlertProject.project)
         ).first()
         if created is not None:
             for rule_type in DEFAULT_RULES:
-                session.add(AlertRule(
-                    project=project, run_id=None, type=rule_type, name=rule_type.replace("_", " "),
-                    params_json=json.dumps(RULE_TYPES[rule_type]().values), enabled=True,
-                    cooldown_steps=RULE_TYPES[rule_type].cooldown_steps, created_at=now, updated_at=now,
-                ))
+                session.add(
+                    AlertRule(
+                        project=project,
+                        run_id=None,
+                        type=rule_type,
+                        name=rule_type.replace("_", " "),
+                        params_json=json.dumps(RULE_TYPES[rule_type]().values),
+                        enabled=True,
+                        cooldown_steps=RULE_TYPES[rule_type].cooldown_steps,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
             session.flush()
         self._projects_ready.add(project)
 
@@ -177,12 +198,14 @@ class AlertEngine:
 
     @staticmethod
     def rules_for(session: Session, project: str, run_id: str) -> list[AlertRule]:
-        return list(session.scalars(
-            select(AlertRule)
-            .where(AlertRule.project == project, AlertRule.enabled.is_(True))
-            .where(or_(AlertRule.run_id.is_(None), AlertRule.run_id == run_id))
-            .order_by(AlertRule.id)
-        ))
+        return list(
+            session.scalars(
+                select(AlertRule)
+                .where(AlertRule.project == project, AlertRule.enabled.is_(True))
+                .where(or_(AlertRule.run_id.is_(None), AlertRule.run_id == run_id))
+                .order_by(AlertRule.id)
+            )
+        )
 
     # -- evaluation on ingest ---------------------------------------------------------------------
 
@@ -196,7 +219,9 @@ class AlertEngine:
             try:
                 rules.append((row, make_rule(row.type, json.loads(row.params_json))))
             except (ValueError, TypeError):
-                logger.exception("gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type)
+                logger.exception(
+                    "gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type
+                )
         ended = batch.status is not None and batch.status != "running"
         touched: set[int] = set()
         if rules:
@@ -214,22 +239,35 @@ class AlertEngine:
                 kinds.setdefault((data.rank, data.signature()), []).append(data)
             work = []
             for row, rule in rules:
-                wanted = [group for (rank, present), group in kinds.items() if rule.reads_signature(rank, present)]
+                wanted = [
+                    group for (rank, present), group in kinds.items() if rule.reads_signature(rank, present)
+                ]
                 if wanted:
-                    fed = wanted[0] if len(wanted) == 1 else sorted(
-                        (data for group in wanted for data in group), key=lambda d: (d.step, d.rank)
+                    fed = (
+                        wanted[0]
+                        if len(wanted) == 1
+                        else sorted(
+                            (data for group in wanted for data in group), key=lambda d: (d.step, d.rank)
+                        )
                     )
                     work.append((row, rule, fed[-1:] if rule.periodic else fed))  # the clock's rules: "alive"
             # Every state this batch needs, locked in one query (in rule order, the same in every process).
-            states = {
-                state.rule_id: state
-                for state in session.scalars(
-                    select(AlertRuleState)
-                    .where(AlertRuleState.rule_id.in_([row.id for row, _, _ in work]), AlertRuleState.run_id == run_id)
-                    .order_by(AlertRuleState.rule_id)
-                    .with_for_update()
-                )
-            } if work else {}
+            states = (
+                {
+                    state.rule_id: state
+                    for state in session.scalars(
+                        select(AlertRuleState)
+                        .where(
+                            AlertRuleState.rule_id.in_([row.id for row, _, _ in work]),
+                            AlertRuleState.run_id == run_id,
+                        )
+                        .order_by(AlertRuleState.rule_id)
+                        .with_for_update()
+                    )
+                }
+                if work
+                else {}
+            )
             for row, rule, fed in work:
                 self._evaluate(session, run, row, rule, fed, layers, states.get(row.id), touched)
         self.incidents.refresh(session, run, touched, _last_step(batch), ended)
@@ -246,21 +284,38 @@ class AlertEngine:
                 state.state_json = json.dumps(document)
                 state.updated_at = time.time()
 
-    def _load_state(self, session: Session, rule_row: AlertRule, rule: RuleType, run_id: str) -> AlertRuleState:
+    def _load_state(
+        self, session: Session, rule_row: AlertRule, rule: RuleType, run_id: str
+    ) -> AlertRuleState:
         state = session.scalars(
             select(AlertRuleState)
             .where(AlertRuleState.rule_id == rule_row.id, AlertRuleState.run_id == run_id)
             .with_for_update()
         ).first()
         if state is None:
-            document = {"eval": rule.initial_state(), "last": {}, "alert": None, "last_alert": None, "fired_step": None}
-            state = AlertRuleState(rule_id=rule_row.id, run_id=run_id, state_json=json.dumps(document), updated_at=time.time())
+            document = {
+                "eval": rule.initial_state(),
+                "last": {},
+                "alert": None,
+                "last_alert": None,
+                "fired_step": None,
+            }
+            state = AlertRuleState(
+                rule_id=rule_row.id, run_id=run_id, state_json=json.dumps(document), updated_at=time.time()
+            )
             session.add(state)
         return state
 
     def _evaluate(
-        self, session: Session, run: Run, row: AlertRule, rule: RuleType, fed: list[StepData], layers: list[str],
-        state: AlertRuleState | None, touched: set[int],
+        self,
+        session: Session,
+        run: Run,
+        row: AlertRule,
+        rule: RuleType,
+        fed: list[StepData],
+        layers: list[str],
+        state: AlertRuleState | None,
+        touched: set[int],
     ) -> None:
         if state is None:
             state = self._load_state(session, row, rule, run.id)
@@ -275,10 +330,14 @@ class AlertEngine:
                     continue  # a replayed or out-of-order step was evaluated already
                 last[rank] = data.step
                 verdict = observe(evaluation, data, layers)
-                if verdict is not None and (verdict is not CLEAR or document["alert"] is not None or verdicts):
+                if verdict is not None and (
+                    verdict is not CLEAR or document["alert"] is not None or verdicts
+                ):
                     verdicts.append((data.step, verdict))
         except Exception:
-            logger.exception("gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id)
+            logger.exception(
+                "gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id
+            )
             return
         for step, verdict in verdicts:
             if isinstance(verdict, Finding):
@@ -291,15 +350,28 @@ class AlertEngine:
     # -- alerts -----------------------------------------------------------------------------------
 
     def _fire(
-        self, session: Session, run: Run, row: AlertRule, rule: RuleType, document: dict[str, Any], finding: Finding,
+        self,
+        session: Session,
+        run: Run,
+        row: AlertRule,
+        rule: RuleType,
+        document: dict[str, Any],
+        finding: Finding,
         touched: set[int],
     ) -> None:
         evidence = dump_json(finding.evidence | {"link": self.link(run.id, finding.step)})
-        if document["alert"] is not None:  # de-duplicated: the open alert counts it and shows the latest finding
+        if (
+            document["alert"] is not None
+        ):  # de-duplicated: the open alert counts it and shows the latest finding
             session.execute(
-                update(Alert).where(Alert.id == document["alert"])
-                .values(occurrences=Alert.occurrences + 1, last_step=finding.step, title=finding.title[:500],
-                        evidence_json=evidence)
+                update(Alert)
+                .where(Alert.id == document["alert"])
+                .values(
+                    occurrences=Alert.occurrences + 1,
+                    last_step=finding.step,
+                    title=finding.title[:500],
+                    evidence_json=evidence,
+                )
             )
             if document.get("incident") is not None:
                 touched.add(document["incident"])
@@ -309,9 +381,16 @@ class AlertEngine:
         if previous is not None and fired is not None and finding.step < fired + row.cooldown_steps:
             # Within the cooldown: the previous alert opens again, without a new notification.
             reopened = session.execute(
-                update(Alert).where(Alert.id == previous, Alert.status == "resolved")
-                .values(status="firing", open_key=_open_key(row.id, run.id), resolved_at=None, resolved_step=None,
-                        occurrences=Alert.occurrences + 1, last_step=finding.step)
+                update(Alert)
+                .where(Alert.id == previous, Alert.status == "resolved")
+                .values(
+                    status="firing",
+                    open_key=_open_key(row.id, run.id),
+                    resolved_at=None,
+                    resolved_step=None,
+                    occurrences=Alert.occurrences + 1,
+                    last_step=finding.step,
+                )
             ).rowcount
             if reopened:
                 document["alert"] = previous
@@ -320,10 +399,21 @@ class AlertEngine:
                     touched.add(document["incident"])
                 return
         alert = Alert(
-            rule_id=row.id, run_id=run.id, project=run.project, type=rule.name, severity=rule.severity,
-            status="firing", open_key=_open_key(row.id, run.id), step=finding.step, last_step=finding.step,
-            occurrences=1, title=finding.title[:500], hint=self._hint(session, run.id, rule.name, finding),
-            evidence_json=evidence, link=self.link(run.id, finding.step), created_at=time.time(),
+            rule_id=row.id,
+            run_id=run.id,
+            project=run.project,
+            type=rule.name,
+            severity=rule.severity,
+            status="firing",
+            open_key=_open_key(row.id, run.id),
+            step=finding.step,
+            last_step=finding.step,
+            occurrences=1,
+            title=finding.title[:500],
+            hint=self._hint(session, run.id, rule.name, finding),
+            evidence_json=evidence,
+            link=self.link(run.id, finding.step),
+            created_at=time.time(),
             resolution_notified=False,
         )
         session.add(alert)
@@ -334,7 +424,9 @@ class AlertEngine:
         document["fired_step"] = finding.step
         touched.add(incident.id)
 
-    def _resolve(self, session: Session, document: dict[str, Any], step: int | None, touched: set[int]) -> None:
+    def _resolve(
+        self, session: Session, document: dict[str, Any], step: int | None, touched: set[int]
+    ) -> None:
         alert = session.get(Alert, document["alert"])
         document["alert"] = None
         if alert is None or alert.status != "firing":
@@ -379,13 +471,17 @@ class AlertEngine:
         """Open a heartbeat alert for each running run silent for longer than its rule's timeout."""
         opened = 0
         rules = session.scalars(
-            select(AlertRule).where(AlertRule.type == "heartbeat", AlertRule.enabled.is_(True)).order_by(AlertRule.id)
+            select(AlertRule)
+            .where(AlertRule.type == "heartbeat", AlertRule.enabled.is_(True))
+            .order_by(AlertRule.id)
         ).all()
         for row in rules:
             rule = make_rule(row.type, json.loads(row.params_json))
             already_open = select(Alert.id).where(Alert.open_key == literal(f"{row.id}/") + Run.id).exists()
             query = select(Run).where(
-                Run.project == row.project, Run.status == "running", Run.updated_at < now - rule.timeout_s,
+                Run.project == row.project,
+                Run.status == "running",
+                Run.updated_at < now - rule.timeout_s,
                 ~already_open,
             )
             if row.run_id is not None:
@@ -399,7 +495,11 @@ class AlertEngine:
                 finding = Finding(
                     run.last_step if run.last_step is not None else 0,
                     f"no data for {silent / 60:.0f} min (last step {run.last_step})",
-                    {"steps": [run.last_step], "last_seen": iso_time(run.updated_at), "silent_s": round(silent, 1)},
+                    {
+                        "steps": [run.last_step],
+                        "last_seen": iso_time(run.updated_at),
+                        "silent_s": round(silent, 1),
+                    },
                 )
                 touched: set[int] = set()
                 self._fire(session, run, row, rule, document, finding, touched)
@@ -416,7 +516,9 @@ class AlertEngine:
 
 def _last_step(batch: BatchIn) -> int:
     """The highest step a batch carries (its run has reached at least that)."""
-    steps = [max(s.steps) for s in batch.scalars if s.steps] + [max(v.steps) for v in batch.vectors if v.steps]
+    steps = [max(s.steps) for s in batch.scalars if s.steps] + [
+        max(v.steps) for v in batch.vectors if v.steps
+    ]
     steps += [e.step for e in batch.events]
     return max(steps, default=-1)
 

@@ -36,7 +36,6 @@ GROUP_WINDOW_STEPS = 50
 MAX_FINDINGS = 30
 
 
-
 def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
     """An incident as the API returns it and webhooks carry it."""
     return {
@@ -84,8 +83,11 @@ class Incidents:
     """Groups a run's alerts into incidents and notifies each once (see the module docstring)."""
 
     def __init__(
-        self, link: Callable[[str, int | None], str], enqueue: Callable[[Session, list[Any]], None],
-        group_wait_steps: int = 10, group_wait_s: float = 5.0,
+        self,
+        link: Callable[[str, int | None], str],
+        enqueue: Callable[[Session, list[Any]], None],
+        group_wait_steps: int = 10,
+        group_wait_s: float = 5.0,
     ) -> None:
         self.link = link
         self.enqueue = enqueue  # called with the new Delivery rows (to wake the outbox after commit)
@@ -102,8 +104,14 @@ class Incidents:
         ).all()
         for incident in candidates:
             same_family = incident.family == family
-            nearby = family != "liveness" and incident.family != "liveness" and (
-                incident.first_step - GROUP_WINDOW_STEPS <= step <= incident.first_step + GROUP_WINDOW_STEPS
+            nearby = (
+                family != "liveness"
+                and incident.family != "liveness"
+                and (
+                    incident.first_step - GROUP_WINDOW_STEPS
+                    <= step
+                    <= incident.first_step + GROUP_WINDOW_STEPS
+                )
             )
             # A run that diverged, overflows or computes NaN explains layers that stop learning after it.
             consequence = family == "stalled" and incident.family in ("divergence", "precision", "data")
@@ -117,11 +125,25 @@ class Incidents:
                 return incident
         now = time.time()
         incident = Incident(
-            project=run.project, run_id=run.id, family=family, status="open", severity=alert.severity,
-            cause_key=alert.type, title=alert.title[:500], cause=alert.title, next_steps_json="[]",
-            rules_json=json.dumps([alert.type]), layers_json="[]", findings_json="[]", first_step=step, last_step=step,
-            notify_step=step + self.group_wait_steps, notify_after=now + self.group_wait_s,
-            link=self.link(run.id, step), created_at=now, updated_at=now,
+            project=run.project,
+            run_id=run.id,
+            family=family,
+            status="open",
+            severity=alert.severity,
+            cause_key=alert.type,
+            title=alert.title[:500],
+            cause=alert.title,
+            next_steps_json="[]",
+            rules_json=json.dumps([alert.type]),
+            layers_json="[]",
+            findings_json="[]",
+            first_step=step,
+            last_step=step,
+            notify_step=step + self.group_wait_steps,
+            notify_after=now + self.group_wait_s,
+            link=self.link(run.id, step),
+            created_at=now,
+            updated_at=now,
         )
         session.add(incident)
         session.flush()
@@ -138,7 +160,9 @@ class Incidents:
 
     # -- summary and notification -----------------------------------------------------------------
 
-    def refresh(self, session: Session, run: Run, incident_ids: set[int], reached_step: int, ended: bool) -> None:
+    def refresh(
+        self, session: Session, run: Run, incident_ids: set[int], reached_step: int, ended: bool
+    ) -> None:
         """Rebuild the summaries of the touched incidents, then notify the run's incidents whose group
         wait is over (the run reached their notify_step, or ended)."""
         for incident_id in sorted(incident_ids):
@@ -146,9 +170,10 @@ class Incidents:
             if incident is not None:
                 self._summarise(session, run, incident)
         pending = session.scalars(
-            select(Incident).where(
-                Incident.run_id == run.id, Incident.status == "open", Incident.notified_at.is_(None)
-            ).order_by(Incident.id).with_for_update()
+            select(Incident)
+            .where(Incident.run_id == run.id, Incident.status == "open", Incident.notified_at.is_(None))
+            .order_by(Incident.id)
+            .with_for_update()
         ).all()
         for incident in pending:
             if ended or (incident.notify_step is not None and reached_step >= incident.notify_step):
@@ -158,9 +183,11 @@ class Incidents:
         """The periodic task: notify open incidents whose wall-clock group wait is over (a run that
         stopped reporting right after a finding still gets its notification)."""
         due = session.scalars(
-            select(Incident).where(
-                Incident.notified_at.is_(None), Incident.status == "open", Incident.notify_after <= now
-            ).order_by(Incident.id).limit(100).with_for_update(skip_locked=True)
+            select(Incident)
+            .where(Incident.notified_at.is_(None), Incident.status == "open", Incident.notify_after <= now)
+            .order_by(Incident.id)
+            .limit(100)
+            .with_for_update(skip_locked=True)
         ).all()
         for incident in due:
             run = session.get(Run, incident.run_id)
@@ -170,13 +197,22 @@ class Incidents:
         return len(due)
 
     def _summarise(self, session: Session, run: Run, incident: Incident) -> None:
-        alerts = session.scalars(select(Alert).where(Alert.incident_id == incident.id).order_by(Alert.step, Alert.id)).all()
+        alerts = session.scalars(
+            select(Alert).where(Alert.incident_id == incident.id).order_by(Alert.step, Alert.id)
+        ).all()
         if not alerts:
             return
         findings = [
-            {"rule": a.type, "title": a.title, "step": a.step if a.step is not None else incident.first_step,
-             "last_step": a.last_step, "severity": a.severity, "status": a.status, "alert_id": a.id,
-             "evidence": json.loads(a.evidence_json)}
+            {
+                "rule": a.type,
+                "title": a.title,
+                "step": a.step if a.step is not None else incident.first_step,
+                "last_step": a.last_step,
+                "severity": a.severity,
+                "status": a.status,
+                "alert_id": a.id,
+                "evidence": json.loads(a.evidence_json),
+            }
             for a in alerts
         ][:MAX_FINDINGS]
         context = self.context(session, run, incident.first_step, max(a.last_step or 0 for a in alerts))
@@ -185,10 +221,14 @@ class Incidents:
         incident.cause_key = diagnosis.cause_key[:64]
         incident.title = diagnosis.title[:500]
         incident.cause = diagnosis.cause
-        incident.next_steps_json = dump_json({"steps": diagnosis.next_steps})[len('{"steps":'):-1]
-        incident.rules_json = json.dumps(sorted({a.type for a in alerts}, key=lambda t: list(RULE_TYPES).index(t)
-                                                if t in RULE_TYPES else len(RULE_TYPES)))
-        incident.findings_json = dump_json({"f": findings})[len('{"f":'):-1]
+        incident.next_steps_json = dump_json({"steps": diagnosis.next_steps})[len('{"steps":') : -1]
+        incident.rules_json = json.dumps(
+            sorted(
+                {a.type for a in alerts},
+                key=lambda t: list(RULE_TYPES).index(t) if t in RULE_TYPES else len(RULE_TYPES),
+            )
+        )
+        incident.findings_json = dump_json({"f": findings})[len('{"f":') : -1]
         incident.layers_json = json.dumps(diagnosis.layers[:20])
         # Where it began: a sustained rule's onset or a NaN loss's first step comes before the step it fired.
         incident.first_step = min(_onset(f) for f in findings)
@@ -198,7 +238,9 @@ class Incidents:
         if incident.status == "open" and all(a.status == "resolved" for a in alerts):
             incident.status = "resolved"
             incident.resolved_at = time.time()
-            incident.resolved_step = max((a.resolved_step for a in alerts if a.resolved_step is not None), default=None)
+            incident.resolved_step = max(
+                (a.resolved_step for a in alerts if a.resolved_step is not None), default=None
+            )
             if incident.notified_at is not None:
                 self._notify(session, run, incident, "incident.resolved")
 
@@ -208,7 +250,9 @@ class Incidents:
                 return
             incident.notified_at = time.time()
         webhooks = session.scalars(
-            select(Webhook).where(Webhook.project == run.project, Webhook.enabled.is_(True)).order_by(Webhook.id)
+            select(Webhook)
+            .where(Webhook.project == run.project, Webhook.enabled.is_(True))
+            .order_by(Webhook.id)
         ).all()
         if event == "incident.resolved":
             webhooks = [w for w in webhooks if w.send_resolved]
@@ -218,9 +262,15 @@ class Incidents:
         now = time.time()
         rows = [
             Delivery(
-                webhook_id=webhook.id, alert_id=None, incident_id=incident.id, event=event,
-                payload=render(webhook.format, event, document), status="pending", attempts=0,
-                next_attempt_at=now, created_at=now,
+                webhook_id=webhook.id,
+                alert_id=None,
+                incident_id=incident.id,
+                event=event,
+                payload=render(webhook.format, event, document),
+                status="pending",
+                attempts=0,
+                next_attempt_at=now,
+                created_at=now,
             )
             for webhook in webhooks
         ]
@@ -232,18 +282,34 @@ class Incidents:
     @staticmethod
     def context(session: Session, run: Run, first_step: int, last_step: int) -> RunContext:
         """The run's misuse events, lr around the incident, loss scale, safe-scale band and clip settings."""
-        keys = ("lr", "amp/scale", "amp/safe_scale_min", "amp/safe_scale_max", "amp/micro_batches",
-                "grad/clip_max_norm", "param/max_abs")
-        series = dict(session.execute(
-            select(Series.key, Series.id).where(Series.run_id == run.id, Series.key.in_(keys))
-        ).all())
+        keys = (
+            "lr",
+            "amp/scale",
+            "amp/safe_scale_min",
+            "amp/safe_scale_max",
+            "amp/micro_batches",
+            "grad/clip_max_norm",
+            "param/max_abs",
+        )
+        series = dict(
+            session.execute(
+                select(Series.key, Series.id).where(Series.run_id == run.id, Series.key.in_(keys))
+            ).all()
+        )
 
-        def points(key: str, start: int, end: int, limit: int = 200, latest: bool = False) -> list[tuple[int, float]]:
+        def points(
+            key: str, start: int, end: int, limit: int = 200, latest: bool = False
+        ) -> list[tuple[int, float]]:
             if key not in series:
                 return []
-            query = select(Point.step, Point.value, Point.flag).where(
-                Point.series_id == series[key], Point.rank == 0, Point.step >= start, Point.step <= end
-            ).order_by(Point.step.desc() if latest else Point.step).limit(limit)
+            query = (
+                select(Point.step, Point.value, Point.flag)
+                .where(
+                    Point.series_id == series[key], Point.rank == 0, Point.step >= start, Point.step <= end
+                )
+                .order_by(Point.step.desc() if latest else Point.step)
+                .limit(limit)
+            )
             return [(step, decode_float(value, flag)) for step, value, flag in session.execute(query)]
 
         def latest(key: str, at: int) -> float | None:
@@ -265,8 +331,10 @@ class Incidents:
         max_abs: list[tuple[str, float]] = []
         if "param/max_abs" in series:
             row = session.execute(
-                select(VectorPoint.data).where(VectorPoint.series_id == series["param/max_abs"], VectorPoint.rank == 0)
-                .order_by(VectorPoint.step).limit(1)
+                select(VectorPoint.data)
+                .where(VectorPoint.series_id == series["param/max_abs"], VectorPoint.rank == 0)
+                .order_by(VectorPoint.step)
+                .limit(1)
             ).scalar()
             if row is not None:
                 max_abs = list(zip(json.loads(run.layers_json), unpack(row, "d")))

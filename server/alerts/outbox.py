@@ -81,7 +81,8 @@ class OutboxWorker:
             if self._client is None:
                 self._client = httpx.Client(
                     transport=PinnedTransport(self.settings.webhook_allow_private),
-                    timeout=self.settings.webhook_timeout_s, follow_redirects=False,
+                    timeout=self.settings.webhook_timeout_s,
+                    follow_redirects=False,
                 )
             self._thread = threading.Thread(target=self._loop, name="gradwatch-outbox", daemon=True)
             self._thread.start()
@@ -144,7 +145,10 @@ class OutboxWorker:
             and_(Delivery.status == "sending", Delivery.claimed_until < now),
         )
         oldest = (
-            select(Delivery.id).where(claimable).order_by(Delivery.next_attempt_at, Delivery.id).limit(1)
+            select(Delivery.id)
+            .where(claimable)
+            .order_by(Delivery.next_attempt_at, Delivery.id)
+            .limit(1)
             .with_for_update(skip_locked=True)
             .scalar_subquery()
         )
@@ -153,8 +157,12 @@ class OutboxWorker:
             row = session.execute(
                 update(Delivery)
                 .where(Delivery.id == oldest, claimable)
-                .values(status="sending", claim_token=token, claimed_until=now + self.settings.outbox_lease_s,
-                        attempts=Delivery.attempts + 1)
+                .values(
+                    status="sending",
+                    claim_token=token,
+                    claimed_until=now + self.settings.outbox_lease_s,
+                    attempts=Delivery.attempts + 1,
+                )
                 .returning(Delivery.id, Delivery.attempts, Delivery.webhook_id, Delivery.payload)
                 .execution_options(synchronize_session=False)
             ).first()
@@ -176,13 +184,20 @@ class OutboxWorker:
         error: str | None = None
         assert self._client is not None
         try:  # the allow-list or webhook_allow_private may have changed since the webhook was created
-            validate_url(claimed.url, self.settings.webhook_allowed_hosts,
-                         allow_private=self.settings.webhook_allow_private)
+            validate_url(
+                claimed.url,
+                self.settings.webhook_allowed_hosts,
+                allow_private=self.settings.webhook_allow_private,
+            )
             response = self._client.post(claimed.url, content=body, headers=headers)
             status = response.status_code
-            if response.is_redirect:  # never followed: a redirect could lead anywhere, e.g. inside the network
-                error = (f"HTTP {status} redirect to {response.headers.get('location', '?')!r} not followed; "
-                         "point the webhook at the final URL")
+            if (
+                response.is_redirect
+            ):  # never followed: a redirect could lead anywhere, e.g. inside the network
+                error = (
+                    f"HTTP {status} redirect to {response.headers.get('location', '?')!r} not followed; "
+                    "point the webhook at the final URL"
+                )
             elif not 200 <= status < 300:
                 # The status code only: the receiver's body is never kept (a delivery log that showed it
                 # would let anyone with a webhook read what internal services answer).
@@ -206,7 +221,9 @@ class OutboxWorker:
         elif final or claimed.attempts >= settings.outbox_max_attempts:
             values = {"status": "failed", "last_error": error}
         else:
-            delay = backoff_delay(claimed.attempts, settings.outbox_backoff_base_s, settings.outbox_backoff_max_s)
+            delay = backoff_delay(
+                claimed.attempts, settings.outbox_backoff_base_s, settings.outbox_backoff_max_s
+            )
             values = {"status": "pending", "next_attempt_at": now + delay, "last_error": error}
         with self._transaction() as session:
             session.execute(
@@ -216,4 +233,6 @@ class OutboxWorker:
                 .execution_options(synchronize_session=False)
             )
         if error is not None:
-            logger.warning("gradwatch: webhook delivery %d attempt %d failed: %s", claimed.id, claimed.attempts, error)
+            logger.warning(
+                "gradwatch: webhook delivery %d attempt %d failed: %s", claimed.id, claimed.attempts, error
+            )

@@ -25,7 +25,6 @@ from .webhooks import render, validate_url
 __all__ = ["AlertService"]
 
 
-
 class AlertService:
     def __init__(self, engine: Engine, alert_engine: AlertEngine, settings: Settings) -> None:
         self.engine = engine
@@ -43,7 +42,12 @@ class AlertService:
                 "severity": cls.severity,
                 "description": cls.description,
                 "params": {
-                    p: {"default": spec.default, "minimum": spec.minimum, "maximum": spec.maximum, "doc": spec.doc}
+                    p: {
+                        "default": spec.default,
+                        "minimum": spec.minimum,
+                        "maximum": spec.maximum,
+                        "doc": spec.doc,
+                    }
                     for p, spec in cls.params.items()
                 },
                 "default_rule": name in DEFAULT_RULES,
@@ -55,9 +59,16 @@ class AlertService:
     def _rule(row: AlertRule) -> dict[str, Any]:
         cls = RULE_TYPES[row.type]
         return {
-            "id": row.id, "project": row.project, "run_id": row.run_id, "type": row.type, "name": row.name,
-            "params": json.loads(row.params_json), "enabled": row.enabled, "cooldown_steps": row.cooldown_steps,
-            "severity": cls.severity, "description": cls.description,
+            "id": row.id,
+            "project": row.project,
+            "run_id": row.run_id,
+            "type": row.type,
+            "name": row.name,
+            "params": json.loads(row.params_json),
+            "enabled": row.enabled,
+            "cooldown_steps": row.cooldown_steps,
+            "severity": cls.severity,
+            "description": cls.description,
         }
 
     @staticmethod
@@ -88,13 +99,22 @@ class AlertService:
                 if run is None:
                     raise InvalidRequest(f"run_id {rule.run_id!r}: no such run")
                 if run.project != rule.project:
-                    raise InvalidRequest(f"run {rule.run_id!r} belongs to project {run.project!r}, not {rule.project!r}")
+                    raise InvalidRequest(
+                        f"run {rule.run_id!r} belongs to project {run.project!r}, not {rule.project!r}"
+                    )
             self.alert_engine.ensure_defaults(session, rule.project)
             row = AlertRule(
-                project=rule.project, run_id=rule.run_id, type=rule.type, name=rule.name or rule.type.replace("_", " "),
-                params_json=json.dumps(params), enabled=rule.enabled,
-                cooldown_steps=RULE_TYPES[rule.type].cooldown_steps if rule.cooldown_steps is None else rule.cooldown_steps,
-                created_at=now, updated_at=now,
+                project=rule.project,
+                run_id=rule.run_id,
+                type=rule.type,
+                name=rule.name or rule.type.replace("_", " "),
+                params_json=json.dumps(params),
+                enabled=rule.enabled,
+                cooldown_steps=RULE_TYPES[rule.type].cooldown_steps
+                if rule.cooldown_steps is None
+                else rule.cooldown_steps,
+                created_at=now,
+                updated_at=now,
             )
             session.add(row)
             session.flush()
@@ -132,14 +152,20 @@ class AlertService:
         now = time.time()
         session.execute(delete(AlertRuleState).where(AlertRuleState.rule_id == rule_id))
         session.execute(
-            update(Alert).where(Alert.rule_id == rule_id, Alert.status == "firing")
+            update(Alert)
+            .where(Alert.rule_id == rule_id, Alert.status == "firing")
             .values(status="resolved", open_key=None, resolved_at=now)
         )
 
     # -- alerts -----------------------------------------------------------------------------------
 
     def list_alerts(
-        self, project: str | None, run_id: str | None, status: str | None, limit: int, offset: int,
+        self,
+        project: str | None,
+        run_id: str | None,
+        status: str | None,
+        limit: int,
+        offset: int,
         acknowledged: bool | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
         """Alerts, newest first, and how many match before limit/offset."""
@@ -196,7 +222,9 @@ class AlertService:
         """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
         with self._transaction() as session:
             run = require_run(session, run_id)
-            rows = session.scalars(select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc())).all()
+            rows = session.scalars(
+                select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc())
+            ).all()
             documents = [incident_document(incident, run.name) for incident in rows]
             return documents[:limit], len(documents), verdict(documents)
 
@@ -211,8 +239,13 @@ class AlertService:
     @staticmethod
     def _webhook(row: Webhook) -> dict[str, Any]:
         return {
-            "id": row.id, "project": row.project, "url": row.url, "format": row.format,
-            "signed": bool(row.secret), "enabled": row.enabled, "send_resolved": row.send_resolved,
+            "id": row.id,
+            "project": row.project,
+            "url": row.url,
+            "format": row.format,
+            "signed": bool(row.secret),
+            "enabled": row.enabled,
+            "send_resolved": row.send_resolved,
             "created_at": iso_time(row.created_at),
         }
 
@@ -220,7 +253,9 @@ class AlertService:
         """InvalidRequest unless the URL may be sent to under these settings (a host name's addresses are
         judged when it is sent: egress.PinnedTransport)."""
         try:
-            validate_url(url, self.settings.webhook_allowed_hosts, allow_private=self.settings.webhook_allow_private)
+            validate_url(
+                url, self.settings.webhook_allowed_hosts, allow_private=self.settings.webhook_allow_private
+            )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
@@ -228,8 +263,13 @@ class AlertService:
         self._check_url(webhook.url)
         with self._transaction() as session:
             row = Webhook(
-                project=webhook.project, url=webhook.url, format=webhook.format, secret=webhook.secret,
-                enabled=webhook.enabled, send_resolved=webhook.send_resolved, created_at=time.time(),
+                project=webhook.project,
+                url=webhook.url,
+                format=webhook.format,
+                secret=webhook.secret,
+                enabled=webhook.enabled,
+                send_resolved=webhook.send_resolved,
+                created_at=time.time(),
             )
             session.add(row)
             session.flush()
@@ -261,16 +301,37 @@ class AlertService:
             self._check_url(webhook.url)  # the settings may have changed since it was created
             now = time.time()
             sample = {
-                "id": None, "project": webhook.project, "run_id": None, "run_name": "test", "status": "open",
-                "severity": "info", "family": "test", "cause_key": "test", "title": "gradwatch test notification",
+                "id": None,
+                "project": webhook.project,
+                "run_id": None,
+                "run_name": "test",
+                "status": "open",
+                "severity": "info",
+                "family": "test",
+                "cause_key": "test",
+                "title": "gradwatch test notification",
                 "cause": "Nothing to do: this checks that the webhook receives gradwatch incidents.",
-                "next_steps": [], "rules": [], "findings": [], "first_step": None, "last_step": None,
-                "resolved_step": None, "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
-                "created_at": iso_time(now), "updated_at": iso_time(now), "resolved_at": None, "notified_at": None,
+                "next_steps": [],
+                "rules": [],
+                "findings": [],
+                "first_step": None,
+                "last_step": None,
+                "resolved_step": None,
+                "link": f"{self.settings.public_url.rstrip('/')}/dashboard/",
+                "created_at": iso_time(now),
+                "updated_at": iso_time(now),
+                "resolved_at": None,
+                "notified_at": None,
             }
             delivery = Delivery(
-                webhook_id=webhook.id, alert_id=None, event="test", payload=render(webhook.format, "test", sample),
-                status="pending", attempts=0, next_attempt_at=now, created_at=now,
+                webhook_id=webhook.id,
+                alert_id=None,
+                event="test",
+                payload=render(webhook.format, "test", sample),
+                status="pending",
+                attempts=0,
+                next_attempt_at=now,
+                created_at=now,
             )
             session.add(delivery)
             session.flush()
@@ -280,22 +341,35 @@ class AlertService:
     @staticmethod
     def _delivery(row: Delivery) -> dict[str, Any]:
         return {
-            "id": row.id, "webhook_id": row.webhook_id, "alert_id": row.alert_id, "event": row.event,
-            "status": row.status, "attempts": row.attempts,
+            "id": row.id,
+            "webhook_id": row.webhook_id,
+            "alert_id": row.alert_id,
+            "event": row.event,
+            "status": row.status,
+            "attempts": row.attempts,
             "next_attempt_at": iso_time(row.next_attempt_at) if row.status == "pending" else None,
-            "response_status": row.response_status, "last_error": row.last_error,
-            "created_at": iso_time(row.created_at), "delivered_at": iso_time(row.delivered_at),
+            "response_status": row.response_status,
+            "last_error": row.last_error,
+            "created_at": iso_time(row.created_at),
+            "delivered_at": iso_time(row.delivered_at),
         }
 
     def list_deliveries(
-        self, webhook_id: int | None, alert_id: int | None, status: str | None, limit: int, offset: int,
+        self,
+        webhook_id: int | None,
+        alert_id: int | None,
+        status: str | None,
+        limit: int,
+        offset: int,
         project: str | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
         """The delivery log, newest first (of one project's webhooks if project is given)."""
         with self._transaction() as session:
             query = select(Delivery)
             if project is not None:
-                query = query.join(Webhook, Webhook.id == Delivery.webhook_id).where(Webhook.project == project)
+                query = query.join(Webhook, Webhook.id == Delivery.webhook_id).where(
+                    Webhook.project == project
+                )
             if webhook_id is not None:
                 self._require(session, Webhook, webhook_id, "webhook")
                 query = query.where(Delivery.webhook_id == webhook_id)

@@ -23,7 +23,9 @@ TIMESTAMP_HEADER = "X-Gradwatch-Timestamp"
 _COLORS = {"critical": 0xD63031, "warning": 0xF39C12, "resolved": 0x27AE60, "info": 0x3498DB}
 
 
-def validate_url(url: str, allowed_hosts: tuple[str, ...] | None = None, *, allow_private: bool = False) -> str:
+def validate_url(
+    url: str, allowed_hosts: tuple[str, ...] | None = None, *, allow_private: bool = False
+) -> str:
     """The URL if it is http(s) with a host (and the host allowed, and unless allow_private not an address
     literal in a refused range: egress.check_literal); ValueError saying what is wrong."""
     parts = urlsplit(url)
@@ -59,8 +61,11 @@ def render(fmt: str, event: str, incident: dict[str, Any]) -> str:
         body = {"text": _slack_escape(headline), "blocks": _slack_blocks(event, headline, incident)}
     else:
         # Run names and layers are user text: no @everyone / @here / role pings from them, ever.
-        body = {"content": headline[:2000], "embeds": [_discord_embed(event, incident)],
-                "allowed_mentions": {"parse": []}}
+        body = {
+            "content": headline[:2000],
+            "embeds": [_discord_embed(event, incident)],
+            "allowed_mentions": {"parse": []},
+        }
     return json.dumps(body, allow_nan=False, separators=(",", ":"))
 
 
@@ -113,27 +118,59 @@ def _slack_blocks_raw(event: str, headline: str, incident: dict[str, Any]) -> li
     ]
     layers = _layers(incident)
     if layers:
-        fields.append({"type": "mrkdwn", "text": "*Layers*\n" + ", ".join(f"`{name}`" for name in layers[:5])})
+        fields.append(
+            {"type": "mrkdwn", "text": "*Layers*\n" + ", ".join(f"`{name}`" for name in layers[:5])}
+        )
     blocks.append({"type": "section", "fields": fields})
     evidence = _evidence_lines(incident)
     if evidence:
-        blocks.append({"type": "section", "text": {"type": "mrkdwn",
-                                                   "text": ("*Evidence*\n" + "\n".join(f"• {line}" for line in evidence))[:3000]}})
+        blocks.append(
+            {
+                "type": "section",
+                "text": {
+                    "type": "mrkdwn",
+                    "text": ("*Evidence*\n" + "\n".join(f"• {line}" for line in evidence))[:3000],
+                },
+            }
+        )
     steps = incident.get("next_steps") or []
     if steps:
-        blocks.append({"type": "section", "text": {"type": "mrkdwn",
-                                                   "text": ("*Next steps*\n" + "\n".join(f"• {step}" for step in steps))[:3000]}})
-    blocks.append({
-        "type": "actions",
-        "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": incident["link"]}],
-    })
+        blocks.append(
+            {
+                "type": "section",
+                "text": {
+                    "type": "mrkdwn",
+                    "text": ("*Next steps*\n" + "\n".join(f"• {step}" for step in steps))[:3000],
+                },
+            }
+        )
+    blocks.append(
+        {
+            "type": "actions",
+            "elements": [
+                {
+                    "type": "button",
+                    "text": {"type": "plain_text", "text": "Open run"},
+                    "url": incident["link"],
+                }
+            ],
+        }
+    )
     return blocks
 
 
 def _discord_embed(event: str, incident: dict[str, Any]) -> dict[str, Any]:
     if event == "test":
-        return {"title": "gradwatch test", "description": "This webhook receives gradwatch alerts.", "color": _COLORS["info"]}
-    color = _COLORS["resolved"] if event == "incident.resolved" else _COLORS.get(incident["severity"], _COLORS["warning"])
+        return {
+            "title": "gradwatch test",
+            "description": "This webhook receives gradwatch alerts.",
+            "color": _COLORS["info"],
+        }
+    color = (
+        _COLORS["resolved"]
+        if event == "incident.resolved"
+        else _COLORS.get(incident["severity"], _COLORS["warning"])
+    )
     fields = [
         {"name": "Rules", "value": (", ".join(incident.get("rules") or []) or "-")[:1024], "inline": True},
         {"name": "Where", "value": _step_text(incident), "inline": True},
@@ -146,7 +183,9 @@ def _discord_embed(event: str, incident: dict[str, Any]) -> dict[str, Any]:
         fields.append({"name": "Evidence", "value": "\n".join(evidence)[:1024], "inline": False})
     steps = incident.get("next_steps") or []
     if steps:
-        fields.append({"name": "Next steps", "value": "\n".join(f"• {step}" for step in steps)[:1024], "inline": False})
+        fields.append(
+            {"name": "Next steps", "value": "\n".join(f"• {step}" for step in steps)[:1024], "inline": False}
+        )
     return {
         "title": incident["title"][:256],
         "url": incident["link"],

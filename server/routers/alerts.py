@@ -45,7 +45,11 @@ def rule_types(alerts: AlertsDep, _principal: PrincipalDep) -> RuleTypeList:
 
 @router.get("/alert-rules")
 def list_rules(
-    alerts: AlertsDep, store: StoreDep, principal: PrincipalDep, project: str | None = None, run_id: str | None = None
+    alerts: AlertsDep,
+    store: StoreDep,
+    principal: PrincipalDep,
+    project: str | None = None,
+    run_id: str | None = None,
 ) -> AlertRuleList:
     """Rules of a project (its defaults are installed when a project is first seen), or those that
     apply to one run (project-wide ones and the run's own)."""
@@ -74,7 +78,9 @@ def get_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> Aler
 
 
 @router.patch("/alert-rules/{rule_id}")
-def update_rule(rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
+def update_rule(
+    rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep
+) -> AlertRuleOut:
     """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
     _rule(alerts, principal, rule_id, "admin")
     return AlertRuleOut(**alerts.update_rule(rule_id, patch))

@@ -16,5 +16,9 @@ def whoami(principal: PrincipalDep) -> dict[str, object]:
     """What the request's token may do: {"open": true} on a server without tokens, else the token's
     project ("*": every project), `scope` as stored ("ingest,read", "*"…) and `scopes` (the list:
     ingest, read, admin). 401 without a valid token."""
-    return {"open": principal.open, "project": principal.project, "scope": principal.scope,
-            "scopes": sorted(principal.scopes)}
+    return {
+        "open": principal.open,
+        "project": principal.project,
+        "scope": principal.scope,
+        "scopes": sorted(principal.scopes),
+    }

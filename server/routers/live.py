@@ -211,7 +211,9 @@ async def _until_disconnect(websocket: WebSocket) -> None:
         pass
 
 
-async def _push(websocket: WebSocket, hub: LiveHub, store: Store, cursor: LiveCursor, wake: asyncio.Event) -> None:
+async def _push(
+    websocket: WebSocket, hub: LiveHub, store: Store, cursor: LiveCursor, wake: asyncio.Event
+) -> None:
     """Read what is new whenever woken (or every refresh interval) and send it; one read at a time,
     wake-ups during a read or a slow send merge into the next read."""
     loop = asyncio.get_running_loop()

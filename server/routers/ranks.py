@@ -1,6 +1,5 @@
 """The ranks of a distributed run and their values combined (see gradwatch.server.storage.ranks)."""
 
-
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
@@ -31,8 +30,10 @@ def list_ranks(run_id: ReadableRunId, store: StoreDep) -> RankList:
     """The run's ranks: host, local rank, gradient layout, how each ended, batches received."""
     summary = store.ranks.rank_summary(run_id)
     return RankList(
-        data=[RankOut.model_validate(info) for info in summary.ranks], count=len(summary.ranks),
-        world_size=summary.world_size, gradients=summary.gradients,
+        data=[RankOut.model_validate(info) for info in summary.ranks],
+        count=len(summary.ranks),
+        world_size=summary.world_size,
+        gradients=summary.gradients,
     )
 
 
@@ -49,7 +50,10 @@ def combined_series(
     """One scalar key combined over the ranks at each step all of them reached, with each rank's value."""
     result = store.ranks.combined_series(run_id, key, combine, start, end, max_points)
     return CombinedSeriesOut(
-        key=result.key, combine=result.combine, ranks=result.ranks, steps=result.steps,
+        key=result.key,
+        combine=result.combine,
+        ranks=result.ranks,
+        steps=result.steps,
         values=[json_float(v) for v in result.values],
         per_rank={str(rank): [json_float(v) for v in values] for rank, values in result.per_rank.items()},
         downsampled=result.downsampled,
@@ -69,8 +73,13 @@ def combined_vectors(
     """A per-layer key combined over the ranks, layer by layer (step x layer matrix)."""
     result = store.ranks.combined_vectors(run_id, key, combine, start, end, max_steps)
     return CombinedVectorsOut(
-        key=result.key, combine=result.combine, ranks=result.ranks, layers=result.layers, steps=result.steps,
-        values=[[json_float(v) for v in row] for row in result.values], downsampled=result.downsampled,
+        key=result.key,
+        combine=result.combine,
+        ranks=result.ranks,
+        layers=result.layers,
+        steps=result.steps,
+        values=[[json_float(v) for v in row] for row in result.values],
+        downsampled=result.downsampled,
     )
 
 
@@ -80,9 +89,12 @@ def combined_histograms(
     store: StoreDep,
     layer: Annotated[str, Query(min_length=1, max_length=500)],
     key: Annotated[str, Query(min_length=1, max_length=250)] = "grad/hist",
-    combine: Annotated[Literal["auto", "sum", "first"], Query(
-        description="sum: add the ranks' counts (sharded); first: the lowest rank's (replicated); auto: by layout"
-    )] = "auto",
+    combine: Annotated[
+        Literal["auto", "sum", "first"],
+        Query(
+            description="sum: add the ranks' counts (sharded); first: the lowest rank's (replicated); auto: by layout"
+        ),
+    ] = "auto",
     max_steps: Annotated[int, Query(ge=1, le=10_000)] = 200,
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,

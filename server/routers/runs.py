@@ -55,11 +55,15 @@ def list_runs(
     store: StoreDep,
     principal: PrincipalDep,
     project: str | None = None,
-    tag: Annotated[list[Tag], Query(description="runs with every one of these tags (repeat the parameter)")] = [],  # noqa: B006
+    tag: Annotated[
+        list[Tag], Query(description="runs with every one of these tags (repeat the parameter)")
+    ] = [],  # noqa: B006
     run_status: Annotated[
         list[RunStatus], Query(alias="status", description="runs in any of these states (repeatable)")
     ] = [],  # noqa: B006
-    created_after: Annotated[datetime | None, Query(description="ISO 8601, e.g. 2026-11-29T08:00:00Z")] = None,
+    created_after: Annotated[
+        datetime | None, Query(description="ISO 8601, e.g. 2026-11-29T08:00:00Z")
+    ] = None,
     created_before: Annotated[datetime | None, Query(description="ISO 8601, exclusive")] = None,
     name: Annotated[str | None, Query(max_length=200, description="part of the run's name, any case")] = None,
     sort: Literal["created", "updated", "name", "last_step"] = "created",
@@ -112,7 +116,9 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.post("/{run_id}/batches", dependencies=[Depends(charge_ingest)], responses=INGEST_REFUSALS)  # ingest_limits
+@router.post(
+    "/{run_id}/batches", dependencies=[Depends(charge_ingest)], responses=INGEST_REFUSALS
+)  # ingest_limits
 def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> BatchAck:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
     authorize_run(store, principal, run_id, "ingest")
@@ -122,7 +128,10 @@ def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: Princi
 
 @router.get("/{run_id}/keys")
 def list_keys(
-    run_id: str, store: StoreDep, principal: PrincipalDep, kind: Literal["scalar", "vector", "histogram"] = "scalar"
+    run_id: str,
+    store: StoreDep,
+    principal: PrincipalDep,
+    kind: Literal["scalar", "vector", "histogram"] = "scalar",
 ) -> KeyList:
     """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
     authorize_run(store, principal, run_id, "read")

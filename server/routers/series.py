@@ -24,7 +24,9 @@ MAX_COMPARED_RUNS = 50
 def compare_runs(
     store: StoreDep,
     principal: PrincipalDep,
-    run: Annotated[list[str], Query(min_length=1, description="run ids (repeat the parameter), in display order")],
+    run: Annotated[
+        list[str], Query(min_length=1, description="run ids (repeat the parameter), in display order")
+    ],
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. loss, amp/scale")],
     max_points: Annotated[int, Query(ge=2, le=100_000, description="per run")] = 2000,
     start: Annotated[int | None, Query(ge=0)] = None,
@@ -39,10 +41,16 @@ def compare_runs(
         authorize_run(store, principal, run_id, "read")  # 404 names an unknown (or another project's) run
         record = store.get_run(run_id)
         result = store.series(run_id, key, rank, start, end, max_points)
-        data.append(CompareSeries(
-            run_id=run_id, name=record.name, project=record.project, steps=result.steps,
-            values=[json_float(v) for v in result.values], downsampled=result.downsampled,
-        ))
+        data.append(
+            CompareSeries(
+                run_id=run_id,
+                name=record.name,
+                project=record.project,
+                steps=result.steps,
+                values=[json_float(v) for v in result.values],
+                downsampled=result.downsampled,
+            )
+        )
     return CompareOut(key=key, rank=rank, data=data)
 
 
@@ -109,8 +117,14 @@ def get_histograms(
     authorize_run(store, principal, run_id, "read")
     result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
     return HistogramsOut(
-        key=key, rank=rank, layer=layer, exponents=result.exponents, steps=result.steps,
-        counts=result.counts, zeros=result.zeros, non_finite=result.non_finite,
+        key=key,
+        rank=rank,
+        layer=layer,
+        exponents=result.exponents,
+        steps=result.steps,
+        counts=result.counts,
+        zeros=result.zeros,
+        non_finite=result.non_finite,
     )
 
 

@@ -55,14 +55,20 @@ def upsert(
     _insert(executor, table, columns, rows, f"ON CONFLICT ({', '.join(key)}) DO {action}")
 
 
-def insert(executor: Session | Connection, table: Table, columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> None:
+def insert(
+    executor: Session | Connection, table: Table, columns: Sequence[str], rows: Sequence[tuple[Any, ...]]
+) -> None:
     """INSERT rows that are known to be new (a key that exists is an IntegrityError): about a quarter
     cheaper than upsert on PostgreSQL, which otherwise probes the index before each row."""
     _insert(executor, table, columns, rows, "")
 
 
 def _insert(
-    executor: Session | Connection, table: Table, columns: Sequence[str], rows: Sequence[tuple[Any, ...]], conflict: str
+    executor: Session | Connection,
+    table: Table,
+    columns: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+    conflict: str,
 ) -> None:
     if not rows:
         return
@@ -70,7 +76,9 @@ def _insert(
     names = ", ".join(columns)
     if connection.dialect.name == "sqlite":
         placeholders = ", ".join("?" for _ in columns)
-        connection.exec_driver_sql(f"INSERT INTO {table.name} ({names}) VALUES ({placeholders}) {conflict}", rows)
+        connection.exec_driver_sql(
+            f"INSERT INTO {table.name} ({names}) VALUES ({placeholders}) {conflict}", rows
+        )
         return
     types = _array_types(table, tuple(columns))
     arrays = ", ".join(f"%s::{array_type}" for array_type, _ in types)
@@ -79,6 +87,8 @@ def _insert(
     ]
     cursor = connection.connection.driver_connection.cursor()
     try:
-        cursor.execute(f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters)
+        cursor.execute(
+            f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters
+        )
     finally:
         cursor.close()

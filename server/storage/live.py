@@ -157,13 +157,19 @@ def _open_cursor(
         return cursor
     series, ranks = _series_and_ranks(session, cursor)
     pairs = [(series_id, rank) for series_id in sorted(series) for rank in ranks]
-    for chunk in queries.chunks(pairs, _PAIRS_PER_STATEMENT):  # the newest step of each pair: one index probe each
-        newest = session.execute(select(*(
-            select(func.max(Point.step))
-            .where(Point.series_id == series_id, Point.rank == rank)
-            .scalar_subquery()
-            for series_id, rank in chunk
-        ))).one()
+    for chunk in queries.chunks(
+        pairs, _PAIRS_PER_STATEMENT
+    ):  # the newest step of each pair: one index probe each
+        newest = session.execute(
+            select(
+                *(
+                    select(func.max(Point.step))
+                    .where(Point.series_id == series_id, Point.rank == rank)
+                    .scalar_subquery()
+                    for series_id, rank in chunk
+                )
+            )
+        ).one()
         cursor.points.update({pair: step for pair, step in zip(chunk, newest) if step is not None})
     newest_event = (
         select(Event.rank, func.max(Event.step).label("step"))
@@ -235,12 +241,14 @@ def _new_points(
         for (series_id, rank), after in afters.items():
             if len(rows) >= limit:
                 break
-            rows.extend(session.execute(
-                select(*columns)
-                .where(Point.series_id == series_id, Point.rank == rank, Point.step > after)
-                .order_by(Point.step)
-                .limit(limit - len(rows))
-            ).all())
+            rows.extend(
+                session.execute(
+                    select(*columns)
+                    .where(Point.series_id == series_id, Point.rank == rank, Point.step > after)
+                    .order_by(Point.step)
+                    .limit(limit - len(rows))
+                ).all()
+            )
     rows.sort(key=lambda row: (row.series_id, row.rank, row.step))
     chunks: list[PointsChunk] = []
     last_steps: dict[tuple[int, int], int] = {}

@@ -141,7 +141,12 @@ class RankReads:
             return _rank_summary(session, run_id)
 
     def combined_series(
-        self, run_id: str, key: str, combine: str = "auto", start: int | None = None, end: int | None = None,
+        self,
+        run_id: str,
+        key: str,
+        combine: str = "auto",
+        start: int | None = None,
+        end: int | None = None,
         max_points: int = 2000,
     ) -> CombinedSeries:
         """One scalar key combined over the ranks for start <= step < end (see the module docstring)."""
@@ -149,7 +154,12 @@ class RankReads:
             return _combined_series(session, run_id, key, combine, start, end, max_points)
 
     def combined_vectors(
-        self, run_id: str, key: str, combine: str = "auto", start: int | None = None, end: int | None = None,
+        self,
+        run_id: str,
+        key: str,
+        combine: str = "auto",
+        start: int | None = None,
+        end: int | None = None,
         max_steps: int = 500,
     ) -> CombinedVectors:
         """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix."""
@@ -157,8 +167,14 @@ class RankReads:
             return _combined_vectors(session, run_id, key, combine, start, end, max_steps)
 
     def combined_histograms(
-        self, run_id: str, layer: str, key: str = "grad/hist", combine: str = "auto", start: int | None = None,
-        end: int | None = None, max_steps: int = 200,
+        self,
+        run_id: str,
+        layer: str,
+        key: str = "grad/hist",
+        combine: str = "auto",
+        start: int | None = None,
+        end: int | None = None,
+        max_steps: int = 200,
     ) -> CombinedHistograms:
         """One layer's log2|g| histograms over the ranks (summed for sharded gradients)."""
         with Session(self.engine) as session:
@@ -218,19 +234,21 @@ def _rank_summary(session: Session, run_id: str) -> RanksSummary:
         document = documents.get(rank, {})
         batches, last_seen = activity.get(rank, (0, None))
         histograms = document.get("histograms")
-        ranks.append(RankInfo(
-            rank=rank,
-            host=_str_or_none(document.get("host")),
-            local_rank=_int_or_none(document.get("local_rank")),
-            world_size=_int_or_none(document.get("world_size")),
-            pid=_int_or_none(document.get("pid")),
-            parallelism=_str_or_none(document.get("parallelism")),
-            gradients=_str_or_none(document.get("gradients")),
-            histograms=histograms if isinstance(histograms, bool) else None,
-            status=_str_or_none(document.get("status")),
-            batches=batches,
-            last_seen=last_seen,
-        ))
+        ranks.append(
+            RankInfo(
+                rank=rank,
+                host=_str_or_none(document.get("host")),
+                local_rank=_int_or_none(document.get("local_rank")),
+                world_size=_int_or_none(document.get("world_size")),
+                pid=_int_or_none(document.get("pid")),
+                parallelism=_str_or_none(document.get("parallelism")),
+                gradients=_str_or_none(document.get("gradients")),
+                histograms=histograms if isinstance(histograms, bool) else None,
+                status=_str_or_none(document.get("status")),
+                batches=batches,
+                last_seen=last_seen,
+            )
+        )
     try:
         metadata_world = _int_or_none(json.loads(run.metadata_json).get("world_size")) or 1
     except (ValueError, AttributeError):
@@ -263,8 +281,17 @@ def _expected_ranks(summary: RanksSummary, mode: str, reporting: list[int]) -> i
 # -- scalar series -----------------------------------------------------------------------------------
 
 
-def _combine_scalars(mode: str, n: int, square_sum: float | None, total: float | None, low: float | None,
-                     high: float | None, nans: int, pos: int, neg: int) -> float:
+def _combine_scalars(
+    mode: str,
+    n: int,
+    square_sum: float | None,
+    total: float | None,
+    low: float | None,
+    high: float | None,
+    nans: int,
+    pos: int,
+    neg: int,
+) -> float:
     """One step's combined value from SQL aggregates over its n ranks (finite values only in the sums)."""
     if nans or (pos and neg and mode in ("sum", "mean")):
         return math.nan
@@ -287,8 +314,13 @@ def _is_lower(a: float, b: float) -> bool:
 
 
 def _combined_series(
-    session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
-    end: int | None = None, max_points: int = 2000,
+    session: Session,
+    run_id: str,
+    key: str,
+    combine: str = "auto",
+    start: int | None = None,
+    end: int | None = None,
+    max_points: int = 2000,
 ) -> CombinedSeries:
     """One scalar key combined over the ranks for start <= step < end (see the module docstring).
 
@@ -314,7 +346,11 @@ def _combined_series(
     value, flag = in_range.c.value, in_range.c.flag
     grouped = (
         select(
-            in_range.c.step, func.count(), func.sum(value * value), func.sum(value), func.min(value),
+            in_range.c.step,
+            func.count(),
+            func.sum(value * value),
+            func.sum(value),
+            func.min(value),
             func.max(value),
             func.sum(case((flag == Flag.NAN, 1), else_=0)),
             func.sum(case((flag == Flag.POS_INF, 1), else_=0)),
@@ -335,8 +371,9 @@ def _combined_series(
     index = {step: i for i, step in enumerate(steps)}
     for chunk in queries.chunks(steps):
         rows = session.execute(
-            select(Point.step, Point.rank, Point.value, Point.flag)
-            .where(Point.series_id == series_id, Point.step.in_(chunk))
+            select(Point.step, Point.rank, Point.value, Point.flag).where(
+                Point.series_id == series_id, Point.step.in_(chunk)
+            )
         )
         for step, rank, stored, stored_flag in rows:
             if rank in per_rank:
@@ -382,10 +419,19 @@ def _combine_rows(mode: str, rows: list[list[float]]) -> list[float]:
             continue
         pos, neg = math.inf in column, -math.inf in column
         finite = [v for v in column if math.isfinite(v)]
-        out.append(_combine_scalars(
-            mode, len(column), math.fsum(v * v for v in finite), math.fsum(finite),
-            min(finite) if finite else None, max(finite) if finite else None, 0, int(pos), int(neg),
-        ))
+        out.append(
+            _combine_scalars(
+                mode,
+                len(column),
+                math.fsum(v * v for v in finite),
+                math.fsum(finite),
+                min(finite) if finite else None,
+                max(finite) if finite else None,
+                0,
+                int(pos),
+                int(neg),
+            )
+        )
     return out
 
 
@@ -400,8 +446,13 @@ def _worst(values: Iterable[float]) -> float:
 
 
 def _combined_vectors(
-    session: Session, run_id: str, key: str, combine: str = "auto", start: int | None = None,
-    end: int | None = None, max_steps: int = 500,
+    session: Session,
+    run_id: str,
+    key: str,
+    combine: str = "auto",
+    start: int | None = None,
+    end: int | None = None,
+    max_steps: int = 500,
 ) -> CombinedVectors:
     """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix; more than
     max_steps steps are merged into equal step buckets keeping per layer the first non-finite value
@@ -414,8 +465,12 @@ def _combined_vectors(
     if series_id is None:
         return CombinedVectors(key, mode, [], layers, [], [], downsampled=False)
     query = queries.step_range(
-        select(VectorPoint.step, VectorPoint.rank, VectorPoint.data).where(VectorPoint.series_id == series_id),
-        VectorPoint.step, start, end,
+        select(VectorPoint.step, VectorPoint.rank, VectorPoint.data).where(
+            VectorPoint.series_id == series_id
+        ),
+        VectorPoint.step,
+        start,
+        end,
     )
     ranks = sorted(session.scalars(select(query.subquery().c.rank).distinct()))
     by_step: dict[int, dict[int, list[float]]] = {}
@@ -440,8 +495,14 @@ def _combined_vectors(
 
 
 def _combined_histograms(
-    session: Session, run_id: str, layer: str, key: str = "grad/hist", combine: str = "auto",
-    start: int | None = None, end: int | None = None, max_steps: int = 200,
+    session: Session,
+    run_id: str,
+    layer: str,
+    key: str = "grad/hist",
+    combine: str = "auto",
+    start: int | None = None,
+    end: int | None = None,
+    max_steps: int = 200,
 ) -> CombinedHistograms:
     """One layer's log2|g| histograms over the ranks: "sum" adds the ranks' counts (exact for sharded
     gradients, whose shards together are the whole gradient); "first" takes the lowest rank's (for
@@ -484,7 +545,9 @@ def _combined_histograms(
         total = [0] * width
         for point in by_step[step].values():
             if (point.exponent_min, point.exponent_max) != (exponent_min, exponent_max):
-                raise InvalidRequest(f"step {step}: ranks used different histogram bins; they cannot be added")
+                raise InvalidRequest(
+                    f"step {step}: ranks used different histogram bins; they cannot be added"
+                )
             row = unpack(point.counts, "q")[index * width : (index + 1) * width]
             total = [a + b for a, b in zip(total, row)]
         counts.append(total[:-2])
@@ -508,9 +571,11 @@ def _disagreements(
     if series_id is None:
         return [], 0
     skipped = case((Point.value >= 0.5, 1), else_=0)
-    query = queries.step_range(
-        select(Point.step).where(Point.series_id == series_id), Point.step, start, end
-    ).group_by(Point.step).having(func.count() > 1, func.min(skipped) != func.max(skipped))
+    query = (
+        queries.step_range(select(Point.step).where(Point.series_id == series_id), Point.step, start, end)
+        .group_by(Point.step)
+        .having(func.count() > 1, func.min(skipped) != func.max(skipped))
+    )
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     steps = list(session.scalars(query.order_by(Point.step).limit(limit)))
     found: dict[int, Disagreement] = {}

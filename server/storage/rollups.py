@@ -39,7 +39,14 @@ _MAX_GAP_BUCKETS = 64
 Executor = Session | Connection
 _ROLLUP_KEY = ("series_id", "rank", "level", "bucket")
 _POINT_ROLLUP_COLUMNS = (
-    *_ROLLUP_KEY, "count", "low_step", "low_value", "low_flag", "high_step", "high_value", "high_flag"
+    *_ROLLUP_KEY,
+    "count",
+    "low_step",
+    "low_value",
+    "low_flag",
+    "high_step",
+    "high_value",
+    "high_flag",
 )
 _VECTOR_ROLLUP_COLUMNS = (*_ROLLUP_KEY, "count", "first_step", "data")
 
@@ -122,7 +129,9 @@ def _in(ids: list[int]) -> str:
     return ", ".join("?" for _ in ids)
 
 
-def _read_points(executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> list[tuple[Any, ...]]:
+def _read_points(
+    executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
+) -> list[tuple[Any, ...]]:
     """(series_id, step, value, flag) of the points with lo <= step < hi."""
     return _fetch(
         executor,
@@ -147,7 +156,9 @@ def _read_point_rollups(
     )
 
 
-def _group_points(groups: dict[tuple[int, int], list[Summary]], rows: Iterable[Any], bucket_width: int) -> None:
+def _group_points(
+    groups: dict[tuple[int, int], list[Summary]], rows: Iterable[Any], bucket_width: int
+) -> None:
     """Summaries per (series, bucket of steps) straight from raw rows: tuples compare as (value, step),
     so min() and max() give the lowest point (earliest on ties) and the highest (latest) at C speed."""
     raw: dict[tuple[int, int], list[tuple[Any, int, int]]] = defaultdict(list)
@@ -159,7 +170,9 @@ def _group_points(groups: dict[tuple[int, int], list[Summary]], rows: Iterable[A
             non_finite.add(bucket)
     for bucket, members in raw.items():
         if bucket in non_finite:
-            groups[bucket].append(combine([Summary.of_point(step, value, flag) for value, step, flag in members]))
+            groups[bucket].append(
+                combine([Summary.of_point(step, value, flag) for value, step, flag in members])
+            )
         else:
             low, high = min(members), max(members)
             groups[bucket].append(Summary(low[1], low[0], 0, high[1], high[0], 0, len(members)))
@@ -204,7 +217,9 @@ def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
     return level, bucket_width
 
 
-def downsample(summaries: list[Summary], bucket_width: int) -> tuple[list[tuple[int, float | None, int]], int]:
+def downsample(
+    summaries: list[Summary], bucket_width: int
+) -> tuple[list[tuple[int, float | None, int]], int]:
     """The lowest and highest point of each bucket of steps (at most two per bucket, in step order)
     and the number of points summarised."""
     groups: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
@@ -311,7 +326,9 @@ def vector_summaries(
         return vector_summaries(executor, series_id, rank, lo, hi, level - 1, bucket_width)
     middle = [
         VectorSummary(first_step, count, to_array(data))
-        for _, _, first_step, count, data in _read_vector_rollups(executor, [series_id], rank, level, first, last)
+        for _, _, first_step, count, data in _read_vector_rollups(
+            executor, [series_id], rank, level, first, last
+        )
     ]
     return [
         *vector_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
@@ -380,7 +397,9 @@ def _vector_columns(parts: list[VectorSummary]) -> tuple[Any, ...]:
     return merged.count, merged.first_step, to_bytes(merged.values)
 
 
-def _group_vector_rows(groups: dict, executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int) -> None:
+def _group_vector_rows(
+    groups: dict, executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
+) -> None:
     for sid, step, data in _read_vector_rows(executor, series_ids, rank, lo, hi):
         groups[sid, step // BASE].append(VectorSummary(step, 1, to_array(data)))
 
@@ -388,7 +407,9 @@ def _group_vector_rows(groups: dict, executor: Executor, series_ids: list[int], 
 def _group_vector_rollups(
     groups: dict, executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
 ) -> None:
-    for sid, bucket, first_step, count, data in _read_vector_rollups(executor, series_ids, rank, level, lo, hi):
+    for sid, bucket, first_step, count, data in _read_vector_rollups(
+        executor, series_ids, rank, level, lo, hi
+    ):
         groups[sid, bucket // BASE].append(VectorSummary(first_step, count, to_array(data)))
 
 
@@ -432,12 +453,14 @@ def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, It
 
 def any_stored_points(executor: Executor, rank: int, series_ids: list[int], lo: int, hi: int) -> bool:
     """Whether any of these series already holds a point with lo <= step <= hi (one index probe)."""
-    return bool(_fetch(
-        executor,
-        f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)}) AND rank = ? AND step >= ? AND step <= ?"
-        " LIMIT 1",
-        [*series_ids, rank, lo, hi],
-    ))
+    return bool(
+        _fetch(
+            executor,
+            f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)}) AND rank = ? AND step >= ? AND step <= ?"
+            " LIMIT 1",
+            [*series_ids, rank, lo, hi],
+        )
+    )
 
 
 def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, Any, int]]) -> None:
@@ -475,8 +498,14 @@ def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, A
         if mine is not None:
             batch[level, sid, bucket] = combine([tuple(summary), mine])
     bulk.upsert(
-        executor, PointRollup.__table__, _POINT_ROLLUP_COLUMNS, _ROLLUP_KEY,
-        [(sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT]) for (level, sid, bucket), s in batch.items()],
+        executor,
+        PointRollup.__table__,
+        _POINT_ROLLUP_COLUMNS,
+        _ROLLUP_KEY,
+        [
+            (sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT])
+            for (level, sid, bucket), s in batch.items()
+        ],
     )
 
 
@@ -490,8 +519,14 @@ def rebuild_all(connection: Connection) -> None:
     for model, refresh in ((Point, refresh_points), (VectorPoint, refresh_vectors)):
         pairs = connection.execute(select(model.series_id, model.rank).distinct()).all()
         for series_id, rank in pairs:
-            steps = connection.execute(
-                select(model.step).where(model.series_id == series_id, model.rank == rank).order_by(model.step)
-            ).scalars().all()
+            steps = (
+                connection.execute(
+                    select(model.step)
+                    .where(model.series_id == series_id, model.rank == rank)
+                    .order_by(model.step)
+                )
+                .scalars()
+                .all()
+            )
             for start in range(0, len(steps), _REBUILD_CHUNK):
                 refresh(connection, rank, {series_id: steps[start : start + _REBUILD_CHUNK]})

@@ -75,7 +75,10 @@ class RunFilter:
 
 
 _SORT_COLUMNS = {
-    "created": Run.created_at, "updated": Run.updated_at, "name": func.lower(Run.name), "last_step": Run.last_step,
+    "created": Run.created_at,
+    "updated": Run.updated_at,
+    "name": func.lower(Run.name),
+    "last_step": Run.last_step,
 }
 
 
@@ -121,10 +124,13 @@ def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, i
         repeated = repeated or series.key in seen_keys or len(set(series.steps)) != len(series.steps)
         seen_keys.add(series.key)
         if all(map(math.isfinite, series.values)):  # the common case, at C speed
-            rows.extend(zip(repeat(series_id), repeat(batch.rank), series.steps, series.values, repeat(Flag.FINITE)))
+            rows.extend(
+                zip(repeat(series_id), repeat(batch.rank), series.steps, series.values, repeat(Flag.FINITE))
+            )
         else:
             rows.extend(
-                (series_id, batch.rank, step, *encode_float(value)) for step, value in zip(series.steps, series.values)
+                (series_id, batch.rank, step, *encode_float(value))
+                for step, value in zip(series.steps, series.values)
             )
     if repeated:
         rows = list({(row[0], row[2]): row for row in rows}.values())
@@ -174,26 +180,43 @@ class Store:
         requested = run.id or uuid.uuid4().hex
         for _ in range(3):  # each pass loses at most one race to a concurrent create of the same id
             with self._transaction() as session:
-                existing = session.scalar(select(Run).where(
-                    Run.project == run.project, or_(Run.id == requested, Run.requested_id == requested)
-                ).order_by(Run.requested_id.is_not(None)).limit(1))
+                existing = session.scalar(
+                    select(Run)
+                    .where(
+                        Run.project == run.project, or_(Run.id == requested, Run.requested_id == requested)
+                    )
+                    .order_by(Run.requested_id.is_not(None))
+                    .limit(1)
+                )
                 if existing is None:
                     taken = session.scalar(select(Run.id).where(Run.id == requested)) is not None
                     run_id = uuid.uuid4().hex if taken else requested
                     values = {
-                        "id": run_id, "project": run.project, "name": run.name or requested[:8], "status": "running",
-                        "requested_id": requested if taken else None, "config_json": dump_json(run.config),
-                        "metadata_json": dump_json(run.metadata), "created_at": time.time(),
+                        "id": run_id,
+                        "project": run.project,
+                        "name": run.name or requested[:8],
+                        "status": "running",
+                        "requested_id": requested if taken else None,
+                        "config_json": dump_json(run.config),
+                        "metadata_json": dump_json(run.metadata),
+                        "created_at": time.time(),
                         "updated_at": time.time(),
                     }
                     conflict = ["project", "requested_id"] if taken else ["id"]
-                    session.execute(self._insert(Run).values(**values).on_conflict_do_nothing(index_elements=conflict))
+                    session.execute(
+                        self._insert(Run).values(**values).on_conflict_do_nothing(index_elements=conflict)
+                    )
                     existing = session.scalar(select(Run).where(Run.id == run_id, Run.project == run.project))
                 if existing is None:
                     continue  # another project took the id between our read and our insert: look again
                 if run.tags:  # a retried create (or another rank) adds its tags to the run's
-                    bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
-                                [(existing.id, tag) for tag in sorted(set(run.tags))])
+                    bulk.upsert(
+                        session,
+                        RunTag.__table__,
+                        ("run_id", "tag"),
+                        ("run_id", "tag"),
+                        [(existing.id, tag) for tag in sorted(set(run.tags))],
+                    )
                 return self._run_record(session, existing)
         raise Conflict(f"run id {requested!r} is contended; retry, or choose another id")
 
@@ -204,8 +227,13 @@ class Store:
                 run.name = name
             if tags is not None:
                 session.execute(delete(RunTag).where(RunTag.run_id == run_id))
-                bulk.upsert(session, RunTag.__table__, ("run_id", "tag"), ("run_id", "tag"),
-                            [(run_id, tag) for tag in sorted(set(tags))])
+                bulk.upsert(
+                    session,
+                    RunTag.__table__,
+                    ("run_id", "tag"),
+                    ("run_id", "tag"),
+                    [(run_id, tag) for tag in sorted(set(tags))],
+                )
             run.updated_at = time.time()
             session.flush()
             return self._run_record(session, run)
@@ -304,9 +332,13 @@ class Store:
                 point_columns = ("series_id", "rank", "step", "value", "flag")
                 if appending:  # nothing stored at these steps: no conflict to check for
                     bulk.insert(session, Point.__table__, point_columns, point_rows)
-                    rollups.merge_new_points(session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows])
+                    rollups.merge_new_points(
+                        session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows]
+                    )
                 else:
-                    bulk.upsert(session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows)
+                    bulk.upsert(
+                        session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows
+                    )
                     rollups.refresh_points(session, batch.rank, steps_by_series)
             if batch.events:
                 session.execute(
@@ -368,10 +400,15 @@ class Store:
                     f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} layers"
                 )
         vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
-        vector_rows = {(vector_ids[v.key], step): row for v in batch.vectors for step, row in zip(v.steps, v.values)}
+        vector_rows = {
+            (vector_ids[v.key], step): row for v in batch.vectors for step, row in zip(v.steps, v.values)
+        }
         if vector_rows:
             bulk.upsert(
-                session, VectorPoint.__table__, ("series_id", "rank", "step", "data"), ("series_id", "rank", "step"),
+                session,
+                VectorPoint.__table__,
+                ("series_id", "rank", "step", "data"),
+                ("series_id", "rank", "step"),
                 [(sid, batch.rank, step, pack(row, "d")) for (sid, step), row in vector_rows.items()],
             )
             steps_by_series: dict[int, list[int]] = {}
@@ -381,13 +418,19 @@ class Store:
             last_step = max(step for _, step in vector_rows)
         histogram_ids = self._series_ids(session, run_id, [h.key for h in batch.histograms], "histogram")
         histogram_rows = {
-            (histogram_ids[h.key], h.step): (h.exponent_min, h.exponent_max, pack([c for row in h.counts for c in row], "q"))
+            (histogram_ids[h.key], h.step): (
+                h.exponent_min,
+                h.exponent_max,
+                pack([c for row in h.counts for c in row], "q"),
+            )
             for h in batch.histograms
         }
         if histogram_rows:
             bulk.upsert(
-                session, HistogramPoint.__table__,
-                ("series_id", "rank", "step", "exponent_min", "exponent_max", "counts"), ("series_id", "rank", "step"),
+                session,
+                HistogramPoint.__table__,
+                ("series_id", "rank", "step", "exponent_min", "exponent_max", "counts"),
+                ("series_id", "rank", "step"),
                 [(sid, batch.rank, step, *fields) for (sid, step), fields in histogram_rows.items()],
             )
             last_step = max([last_step] + [step for _, step in histogram_rows])
@@ -397,12 +440,20 @@ class Store:
         if not keys:
             return {}
         wanted = sorted(set(keys))
-        existing = select(Series.key, Series.id, Series.kind).where(Series.run_id == run_id, Series.key.in_(wanted))
+        existing = select(Series.key, Series.id, Series.kind).where(
+            Series.run_id == run_id, Series.key.in_(wanted)
+        )
         rows = session.execute(existing).all()
         if len(rows) < len(wanted):  # new keys (the first batches of a run): insert them, read again
             known = {key for key, _, _ in rows}
-            bulk.upsert(session, Series.__table__, ("run_id", "key", "kind"), ("run_id", "key"),
-                        [(run_id, key, kind) for key in wanted if key not in known], update=False)
+            bulk.upsert(
+                session,
+                Series.__table__,
+                ("run_id", "key", "kind"),
+                ("run_id", "key"),
+                [(run_id, key, kind) for key in wanted if key not in known],
+                update=False,
+            )
             rows = session.execute(existing).all()
         clashes = [key for key, _, stored_kind in rows if stored_kind != kind]
         if clashes:
@@ -416,7 +467,9 @@ class Store:
             queries.require_run(session, run_id)
             return list(
                 session.scalars(
-                    select(Series.key).where(Series.run_id == run_id, Series.kind == kind).order_by(Series.key)
+                    select(Series.key)
+                    .where(Series.run_id == run_id, Series.kind == kind)
+                    .order_by(Series.key)
                 )
             )
 
@@ -430,23 +483,33 @@ class Store:
             run = queries.require_run(session, run_id)
             layers = json.loads(run.layers_json)
             series_id = queries.series_id(session, run_id, key)
-            extent = None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
+            extent = (
+                None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
+            )
             if extent is None:
                 return VectorsResult(layers, [], [], downsampled=False)
             first, last = extent
             if last - first + 1 > max_steps:
                 level, bucket_width = rollups.plan(first, last, max_steps)
-                summaries = rollups.vector_summaries(session, series_id, rank, first, last + 1, level, bucket_width)
+                summaries = rollups.vector_summaries(
+                    session, series_id, rank, first, last + 1, level, bucket_width
+                )
                 if sum(s.count for s in summaries) > max_steps:
                     steps, matrix = rollups.downsample_vectors(summaries, bucket_width)
                     return VectorsResult(layers, steps, matrix.tolist(), downsampled=True)
             rows = session.execute(
                 select(VectorPoint.step, VectorPoint.data)
-                .where(VectorPoint.series_id == series_id, VectorPoint.rank == rank,
-                       VectorPoint.step >= first, VectorPoint.step <= last)
+                .where(
+                    VectorPoint.series_id == series_id,
+                    VectorPoint.rank == rank,
+                    VectorPoint.step >= first,
+                    VectorPoint.step <= last,
+                )
                 .order_by(VectorPoint.step)
             ).all()
-        return VectorsResult(layers, [row.step for row in rows], [unpack(row.data, "d") for row in rows], False)
+        return VectorsResult(
+            layers, [row.step for row in rows], [unpack(row.data, "d") for row in rows], False
+        )
 
     def histograms(
         self, run_id: str, key: str, layer: str, rank: int, start: int | None, end: int | None, max_steps: int
@@ -462,20 +525,27 @@ class Store:
             series_id = queries.series_id(session, run_id, key)
             in_series = (HistogramPoint.series_id == series_id, HistogramPoint.rank == rank)
             steps = session.scalars(
-                queries.step_range(select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end)
-                .order_by(HistogramPoint.step)
+                queries.step_range(
+                    select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end
+                ).order_by(HistogramPoint.step)
             ).all()
             if len(steps) > max_steps:
                 steps = [steps[i * len(steps) // max_steps] for i in range(max_steps)]
             width = HistogramPoint.exponent_max - HistogramPoint.exponent_min + 3  # bins, zeros, NaN/Inf
-            points = session.execute(
-                select(
-                    HistogramPoint.step, HistogramPoint.exponent_min, HistogramPoint.exponent_max,
-                    func.substr(HistogramPoint.counts, index * width * 8 + 1, width * 8).label("row"),
-                )
-                .where(*in_series, HistogramPoint.step.in_(steps))
-                .order_by(HistogramPoint.step)
-            ).all() if steps else []
+            points = (
+                session.execute(
+                    select(
+                        HistogramPoint.step,
+                        HistogramPoint.exponent_min,
+                        HistogramPoint.exponent_max,
+                        func.substr(HistogramPoint.counts, index * width * 8 + 1, width * 8).label("row"),
+                    )
+                    .where(*in_series, HistogramPoint.step.in_(steps))
+                    .order_by(HistogramPoint.step)
+                ).all()
+                if steps
+                else []
+            )
         exponent_min = points[0].exponent_min if points else 0
         exponent_max = points[0].exponent_max if points else -1
         counts, zeros, non_finite = [], [], []
@@ -504,18 +574,26 @@ class Store:
             first, last = extent
             if last - first + 1 > max_points:
                 level, bucket_width = rollups.plan(first, last, max_points // 2)
-                summaries = rollups.point_summaries(session, series_id, rank, first, last + 1, level, bucket_width)
+                summaries = rollups.point_summaries(
+                    session, series_id, rank, first, last + 1, level, bucket_width
+                )
                 kept, total = rollups.downsample(summaries, bucket_width)
                 if total > max_points:
                     return SeriesResult(
-                        [step for step, _, _ in kept], [decode_float(v, f) for _, v, f in kept], downsampled=True
+                        [step for step, _, _ in kept],
+                        [decode_float(v, f) for _, v, f in kept],
+                        downsampled=True,
                     )
             rows = session.execute(
                 select(Point.step, Point.value, Point.flag)
-                .where(Point.series_id == series_id, Point.rank == rank, Point.step >= first, Point.step <= last)
+                .where(
+                    Point.series_id == series_id, Point.rank == rank, Point.step >= first, Point.step <= last
+                )
                 .order_by(Point.step)
             ).all()
-        return SeriesResult([row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], False)
+        return SeriesResult(
+            [row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], False
+        )
 
     @staticmethod
     def _extent(
@@ -547,9 +625,7 @@ class Store:
 
     @staticmethod
     def _run_record(session: Session, run: Run) -> RunRecord:
-        skips = session.scalar(
-            select(func.count()).where(Event.run_id == run.id, Event.kind == "skip")
-        ) or 0
+        skips = session.scalar(select(func.count()).where(Event.run_id == run.id, Event.kind == "skip")) or 0
         scale_row = session.execute(
             select(Point.value, Point.flag)
             .join(Series, Series.id == Point.series_id)
@@ -565,7 +641,9 @@ class Store:
             created_at=run.created_at,
             updated_at=run.updated_at,
             last_step=run.last_step,
-            tags=list(session.scalars(select(RunTag.tag).where(RunTag.run_id == run.id).order_by(RunTag.tag))),
+            tags=list(
+                session.scalars(select(RunTag.tag).where(RunTag.run_id == run.id).order_by(RunTag.tag))
+            ),
             config=json.loads(run.config_json),
             metadata=json.loads(run.metadata_json),
             skips=skips,

@@ -40,7 +40,12 @@ class TokenStore:
         """Store a new token (its hash and the prefix shown in listings)."""
         with self._transaction() as session:
             row = ApiToken(
-                project=project, scope=scope, name=name, prefix=prefix, token_hash=token_hash, created_at=time.time(),
+                project=project,
+                scope=scope,
+                name=name,
+                prefix=prefix,
+                token_hash=token_hash,
+                created_at=time.time(),
             )
             session.add(row)
             session.flush()

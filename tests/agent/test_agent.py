@@ -4,11 +4,12 @@ import math
 import threading
 import warnings
 
-import gradwatch
 import pytest
 import torch
-from gradwatch import GradwatchWarning
 from training import RecordingTransport, Reference, train
+
+import gradwatch
+from gradwatch import GradwatchWarning
 
 
 def _run(transport=None, **options):
@@ -252,7 +253,9 @@ class _SinkRun:
 def test_a_watcher_needs_only_a_step_sink(precision):
     sink = RecordingSink(rank=1, world_size=2)
     holder = _SinkRun(sink)
-    train(4, run=holder, precision=precision, log_loss=False, overflow_steps=(2,) if precision == "fp16" else ())
+    train(
+        4, run=holder, precision=precision, log_loss=False, overflow_steps=(2,) if precision == "fp16" else ()
+    )
     holder.watcher.remove()
     assert sink.step == 4 and sink.recorded_at == [1, 2, 3, 4], "one advance, then one flush point, per step"
     assert sink.reports_rank and ("rank", 0) in sink.records
@@ -274,5 +277,7 @@ def test_the_watcher_and_the_run_do_not_import_each_other_both_ways():
 
     tree = ast.parse(Path(gradwatch._watch.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     assert not {name for name in imported if name and name.rsplit(".", 1)[-1] == "_run"}, imported

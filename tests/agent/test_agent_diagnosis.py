@@ -6,15 +6,16 @@ import math
 import threading
 import warnings
 
-import gradwatch
 import pytest
 import torch
+from torch import nn
+from training import RecordingTransport, TinyNet, train
+
+import gradwatch
 from gradwatch import GradwatchWarning
 from gradwatch import _quantities as q
 from gradwatch._batches import MAX_BAD_BATCH_EVENTS, MAX_ID_CHARS, MAX_IDS_PER_STEP, MAX_STEPS
 from gradwatch._watch import WatchOptions
-from torch import nn
-from training import RecordingTransport, TinyNet, train
 
 
 def _run(transport, **options):
@@ -177,13 +178,41 @@ def test_zero_fraction_from_a_histogram_row():
 
 def test_due_is_denser_during_the_first_steps():
     options = WatchOptions(dense_start_steps=50)
-    assert [s for s in range(130) if options.due(20, s)] == [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
-                                                            60, 80, 100, 120]
+    assert [s for s in range(130) if options.due(20, s)] == [
+        0,
+        4,
+        8,
+        12,
+        16,
+        20,
+        24,
+        28,
+        32,
+        36,
+        40,
+        44,
+        48,
+        60,
+        80,
+        100,
+        120,
+    ]
     assert [s for s in range(10) if options.due(3, s)] == list(range(10))  # 3 // 5 = 0 → every step
     assert not any(options.due(0, s) for s in range(10))
     assert [s for s in range(250) if WatchOptions(dense_start_steps=0).due(100, s)] == [0, 100, 200]
-    assert [s for s in range(250) if WatchOptions().due(100, s)] == [0, 20, 40, 60, 80, 100, 120, 140, 160,
-                                                                     180, 200]
+    assert [s for s in range(250) if WatchOptions().due(100, s)] == [
+        0,
+        20,
+        40,
+        60,
+        80,
+        100,
+        120,
+        140,
+        160,
+        180,
+        200,
+    ]
     with pytest.raises(ValueError, match="dense_start_steps must be a whole number of steps >= 0"):
         WatchOptions(dense_start_steps=-1)
 
@@ -282,8 +311,12 @@ def test_a_nan_loss_names_the_batch_it_came_from():
     assert [e["step"] for e in events] == [2, 5]  # one per step, though amp/loss is not finite either
     for event in events:
         step = event["step"]
-        assert event["data"] == {"key": "loss", "value": losses[step],
-                                 "ids": [f"shard-{step}:0", *range(step * 4, step * 4 + 4)], "ids_logged": True}
+        assert event["data"] == {
+            "key": "loss",
+            "value": losses[step],
+            "ids": [f"shard-{step}:0", *range(step * 4, step * 4 + 4)],
+            "ids_logged": True,
+        }
 
 
 def test_bad_batch_from_amp_loss_and_without_a_watcher():
@@ -302,8 +335,11 @@ def test_bad_batch_from_amp_loss_and_without_a_watcher():
         run.log({"loss": float("-inf")}, step=3)
         run.log({"loss": 1.0}, step=4)
     [event] = unwatched.events("bad_batch")
-    assert event == {"step": 3, "kind": "bad_batch",
-                     "data": {"key": "loss", "value": "-Infinity", "ids": [7], "ids_logged": True}}
+    assert event == {
+        "step": 3,
+        "kind": "bad_batch",
+        "data": {"key": "loss", "value": "-Infinity", "ids": [7], "ids_logged": True},
+    }
 
 
 def test_batch_ids_are_bounded():
@@ -336,8 +372,14 @@ def test_batch_ids_are_bounded():
 
 def test_bad_ids_are_ignored_with_a_warning():
     run = _run(RecordingTransport())
-    for bad, match in ((1.5, "got float"), ([1, 2.5], "got float 2.5"), (b"ab", "got bytes"), ([True], "bool"),
-                       (torch.zeros(2), "integers"), (torch.zeros(2, dtype=torch.long, device="meta"), "on meta")):
+    for bad, match in (
+        (1.5, "got float"),
+        ([1, 2.5], "got float 2.5"),
+        (b"ab", "got bytes"),
+        ([True], "bool"),
+        (torch.zeros(2), "integers"),
+        (torch.zeros(2, dtype=torch.long, device="meta"), "on meta"),
+    ):
         with pytest.warns(GradwatchWarning, match=match):
             run.log_batch(bad)
     assert run._batches.ids_at(0) is None

@@ -11,23 +11,26 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-import gradwatch
 import httpx
 import pytest
 import torch
 from conftest import free_port
+from training import RecordingTransport, reference_steps, spawn_ranks
+
+import gradwatch
 from gradwatch import GradwatchWarning
 from gradwatch._distributed import process_identity, shared_run_id
 from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
-from training import RecordingTransport, reference_steps, spawn_ranks
 
 TESTS = Path(__file__).resolve().parents[1] / "support"  # training.py, for spawned ranks
 
 
 @pytest.fixture
 def server(sqlite_url) -> Iterator[BackgroundServer]:
-    server = BackgroundServer(Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False)
+    server = BackgroundServer(
+        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    )
     server.start()
     yield server
     server.stop()
@@ -60,7 +63,12 @@ def _relative_error(got: float, expected: float) -> float:
 
 def test_identity_comes_from_the_launcher_environment():
     identity = process_identity({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
-    assert (identity.rank, identity.world_size, identity.local_rank, identity.source) == (3, 8, 1, "environment")
+    assert (identity.rank, identity.world_size, identity.local_rank, identity.source) == (
+        3,
+        8,
+        1,
+        "environment",
+    )
     assert identity.host
     assert process_identity({}).world_size == 1
     with pytest.raises(ValueError, match="WORLD_SIZE must be a whole number, got 'eight'"):
@@ -113,7 +121,9 @@ def test_histogram_ranks_option_is_validated():
     assert WatchOptions().takes_histograms(1, "sharded")
     assert WatchOptions(histogram_ranks="all").takes_histograms(1, "replicated")
     assert WatchOptions(histogram_ranks=[1, 2]).takes_histograms(2, "replicated")
-    with pytest.raises(ValueError, match="histogram_ranks must be 'auto', 'all' or a collection of ranks, got 'some'"):
+    with pytest.raises(
+        ValueError, match="histogram_ranks must be 'auto', 'all' or a collection of ranks, got 'some'"
+    ):
         WatchOptions(histogram_ranks="some")
     with pytest.raises(ValueError, match="histogram_ranks must hold whole numbers >= 0"):
         WatchOptions(histogram_ranks=[-1])
@@ -128,16 +138,31 @@ def _post(api: httpx.Client, run_id: str, rank: int, seq: int, **batch) -> None:
 
 
 def _rank_event(rank: int, gradients: str) -> dict:
-    return {"step": 0, "kind": "rank", "data": {"rank": rank, "world_size": 2, "host": f"node{rank}",
-                                                "gradients": gradients, "parallelism": "fsdp2"}}
+    return {
+        "step": 0,
+        "kind": "rank",
+        "data": {
+            "rank": rank,
+            "world_size": 2,
+            "host": f"node{rank}",
+            "gradients": gradients,
+            "parallelism": "fsdp2",
+        },
+    }
 
 
 def test_combined_series_l2_mean_and_incomplete_steps(api):
     run_id = api.post("/api/v1/runs", json={"project": "combine", "id": "sharded-job"}).json()["id"]
     norms = {0: [3.0, 1.0, "NaN", 2.0], 1: [4.0, 1.0, 1.0]}  # rank 1 has not sent step 3 yet
     for rank, values in norms.items():
-        _post(api, run_id, rank, 0, events=[_rank_event(rank, "sharded")],
-              scalars=[{"key": "grad/global_norm", "steps": list(range(len(values))), "values": values}])
+        _post(
+            api,
+            run_id,
+            rank,
+            0,
+            events=[_rank_event(rank, "sharded")],
+            scalars=[{"key": "grad/global_norm", "steps": list(range(len(values))), "values": values}],
+        )
     auto = _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm")
     assert auto["combine"] == "l2" and auto["ranks"] == [0, 1]
     assert auto["steps"] == [0, 1, 2]  # step 3 waits for rank 1
@@ -146,7 +171,9 @@ def test_combined_series_l2_mean_and_incomplete_steps(api):
     assert auto["per_rank"] == {"0": [3.0, 1.0, "NaN"], "1": [4.0, 1.0, 1.0]}
     mean = _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm", combine="mean")
     assert mean["values"][:2] == [3.5, 1.0]
-    bad = api.get(f"/api/v1/runs/{run_id}/ranks/series", params={"key": "grad/global_norm", "combine": "median"})
+    bad = api.get(
+        f"/api/v1/runs/{run_id}/ranks/series", params={"key": "grad/global_norm", "combine": "median"}
+    )
     assert bad.status_code == 422
 
     ranks = _get(api, f"/api/v1/runs/{run_id}/ranks")
@@ -160,11 +187,20 @@ def test_shards_are_summed_only_when_every_rank_of_the_job_reported(api):
     for rank in (0, 1):  # rank 2 of 3 never reported: the global norm cannot be known
         event = _rank_event(rank, "sharded")
         event["data"]["world_size"] = 3
-        _post(api, run_id, rank, 0, events=[event], scalars=[{"key": "grad/global_norm", "steps": [0], "values": [1.0]}])
+        _post(
+            api,
+            run_id,
+            rank,
+            0,
+            events=[event],
+            scalars=[{"key": "grad/global_norm", "steps": [0], "values": [1.0]}],
+        )
     assert _get(api, f"/api/v1/runs/{run_id}/ranks")["world_size"] == 3
     l2 = _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm")
     assert (l2["combine"], l2["ranks"], l2["steps"]) == ("l2", [0, 1], [])
-    assert _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm", combine="max")["values"] == [1.0]
+    assert _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm", combine="max")[
+        "values"
+    ] == [1.0]
 
 
 def test_combined_series_downsampling_keeps_the_extremes(api):
@@ -173,8 +209,14 @@ def test_combined_series_downsampling_keeps_the_extremes(api):
     for rank in (0, 1):
         values = [1.0] * 1000
         values[777] = 100.0 if rank == 1 else 1.0
-        _post(api, run_id, rank, 0, events=[_rank_event(rank, "sharded")],
-              scalars=[{"key": "grad/global_norm", "steps": steps, "values": values}])
+        _post(
+            api,
+            run_id,
+            rank,
+            0,
+            events=[_rank_event(rank, "sharded")],
+            scalars=[{"key": "grad/global_norm", "steps": steps, "values": values}],
+        )
     result = _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm", max_points=100)
     assert result["downsampled"] and len(result["steps"]) <= 100
     peak = result["steps"].index(777)
@@ -185,12 +227,22 @@ def test_combined_series_downsampling_keeps_the_extremes(api):
 def test_vectors_and_disagreements(api):
     run_id = api.post("/api/v1/runs", json={"project": "combine", "id": "vector-job"}).json()["id"]
     for rank in (0, 1):
-        _post(api, run_id, rank, 0, layers=["a", "b"], events=[_rank_event(rank, "sharded")],
-              vectors=[{"key": "grad/norm", "steps": [0, 20], "values": [[3.0, 0.0], [1.0, "Infinity"]]}],
-              scalars=[{"key": "amp/skipped", "steps": [0, 1, 2], "values": [0.0, float(rank == 1), 1.0]}])
+        _post(
+            api,
+            run_id,
+            rank,
+            0,
+            layers=["a", "b"],
+            events=[_rank_event(rank, "sharded")],
+            vectors=[{"key": "grad/norm", "steps": [0, 20], "values": [[3.0, 0.0], [1.0, "Infinity"]]}],
+            scalars=[{"key": "amp/skipped", "steps": [0, 1, 2], "values": [0.0, float(rank == 1), 1.0]}],
+        )
     vectors = _get(api, f"/api/v1/runs/{run_id}/ranks/vectors", key="grad/norm")
     assert vectors["combine"] == "l2" and vectors["layers"] == ["a", "b"]
-    assert vectors["values"] == [[pytest.approx(math.sqrt(18)), 0.0], [pytest.approx(math.sqrt(2)), "Infinity"]]
+    assert vectors["values"] == [
+        [pytest.approx(math.sqrt(18)), 0.0],
+        [pytest.approx(math.sqrt(2)), "Infinity"],
+    ]
     found = _get(api, f"/api/v1/runs/{run_id}/ranks/disagreements")
     assert found["count"] == 1
     assert found["data"] == [{"step": 1, "skipped_ranks": [1], "applied_ranks": [0], "layers": []}]
@@ -207,15 +259,27 @@ def test_rank_endpoints_need_a_read_token_of_the_project(api, sqlite_url):
     write = tokens.create("alpha", "ingest")[1]
     read, other = tokens.create("alpha", "read")[1], tokens.create("beta", "read")[1]
     engine.dispose()
-    run_id = api.post("/api/v1/runs", json={"project": "alpha"}, headers={"Authorization": f"Bearer {write}"}).json()["id"]
-    paths = [("ranks", {}), ("ranks/series", {"key": "loss"}), ("ranks/vectors", {"key": "grad/norm"}),
-             ("ranks/disagreements", {}), ("ranks/histograms", {"layer": "x"})]
+    run_id = api.post(
+        "/api/v1/runs", json={"project": "alpha"}, headers={"Authorization": f"Bearer {write}"}
+    ).json()["id"]
+    paths = [
+        ("ranks", {}),
+        ("ranks/series", {"key": "loss"}),
+        ("ranks/vectors", {"key": "grad/norm"}),
+        ("ranks/disagreements", {}),
+        ("ranks/histograms", {"layer": "x"}),
+    ]
     for path, params in paths:
         url = f"/api/v1/runs/{run_id}/{path}"
         assert api.get(url, params=params).status_code == 401, path
-        assert api.get(url, params=params, headers={"Authorization": f"Bearer {other}"}).status_code == 404, path
+        assert api.get(url, params=params, headers={"Authorization": f"Bearer {other}"}).status_code == 404, (
+            path
+        )
         allowed = api.get(url, params=params, headers={"Authorization": f"Bearer {read}"})
-        assert allowed.status_code == (404 if path == "ranks/histograms" else 200), (path, allowed.text)  # no layer x
+        assert allowed.status_code == (404 if path == "ranks/histograms" else 200), (
+            path,
+            allowed.text,
+        )  # no layer x
 
 
 # -- real process groups -----------------------------------------------------------------------------
@@ -225,8 +289,17 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
     """Three ranks so that one layer's shard is empty on a rank (out.bias has 4 rows: 2 + 2 + 0)."""
     world_size, steps = 3, 4
     watch = {"layer_norms_every": 1, "param_norms_every": 1, "histograms_every": 1, "update_ratio_every": 0}
-    job = _job(server, tmp_path, project="fsdp2", parallel="fsdp2", steps=steps, clip=1.0, watch=watch,
-               compare_plain=True, init={"run_id": "fsdp2-job"})
+    job = _job(
+        server,
+        tmp_path,
+        project="fsdp2",
+        parallel="fsdp2",
+        steps=steps,
+        clip=1.0,
+        watch=watch,
+        compare_plain=True,
+        init={"run_id": "fsdp2-job"},
+    )
     results = spawn_ranks(world_size, job, tmp_path)
     assert all(r["bit_identical"] for r in results), "watching changed a rank's parameters"
     assert all(r["stats"]["dropped"] == 0 and r["stats"]["spooled"] == 0 for r in results)
@@ -245,7 +318,9 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
     for step, value in zip(combined["steps"], combined["values"]):
         errors.append(_relative_error(value, reference[step].global_norm))
     per_rank = combined["per_rank"]
-    assert all(0 < per_rank[str(r)][0] < combined["values"][0] for r in range(world_size)), "shards' norms kept"
+    assert all(0 < per_rank[str(r)][0] < combined["values"][0] for r in range(world_size)), (
+        "shards' norms kept"
+    )
 
     for key, expected in (("grad/norm", "layer_norms"), ("param/norm", "param_norms")):
         vectors = _get(api, f"/api/v1/runs/{run_id}/ranks/vectors", key=key)
@@ -262,28 +337,46 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
     for layer, numel in (("out.bias", 4), ("inp.weight", 16 * 32)):
         hist = _get(api, f"/api/v1/runs/{run_id}/ranks/histograms", layer=layer)
         assert hist["combine"] == "sum" and hist["steps"] == list(range(steps))
-        for step, counts, zeros, non_finite in zip(hist["steps"], hist["counts"], hist["zeros"], hist["non_finite"]):
+        for step, counts, zeros, non_finite in zip(
+            hist["steps"], hist["counts"], hist["zeros"], hist["non_finite"]
+        ):
             assert sum(counts) + zeros + non_finite == numel
             wanted = reference[step].histograms[layer]
-            assert sum(abs(a - b) for a, b in zip(counts, wanted)) <= 2  # rounding may move a value across 2^k
+            assert (
+                sum(abs(a - b) for a, b in zip(counts, wanted)) <= 2
+            )  # rounding may move a value across 2^k
 
 
 def test_ddp_under_torchrun_shares_one_run_with_equal_per_rank_norms(server, api, tmp_path):
     """torchrun --standalone: no run id given; the ranks derive it from TORCHELASTIC_RUN_ID."""
-    job = _job(server, tmp_path, project="ddp-torchrun", parallel="ddp", steps=6, fp16=True,
-               watch={"layer_norms_every": 1, "histograms_every": 2, "dense_start_steps": 0}, out=str(tmp_path))
+    job = _job(
+        server,
+        tmp_path,
+        project="ddp-torchrun",
+        parallel="ddp",
+        steps=6,
+        fp16=True,
+        watch={"layer_norms_every": 1, "histograms_every": 2, "dense_start_steps": 0},
+        out=str(tmp_path),
+    )
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
         from training import rank_main
         rank_main(-1, -1, "", {job!r})
-    """))
+    """)
+    )
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("GRADWATCH_", "TORCHELASTIC_"))}
     environment["GLOO_SOCKET_IFNAME"] = "lo"
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=environment, capture_output=True, text=True, timeout=240, check=False,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     run_ids = {Path(tmp_path, f"rank{r}.json").read_text() for r in (0, 1)}
@@ -312,8 +405,17 @@ def test_a_step_skipped_on_one_shard_is_a_rank_disagreement_alert(server, api, t
     """FSDP1 with a plain GradScaler per rank: each rank checks only its own shard for inf. Rank 1's
     batch gives the trap parameter an inf gradient; the reduce-scatter puts it in rank 0's shard:
     rank 0 skips the step, rank 1 applies it."""
-    job = _job(server, tmp_path, project="fsdp1", parallel="fsdp1", steps=8, fp16=True, poison_steps=[3],
-               poison_rank=1, init={"run_id": "fsdp1-job"})
+    job = _job(
+        server,
+        tmp_path,
+        project="fsdp1",
+        parallel="fsdp1",
+        steps=8,
+        fp16=True,
+        poison_steps=[3],
+        poison_rank=1,
+        init={"run_id": "fsdp1-job"},
+    )
     spawn_ranks(2, job, tmp_path)
     run_id = "fsdp1-job"
     skips = _get(api, f"/api/v1/runs/{run_id}/events", kind="skip")["data"]
@@ -321,8 +423,14 @@ def test_a_step_skipped_on_one_shard_is_a_rank_disagreement_alert(server, api, t
     assert skips[0]["data"]["non_finite_layers"] == ["_fsdp_wrapped_module._flat_param"]
 
     found = _get(api, f"/api/v1/runs/{run_id}/ranks/disagreements")
-    assert found["data"] == [{"step": 3, "skipped_ranks": [0], "applied_ranks": [1],
-                              "layers": ["_fsdp_wrapped_module._flat_param"]}]
+    assert found["data"] == [
+        {
+            "step": 3,
+            "skipped_ranks": [0],
+            "applied_ranks": [1],
+            "layers": ["_fsdp_wrapped_module._flat_param"],
+        }
+    ]
     alerts = _get(api, "/api/v1/alerts", run_id=run_id)["data"]
     [alert] = [a for a in alerts if a["type"] == "rank_disagreement"]
     assert alert["step"] == 3 and alert["severity"] == "critical"

@@ -1,9 +1,10 @@
 """Hugging Face Trainer and PyTorch Lightning callbacks on tiny models built in code (no downloads)."""
 
-import gradwatch
 import pytest
 import torch
 from training import RecordingTransport
+
+import gradwatch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -13,16 +14,24 @@ pytestmark = [
 
 
 def test_hugging_face_trainer_callback(tmp_path):
-    from gradwatch.integrations.huggingface import GradwatchCallback
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from gradwatch.integrations.huggingface import GradwatchCallback
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     tokens = torch.randint(0, 64, (32, 16))
     dataset = [{"input_ids": t, "labels": t} for t in tokens]
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
-        report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=1.0, learning_rate=1e-3,
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
     )
     transport = RecordingTransport()
     run = gradwatch.init(project="hf", transport=transport)
@@ -32,8 +41,12 @@ def test_hugging_face_trainer_callback(tmp_path):
         def on_log(self, args, state, control, logs=None, **kwargs):
             logged.append(dict(logs or {}))
 
-    trainer = Trainer(model=model, args=args, train_dataset=dataset,
-                      callbacks=[GradwatchCallback(run=run, watch_options={"layer_norms_every": 1}), Capture()])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        callbacks=[GradwatchCallback(run=run, watch_options={"layer_norms_every": 1}), Capture()],
+    )
     trainer.train()
     run.finish()
 
@@ -49,6 +62,7 @@ def test_hugging_face_trainer_callback(tmp_path):
 
 def test_lightning_callback(tmp_path):
     import lightning.pytorch as pl
+
     from gradwatch.integrations.lightning import GradwatchCallback
 
     class Tiny(pl.LightningModule):
@@ -69,9 +83,16 @@ def test_lightning_callback(tmp_path):
     transport = RecordingTransport()
     run = gradwatch.init(project="lightning", transport=transport)
     trainer = pl.Trainer(
-        max_steps=6, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-        default_root_dir=str(tmp_path), callbacks=[GradwatchCallback(run=run)],
+        max_steps=6,
+        accelerator="cpu",
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        default_root_dir=str(tmp_path),
+        callbacks=[GradwatchCallback(run=run)],
     )
     trainer.fit(Tiny(), loader)
     run.finish()

@@ -3,12 +3,13 @@
 import math
 import random
 
-import gradwatch
 import pytest
 import torch
-from gradwatch import _quantities as q
 from torch import nn
 from training import RecordingTransport, TinyNet, train
+
+import gradwatch
+from gradwatch import _quantities as q
 
 
 def _run(transport):
@@ -82,7 +83,9 @@ def test_update_ratio_matches_autograd():
 
 def test_histograms_match_a_per_element_reference_and_count_every_value():
     tensors = [
-        torch.tensor([0.0, -0.0, 1.0, -1.5, 3e-8, float("nan"), float("inf"), -float("inf"), 2.0**-100, 2.0**60]),
+        torch.tensor(
+            [0.0, -0.0, 1.0, -1.5, 3e-8, float("nan"), float("inf"), -float("inf"), 2.0**-100, 2.0**60]
+        ),
         torch.tensor([1e-40, 2.0**-126, -(2.0**-127)], dtype=torch.float32),  # fp32 subnormals count as zeros
         torch.zeros(5),
         torch.full((4,), float("nan")),  # all-NaN: counted, never a crash
@@ -91,7 +94,7 @@ def test_histograms_match_a_per_element_reference_and_count_every_value():
     rows = q.log2_histograms(tensors, torch.zeros(())).tolist()
     for tensor, row in zip(tensors, rows):
         expected = [0] * (q.N_BINS + 2)
-        for value in ([] if tensor is None else tensor.tolist()):
+        for value in [] if tensor is None else tensor.tolist():
             if not math.isfinite(value):
                 expected[q.NON_FINITE_COLUMN] += 1
             elif abs(value) < 2.0**-126:
@@ -204,9 +207,15 @@ def test_throughput_from_samples_per_step():
     assert rates and all(rates[s] == pytest.approx(8 / times[s]) for s in rates)
 
 
-@pytest.mark.parametrize("bad", [
-    {"layer_norms_every": -1}, {"histograms_every": 1.5}, {"samples_per_step": 0}, {"dense_start_steps": -5},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"layer_norms_every": -1},
+        {"histograms_every": 1.5},
+        {"samples_per_step": 0},
+        {"dense_start_steps": -5},
+    ],
+)
 def test_watch_options_are_validated(bad):
     run = _run(RecordingTransport())
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -229,8 +238,10 @@ def _host_packet():
             "grad/clip_max_norm": [(0, 1.0)],
         },
         vectors={"grad/norm": [(1, [1.0, math.nan])], "update/ratio": [(0, [0.1, 0.2]), (1, [0.0, 0.0])]},
-        matrices={"_update/unchanged_counts": [(0, [[1, 4], [0, 0]]), (1, [[3, 3], [0, 0]])],
-                  "grad/hist": [(0, [row, row])]},
+        matrices={
+            "_update/unchanged_counts": [(0, [[1, 4], [0, 0]]), (1, [[3, 3], [0, 0]])],
+            "grad/hist": [(0, [row, row])],
+        },
         events=[],
     )
 
@@ -241,8 +252,16 @@ def test_host_derivation_is_a_function_of_host_values():
     resolved = _host_packet()
     assert _derive.derive(resolved, ["a", "b"], loss_scaling=True, partial_norms=False)
     skip, below_one = resolved.events
-    assert skip == {"step": 1, "kind": "skip", "data": {
-        "scale_before": 1024.0, "scale_after": 0.5, "non_finite_layers": ["b"], "non_finite_layer_count": 1}}
+    assert skip == {
+        "step": 1,
+        "kind": "skip",
+        "data": {
+            "scale_before": 1024.0,
+            "scale_after": 0.5,
+            "non_finite_layers": ["b"],
+            "non_finite_layer_count": 1,
+        },
+    }
     assert below_one["kind"] == "scale_below_one" and below_one["step"] == 1
     assert resolved.layers == ["a", "b"]
     assert resolved.vectors["update/ratio"] == [(0, [0.1, 0.2])], "a skipped step's ratios are dropped"
@@ -254,8 +273,12 @@ def test_host_derivation_is_a_function_of_host_values():
     assert resolved.vectors["grad/zero_frac"] == [(0, [0.0, 0.0])]
 
     unscaled = _host_packet()
-    assert _derive.derive(unscaled, ["a", "b"], loss_scaling=False, partial_norms=True,
-                          report_scale_below_one=False) is False
+    assert (
+        _derive.derive(
+            unscaled, ["a", "b"], loss_scaling=False, partial_norms=True, report_scale_below_one=False
+        )
+        is False
+    )
     assert [e["kind"] for e in unscaled.events] == ["skip"]
     assert "grad/global_norm_post_clip" not in unscaled.scalars, "a shard's norm is not the global one"
     assert "grad/zero_frac" in unscaled.vectors and "grad/underflow_frac" not in unscaled.vectors

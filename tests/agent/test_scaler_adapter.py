@@ -3,13 +3,14 @@ torch.amp.GradScaler on CPU, enabled and disabled, and against look-alikes witho
 
 import math
 
-import gradwatch
 import pytest
 import torch
-from gradwatch import GradwatchWarning
-from gradwatch._scaler import FOUND_INF, GROWTH_TRACKER, SCALE, SIGNALS, UNSCALE_STAGE, ScalerView
 from torch import nn
 from training import RecordingTransport, TinyNet, train
+
+import gradwatch
+from gradwatch import GradwatchWarning
+from gradwatch._scaler import FOUND_INF, GROWTH_TRACKER, SCALE, SIGNALS, UNSCALE_STAGE, ScalerView
 
 
 def _backward(model, scaler, poison=False):
@@ -111,8 +112,12 @@ def test_a_look_alike_without_the_fields_gives_absent_signals_and_never_raises()
     for _ in range(3):
         readings = (view.scale(), view.growth_tracker(), view.found_inf(optimizer), view.unscaled(optimizer))
         assert readings == (None, None, None, None)
-    assert calls == [(SCALE, AttributeError), (GROWTH_TRACKER, AttributeError),
-                     (FOUND_INF, AttributeError), (UNSCALE_STAGE, AttributeError)], "once per signal"
+    assert calls == [
+        (SCALE, AttributeError),
+        (GROWTH_TRACKER, AttributeError),
+        (FOUND_INF, AttributeError),
+        (UNSCALE_STAGE, AttributeError),
+    ], "once per signal"
     assert view.missing == set(SIGNALS)
 
 
@@ -135,10 +140,17 @@ def test_fields_of_another_shape_and_a_failing_callback_do_not_raise():
     assert ScalerView(Broken()).enabled is False
 
 
-@pytest.mark.parametrize(("state", "expected"), [
-    ({"scale": 1024.0, "_growth_tracker": 3}, 1024.0), ({"scale": 8}, 8.0), ({}, None),
-    ({"scale": True}, None), ({"scale": "big"}, None), (None, None),
-])
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ({"scale": 1024.0, "_growth_tracker": 3}, 1024.0),
+        ({"scale": 8}, 8.0),
+        ({}, None),
+        ({"scale": True}, None),
+        ({"scale": "big"}, None),
+        (None, None),
+    ],
+)
 def test_the_scale_of_a_loaded_state_dict(state, expected):
     assert ScalerView.loaded_scale(state) == expected
 

@@ -21,15 +21,16 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
-import gradwatch
 import pytest
 from conftest import free_port
+from training import RecordingTransport
+
+import gradwatch
 from gradwatch._buffer import StepBuffer
 from gradwatch._sender import SEQ_COUNTER_BITS, Backoff, Sender, SeqAllocator
 from gradwatch._spool import Spool, batch_record, read_batch_json, scan
 from gradwatch._transport import HttpTransport, TransportError
 from gradwatch._wire import batch_points, dumps, group_fragments, merge_fragments
-from training import RecordingTransport
 
 RUN = {"id": "run-1", "project": "p", "name": "n", "config": {}, "metadata": {}}
 
@@ -42,8 +43,12 @@ def packet(step: int, status: str | None = None, derivers: list[Any] | None = No
 
 
 def batch(seq: int, *steps: int, key: str = "x") -> dict[str, Any]:
-    return {"rank": 0, "seq": seq, "scalars": [{"key": key, "steps": list(steps), "values": [s / 2 for s in steps]}],
-            "events": []}
+    return {
+        "rank": 0,
+        "seq": seq,
+        "scalars": [{"key": key, "steps": list(steps), "values": [s / 2 for s in steps]}],
+        "events": [],
+    }
 
 
 def wait_for(condition: Any, timeout: float = 20.0) -> None:
@@ -57,9 +62,18 @@ def wait_for(condition: Any, timeout: float = 20.0) -> None:
 
 
 def test_merge_fragments_joins_series_keeps_the_later_value_and_orders_steps():
-    first = {"scalars": [{"key": "a", "steps": [3, 4], "values": [1.0, 2.0]}], "events": [{"step": 3, "kind": "k"}]}
-    second = {"scalars": [{"key": "a", "steps": [4, 5], "values": [9.0, 3.0]}, {"key": "b", "steps": [1], "values": [0.5]}],
-              "events": [{"step": 5, "kind": "k"}], "status": "finished"}
+    first = {
+        "scalars": [{"key": "a", "steps": [3, 4], "values": [1.0, 2.0]}],
+        "events": [{"step": 3, "kind": "k"}],
+    }
+    second = {
+        "scalars": [
+            {"key": "a", "steps": [4, 5], "values": [9.0, 3.0]},
+            {"key": "b", "steps": [1], "values": [0.5]},
+        ],
+        "events": [{"step": 5, "kind": "k"}],
+        "status": "finished",
+    }
     merged = merge_fragments([first, second])
     assert merged["scalars"] == [
         {"key": "a", "steps": [3, 4, 5], "values": [1.0, 9.0, 3.0]},
@@ -82,15 +96,24 @@ def test_group_fragments_keeps_status_last_unknown_fields_alone_and_a_size_cap()
 
 
 def test_dumps_is_the_same_json_as_the_standard_library():
-    document = {"rank": 0, "seq": 7, "scalars": [{"key": "a", "steps": [1], "values": ["NaN"]}] * 3, "events": []}
+    document = {
+        "rank": 0,
+        "seq": 7,
+        "scalars": [{"key": "a", "steps": [1], "values": ["NaN"]}] * 3,
+        "events": [],
+    }
     assert json.loads(dumps(document)) == document
 
 
 def test_health_keys_are_not_counted_as_points():
-    document = {"scalars": [{"key": "agent/sent", "steps": [1], "values": [5.0]},
-                            {"key": "loss", "steps": [1, 2], "values": [1.0, 2.0]}],
-                "vectors": [{"key": "grad/norm", "steps": [1], "values": [[1.0, 2.0]]}],
-                "histograms": [{"key": "grad/hist", "step": 1}]}
+    document = {
+        "scalars": [
+            {"key": "agent/sent", "steps": [1], "values": [5.0]},
+            {"key": "loss", "steps": [1, 2], "values": [1.0, 2.0]},
+        ],
+        "vectors": [{"key": "grad/norm", "steps": [1], "values": [[1.0, 2.0]]}],
+        "histograms": [{"key": "grad/hist", "step": 1}],
+    }
     assert batch_points(document) == 4
 
 
@@ -199,7 +222,9 @@ def test_read_batch_json_refuses_bytes_that_changed(tmp_path):
 class ScriptedTransport(RecordingTransport):
     """Fails the first sends as scripted (TransportErrors), then records like RecordingTransport."""
 
-    def __init__(self, failures: list[TransportError] | None = None, hold: threading.Event | None = None) -> None:
+    def __init__(
+        self, failures: list[TransportError] | None = None, hold: threading.Event | None = None
+    ) -> None:
         super().__init__()
         self.failures = list(failures or [])
         self.hold = hold
@@ -219,8 +244,12 @@ def sender(transport: Any, **options: Any) -> Sender:
 
 
 def test_retryable_failures_resend_the_same_seq_until_it_is_stored():
-    failures = [TransportError("HTTP 503", True, 503), TransportError("HTTP 429", True, 429),
-                TransportError("HTTP 408", True, 408), TransportError("refused", True)]
+    failures = [
+        TransportError("HTTP 503", True, 503),
+        TransportError("HTTP 429", True, 429),
+        TransportError("HTTP 408", True, 408),
+        TransportError("refused", True),
+    ]
     transport = ScriptedTransport(failures)
     s = sender(transport)
     s.submit(packet(0, x=1.0))
@@ -292,8 +321,9 @@ class Down:
 
 def test_finish_spools_what_is_unsent_and_a_resumed_run_sends_it_first(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        first = gradwatch.init(project="p", run_id="resumed", transport=Down(), spool_dir=tmp_path,
-                               flush_interval=0.01)
+        first = gradwatch.init(
+            project="p", run_id="resumed", transport=Down(), spool_dir=tmp_path, flush_interval=0.01
+        )
         for step in range(50):
             first.log({"x": float(step)}, step=step)
         first.finish(timeout=0.5)
@@ -320,7 +350,9 @@ def sqlite_server(sqlite_url) -> Iterator[Any]:
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
-    server = BackgroundServer(Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False)
+    server = BackgroundServer(
+        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    )
     server.start()
     yield server
     server.stop()
@@ -408,7 +440,9 @@ def test_a_batch_stored_before_its_answer_was_lost_is_stored_once(sqlite_server)
 # -- the server's gzip middleware (pure ASGI) --------------------------------------------------
 
 
-def _call_middleware(body_parts: list[bytes], encoding: str | None, max_bytes: int = 1000) -> tuple[int, bytes, Any]:
+def _call_middleware(
+    body_parts: list[bytes], encoding: str | None, max_bytes: int = 1000
+) -> tuple[int, bytes, Any]:
     from gradwatch.server.compression import GzipRequestBody
 
     seen: dict[str, Any] = {}
@@ -423,8 +457,10 @@ def _call_middleware(body_parts: list[bytes], encoding: str | None, max_bytes: i
     headers = [(b"content-type", b"application/json")]
     if encoding is not None:
         headers.append((b"content-encoding", encoding.encode()))
-    messages = [{"type": "http.request", "body": part, "more_body": i < len(body_parts) - 1}
-                for i, part in enumerate(body_parts)]
+    messages = [
+        {"type": "http.request", "body": part, "more_body": i < len(body_parts) - 1}
+        for i, part in enumerate(body_parts)
+    ]
     sent: list[Any] = []
 
     async def receive() -> Any:
@@ -467,15 +503,24 @@ def test_the_api_accepts_gzip_batches_and_caps_their_inflated_size(sqlite_server
     with httpx.Client(base_url=sqlite_server.url) as client:
         client.post("/api/v1/runs", json={"id": "gz", "project": "p"}).raise_for_status()
         body = gzip.compress(dumps(batch(1, *range(100))).encode())
-        answer = client.post("/api/v1/runs/gz/batches", content=body,
-                             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        answer = client.post(
+            "/api/v1/runs/gz/batches",
+            content=body,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         assert answer.status_code == 200 and answer.json()["points"] == 100
-        corrupt = client.post("/api/v1/runs/gz/batches", content=b"\x1f\x8b garbage",
-                              headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        corrupt = client.post(
+            "/api/v1/runs/gz/batches",
+            content=b"\x1f\x8b garbage",
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         assert corrupt.status_code == 400 and "invalid gzip body" in corrupt.json()["detail"]
         bomb = gzip.compress(b" " * (33 * 1024 * 1024))
-        too_big = client.post("/api/v1/runs/gz/batches", content=bomb,
-                              headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        too_big = client.post(
+            "/api/v1/runs/gz/batches",
+            content=bomb,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         assert too_big.status_code == 413 and "once decompressed" in too_big.json()["detail"]
 
 
@@ -484,6 +529,7 @@ def test_the_api_accepts_gzip_batches_and_caps_their_inflated_size(sqlite_server
 
 def test_offline_run_writes_the_spool_only_and_sync_uploads_it_once(tmp_path, sqlite_server, monkeypatch):
     import httpx
+
     from gradwatch.sync import sync
 
     monkeypatch.setenv("GRADWATCH_HOME", str(tmp_path))
@@ -535,7 +581,9 @@ def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     env = os.environ | {"GRADWATCH_HOME": str(tmp_path)}
-    return subprocess.run([sys.executable, str(script)], env=env, check=False, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, check=False, capture_output=True, text=True, timeout=120
+    )
 
 
 def _spooled(tmp_path: Path) -> tuple[dict[int, float], list[str]]:
@@ -554,14 +602,17 @@ def _spooled(tmp_path: Path) -> tuple[dict[int, float], list[str]]:
 
 
 def test_sigterm_flushes_then_dies_by_the_signal_as_before(tmp_path):
-    done = _script(tmp_path, """
+    done = _script(
+        tmp_path,
+        """
         import os, signal, gradwatch
         run = gradwatch.init(project="p", mode="offline", flush_interval=3600)
         for step in range(10):
             run.log({"x": float(step)}, step=step)
         os.kill(os.getpid(), signal.SIGTERM)
         print("not reached")
-    """)
+    """,
+    )
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert "not reached" not in done.stdout
     points, statuses = _spooled(tmp_path)
@@ -569,7 +620,9 @@ def test_sigterm_flushes_then_dies_by_the_signal_as_before(tmp_path):
 
 
 def test_sigterm_flushes_then_calls_the_users_own_handler(tmp_path):
-    done = _script(tmp_path, """
+    done = _script(
+        tmp_path,
+        """
         import os, signal, sys, gradwatch
         def mine(signum, frame):
             print("user handler ran")
@@ -578,26 +631,33 @@ def test_sigterm_flushes_then_calls_the_users_own_handler(tmp_path):
         run = gradwatch.init(project="p", mode="offline", flush_interval=3600)
         run.log({"x": 1.0}, step=0)
         os.kill(os.getpid(), signal.SIGTERM)
-    """)
+    """,
+    )
     assert done.returncode == 7 and "user handler ran" in done.stdout, done.stderr
     assert _spooled(tmp_path) == ({0: 1.0}, ["crashed"])
 
 
 def test_exit_without_finish_flushes_and_an_uncaught_error_marks_the_run_crashed(tmp_path):
     (tmp_path / "clean").mkdir()
-    clean = _script(tmp_path / "clean", """
+    clean = _script(
+        tmp_path / "clean",
+        """
         import gradwatch
         run = gradwatch.init(project="p", mode="offline", flush_interval=3600)
         run.log({"x": 1.0}, step=0)
-    """)
+    """,
+    )
     assert clean.returncode == 0, clean.stderr
     assert _spooled(tmp_path / "clean") == ({0: 1.0}, ["finished"])
     (tmp_path / "crash").mkdir()
-    crash = _script(tmp_path / "crash", """
+    crash = _script(
+        tmp_path / "crash",
+        """
         import gradwatch
         run = gradwatch.init(project="p", mode="offline", flush_interval=3600)
         run.log({"x": 2.0}, step=0)
         raise RuntimeError("training failed")
-    """)
+    """,
+    )
     assert crash.returncode == 1 and "training failed" in crash.stderr
     assert _spooled(tmp_path / "crash") == ({0: 2.0}, ["crashed"])

@@ -45,11 +45,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import gradwatch
 import pytest
 from conftest import free_port
-from gradwatch._wire import wire_float
 from training import Reference, train
+
+import gradwatch
+from gradwatch._wire import wire_float
 
 MAX_IN_LOOP_SECONDS = 0.050
 STEPS = 300
@@ -73,9 +74,19 @@ class ServerProcess:
     def start(self, wait: bool = True) -> ServerProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(self.port),
-                 "--database-url", self.database_url],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                [
+                    sys.executable,
+                    "-m",
+                    "gradwatch.cli",
+                    "server",
+                    "--port",
+                    str(self.port),
+                    "--database-url",
+                    self.database_url,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
             )
         if wait:
             self.wait_ready()
@@ -161,9 +172,13 @@ class FaultProxy:
             upstream.request(handler.command, handler.path, body=body or None, headers=headers)
             response = upstream.getresponse()
             data = response.read()
-            self._answer(handler, response.status, data, response.getheader("Content-Type") or "application/json")
+            self._answer(
+                handler, response.status, data, response.getheader("Content-Type") or "application/json"
+            )
         except OSError as exc:
-            self._answer(handler, 502, json.dumps({"detail": f"upstream: {exc}"}).encode(), "application/json")
+            self._answer(
+                handler, 502, json.dumps({"detail": f"upstream: {exc}"}).encode(), "application/json"
+            )
         finally:
             upstream.close()
 
@@ -270,8 +285,10 @@ class AgentClock:
         self._hooks = (self._hooks[0] + wall, self._hooks[1] + delay)
 
     def summary(self) -> str:
-        return (f"max {max(self.calls) * 1e3:.2f} ms wall, {max(self.busy) * 1e3:.2f} ms less CPU taken by "
-                f"other processes; median {statistics.median(self.calls) * 1e6:.0f} µs over {len(self.calls)} calls")
+        return (
+            f"max {max(self.calls) * 1e3:.2f} ms wall, {max(self.busy) * 1e3:.2f} ms less CPU taken by "
+            f"other processes; median {statistics.median(self.calls) * 1e6:.0f} µs over {len(self.calls)} calls"
+        )
 
 
 class InstrumentedRun:
@@ -295,11 +312,15 @@ class InstrumentedRun:
             scaler.__dict__[name] = clock.user(getattr(scaler, name))
         original_clip = torch.nn.utils.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = clock.user(original_clip)
-        first = [optimizer.register_step_pre_hook(clock.hook_start),
-                 optimizer.register_step_post_hook(clock.hook_start)]
+        first = [
+            optimizer.register_step_pre_hook(clock.hook_start),
+            optimizer.register_step_post_hook(clock.hook_start),
+        ]
         self.run.watch(model, optimizer, scaler=scaler)
-        last = [optimizer.register_step_pre_hook(clock.hook_end),
-                optimizer.register_step_post_hook(clock.hook_end)]
+        last = [
+            optimizer.register_step_pre_hook(clock.hook_end),
+            optimizer.register_step_post_hook(clock.hook_end),
+        ]
         for name in ("unscale_", "step", "update"):
             scaler.__dict__[name] = clock.around(scaler.__dict__[name])
         watched_clip = torch.nn.utils.clip_grad_norm_
@@ -366,7 +387,10 @@ def assert_stored_exactly_once(base: str, instrumented: InstrumentedRun, referen
 
 
 def run_faulty_training(
-    server_url: str, tmp: Path, actions: dict[int, Callable[[], None]], finish_timeout: float = 60.0,
+    server_url: str,
+    tmp: Path,
+    actions: dict[int, Callable[[], None]],
+    finish_timeout: float = 60.0,
     spool_dir: Path | None = None,
 ) -> tuple[InstrumentedRun, Reference]:
     # Objects of the test session so far (pytest, other tests' FastAPI/SQLAlchemy...) are frozen: a
@@ -376,8 +400,13 @@ def run_faulty_training(
     gc.freeze()
     try:
         run = gradwatch.init(
-            project="faults", name="fp16", server=server_url, spool_dir=spool_dir or tmp / "spool",
-            flush_interval=0.05, flush_every_steps=10, max_backoff=0.5,
+            project="faults",
+            name="fp16",
+            server=server_url,
+            spool_dir=spool_dir or tmp / "spool",
+            flush_interval=0.05,
+            flush_every_steps=10,
+            max_backoff=0.5,
         )
         instrumented = InstrumentedRun(run, actions)
         reference = Reference()
@@ -439,14 +468,18 @@ def test_server_killed_with_sigkill_mid_run_and_restarted(server_tmp: ServerProc
     server_tmp.start()
     restart = InBackground(server_tmp.start)
     instrumented, reference = run_faulty_training(
-        server_tmp.url, tmp_path, {60: server_tmp.kill, 120: restart},
+        server_tmp.url,
+        tmp_path,
+        {60: server_tmp.kill, 120: restart},
     )
     restart.join()
     assert instrumented.run.stats.last_error is not None  # the outage was seen
     assert_stored_exactly_once(server_tmp.url, instrumented, reference)
 
 
-def test_server_answering_503_for_a_while(proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path) -> None:
+def test_server_answering_503_for_a_while(
+    proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path
+) -> None:
     def fail() -> None:
         proxy.failing = True
 
@@ -459,7 +492,9 @@ def test_server_answering_503_for_a_while(proxy: FaultProxy, shared_server: Serv
     assert_stored_exactly_once(shared_server.url, instrumented, reference)
 
 
-def test_server_responding_after_2_s_delays(proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path) -> None:
+def test_server_responding_after_2_s_delays(
+    proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path
+) -> None:
     proxy.delay = 2.0
     instrumented, reference = run_faulty_training(proxy.url, tmp_path, {})
     assert proxy.delayed >= 2
@@ -470,7 +505,10 @@ def test_server_responding_after_2_s_delays(proxy: FaultProxy, shared_server: Se
 
 
 def test_spool_folder_not_writable(
-    proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    proxy: FaultProxy,
+    shared_server: ServerProcess,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A path under a regular file: no one can create it, root included (chmod does not stop root).
     blocker = tmp_path / "not-a-folder"
@@ -485,7 +523,10 @@ def test_spool_folder_not_writable(
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         # The server is up, with a 503 spell in the middle: that data can only wait in memory.
         instrumented, reference = run_faulty_training(
-            proxy.url, tmp_path, {50: fail, 150: recover}, spool_dir=blocker / "spool",
+            proxy.url,
+            tmp_path,
+            {50: fail, 150: recover},
+            spool_dir=blocker / "spool",
         )
     spool_warnings = [r.getMessage() for r in caplog.records if "spool file" in r.getMessage()]
     assert len(spool_warnings) == 1, spool_warnings
@@ -495,7 +536,9 @@ def test_spool_folder_not_writable(
 
 
 def test_sync_killed_half_way_and_run_again_stores_everything_once(
-    proxy: FaultProxy, shared_server: ServerProcess, tmp_path: Path,
+    proxy: FaultProxy,
+    shared_server: ServerProcess,
+    tmp_path: Path,
 ) -> None:
     # An offline run resumed 12 times (same id): one spool file, 12 batches with 12 seq namespaces.
     run_id = f"offline-{os.getpid()}-{time.monotonic_ns()}"
@@ -511,7 +554,9 @@ def test_sync_killed_half_way_and_run_again_stores_everything_once(
 
     def stored() -> int:
         try:
-            return len(_get(shared_server.url, f"/api/v1/runs/{run_id}/series", key="a", max_points=100_000)["steps"])
+            return len(
+                _get(shared_server.url, f"/api/v1/runs/{run_id}/series", key="a", max_points=100_000)["steps"]
+            )
         except urllib.error.HTTPError:
             return 0
 
@@ -542,5 +587,7 @@ def test_sync_killed_half_way_and_run_again_stores_everything_once(
     assert third.returncode == 0, third.stderr
     counts = re.search(r"in (\d+) batches \((\d+) already on the server", third.stdout)
     assert counts is not None and int(counts[1]) == int(counts[2]) >= 12, third.stdout
-    assert len(_get(shared_server.url, f"/api/v1/runs/{run_id}/series", key="a", max_points=100_000)["steps"]) == 600
-
+    assert (
+        len(_get(shared_server.url, f"/api/v1/runs/{run_id}/series", key="a", max_points=100_000)["steps"])
+        == 600
+    )

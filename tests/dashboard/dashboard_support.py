@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import httpx
+
 from gradwatch.dashboard import create_dash_app
 from gradwatch.dashboard.api_client import ApiClient
 

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 from dashboard_support import SKIP_STORM, AlertsApi, alert, callback_outputs, dash_call, render
+
 from gradwatch.dashboard import create_dash_app, views
 from gradwatch.dashboard.pages import alerts_views
 

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 from dashboard_support import LAYERS, RUN, AlertsApi, FakeApi, client_for
+
 from gradwatch.dashboard.api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
 
 

@@ -2,9 +2,10 @@
 
 import re
 
-import gradwatch
 import pytest
 from training import train
+
+import gradwatch
 
 pytestmark = pytest.mark.browser
 
@@ -40,7 +41,9 @@ def test_runs_list_and_run_page_show_the_scale_drop_and_skips(full_server, brows
         ".find(t => t.name === 'skipped step').x"
     )
     assert {10, 11, 12} <= set(skip_steps)
-    axis_type = page.evaluate("() => document.querySelector('#scale-graph .js-plotly-plot').layout.yaxis.type")
+    axis_type = page.evaluate(
+        "() => document.querySelector('#scale-graph .js-plotly-plot').layout.yaxis.type"
+    )
     assert axis_type == "log"
     _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.length === 40)")
     _graph_has(page, "grad-norm-graph", "data.some(t => t.x && t.x.length > 0)")
@@ -86,9 +89,19 @@ def test_unknown_run_page_says_so(full_server, browser_page):
 
 
 def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(full_server, browser_page):
-    options = {"layer_norms_every": 5, "histograms_every": 10, "update_ratio_every": 10, "dense_start_steps": 0}
-    with gradwatch.init(project="browser", name="layers", server=full_server.url, flush_interval=0.05,
-                        config={"lr": 0.01, "note": "<b>text</b>"}) as run:
+    options = {
+        "layer_norms_every": 5,
+        "histograms_every": 10,
+        "update_ratio_every": 10,
+        "dense_start_steps": 0,
+    }
+    with gradwatch.init(
+        project="browser",
+        name="layers",
+        server=full_server.url,
+        flush_interval=0.05,
+        config={"lr": 0.01, "note": "<b>text</b>"},
+    ) as run:
         train(30, run=run, overflow_steps=(12,), watch_options=options)
     page = browser_page
     page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
@@ -152,7 +165,9 @@ def test_runs_list_search_and_compare_two_runs(full_server, browser_page):
     page.locator("#compare-link").click()
     page.wait_for_url("**/dashboard/compare?runs=*")
     _graph_has(page, "compare-graph", "data.length === 2 && data.every(t => t.x.length === 20)")
-    names = page.evaluate("() => document.querySelector('#compare-graph .js-plotly-plot').data.map(t => t.name)")
+    names = page.evaluate(
+        "() => document.querySelector('#compare-graph .js-plotly-plot').data.map(t => t.name)"
+    )
     assert sorted(names) == ["cmp-a", "cmp-b &lt;i&gt;x&lt;/i&gt;"]  # escaped for plotly: shown as text
     assert page.locator("#compare-graph i").count() == 0
     assert page.problems == []

@@ -4,11 +4,12 @@ real training run, alerts are acknowledged, webhooks are tested against a real H
 
 import re
 
-import gradwatch
 import httpx
 import pytest
 from training import train
 from webhook_receiver import WebhookReceiver
+
+import gradwatch
 
 pytestmark = pytest.mark.browser
 
@@ -78,12 +79,16 @@ def test_rule_made_in_the_ui_fires_on_a_training_run_and_shows_on_alerts_page_an
     _param(page, "#rules-card", "ignore_first").fill("0")
     page.locator("#rule-name").fill("two skips")
     page.locator("#rule-create").click()
-    page.locator("#rule-form-message .form-ok").get_by_text("Created rule", exact=False).wait_for(timeout=WAIT_MS)
+    page.locator("#rule-form-message .form-ok").get_by_text("Created rule", exact=False).wait_for(
+        timeout=WAIT_MS
+    )
     rule_row = page.locator("#rules-table tr").filter(has_text="two skips")
     rule_row.wait_for(timeout=WAIT_MS)
     assert "count=2" in rule_row.inner_text() and "ignore_first=0" in rule_row.inner_text()
 
-    with gradwatch.init(project="ui-alerts", name="skippy", server=full_server.url, flush_interval=0.05) as run:
+    with gradwatch.init(
+        project="ui-alerts", name="skippy", server=full_server.url, flush_interval=0.05
+    ) as run:
         train(30, run=run, overflow_steps=(10, 11))
 
     row = _alert_row(page, "two skips")
@@ -116,7 +121,9 @@ def test_rule_made_in_the_ui_fires_on_a_training_run_and_shows_on_alerts_page_an
 
 def test_rules_are_edited_disabled_and_deleted_in_the_ui(full_server, browser_page):
     with httpx.Client(base_url=full_server.url, timeout=30) as api:
-        rule = api.post("/api/v1/alert-rules", json={"project": "edit-me", "type": "scale_drop", "name": "drop"})
+        rule = api.post(
+            "/api/v1/alert-rules", json={"project": "edit-me", "type": "scale_drop", "name": "drop"}
+        )
         assert rule.status_code == 201, rule.text
     page = browser_page
     page.goto(f"{full_server.url}/dashboard/alerts")
@@ -215,18 +222,31 @@ def test_webhook_made_in_the_ui_and_its_test_delivery_shown(full_server, browser
 def test_user_supplied_names_and_evidence_are_shown_as_text(full_server, browser_page):
     layer = "<img src=x onerror=alert(2)>.weight"
     with httpx.Client(base_url=full_server.url, timeout=30) as api:
-        rule = {"project": HOSTILE, "type": "skip_storm", "name": HOSTILE,
-                "params": {"count": 2, "window": 10, "ignore_first": 0}}
+        rule = {
+            "project": HOSTILE,
+            "type": "skip_storm",
+            "name": HOSTILE,
+            "params": {"count": 2, "window": 10, "ignore_first": 0},
+        }
         assert api.post("/api/v1/alert-rules", json=rule).status_code == 201
         # A project of its own that raises no alerts: nothing is ever sent to this URL.
         webhook = {"project": HOSTILE + " quiet", "url": "http://127.0.0.1:9/<b>x</b>"}
         assert api.post("/api/v1/webhooks", json=webhook).status_code == 201
         run = api.post("/api/v1/runs", json={"project": HOSTILE, "name": HOSTILE}).json()
-        skips = [{"step": step, "kind": "skip", "data": {"scale_before": 1024.0, "scale_after": 512.0,
-                                                         "non_finite_layers": [layer]}} for step in (12, 13)]
-        batch = {"seq": 0, "layers": [layer],  # 12 clean steps end the scaler's calibration, then two skips
-                 "scalars": [{"key": "amp/skipped", "steps": list(range(14)), "values": [0] * 12 + [1, 1]}],
-                 "events": skips}
+        skips = [
+            {
+                "step": step,
+                "kind": "skip",
+                "data": {"scale_before": 1024.0, "scale_after": 512.0, "non_finite_layers": [layer]},
+            }
+            for step in (12, 13)
+        ]
+        batch = {
+            "seq": 0,
+            "layers": [layer],  # 12 clean steps end the scaler's calibration, then two skips
+            "scalars": [{"key": "amp/skipped", "steps": list(range(14)), "values": [0] * 12 + [1, 1]}],
+            "events": skips,
+        }
         assert api.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
         assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["count"] >= 1
 
@@ -236,13 +256,17 @@ def test_user_supplied_names_and_evidence_are_shown_as_text(full_server, browser
     row.wait_for(timeout=WAIT_MS)
     assert row.get_by_text(HOSTILE, exact=True).count() >= 2  # the rule's name and the run's
     page.locator("#rules-table").get_by_text(HOSTILE, exact=True).first.wait_for(timeout=WAIT_MS)
-    page.locator("#webhooks-table").get_by_text("http://127.0.0.1:9/<b>x</b>", exact=True).wait_for(timeout=WAIT_MS)
+    page.locator("#webhooks-table").get_by_text("http://127.0.0.1:9/<b>x</b>", exact=True).wait_for(
+        timeout=WAIT_MS
+    )
     _choose(page, "alerts-project", HOSTILE)  # a project picked from the filter, as text
     row.wait_for(timeout=WAIT_MS)
     assert page.locator("#alerts-card img, #rules-card img, #webhooks-card img").count() == 0
     assert page.locator("script:has-text(\"alert('x')\")").count() == 0
 
     page.goto(f"{full_server.url}/dashboard/runs/{run['id']}")
-    page.locator("#events-table tr.alert-row").get_by_text("skip_storm", exact=False).wait_for(timeout=WAIT_MS)
+    page.locator("#events-table tr.alert-row").get_by_text("skip_storm", exact=False).wait_for(
+        timeout=WAIT_MS
+    )
     assert page.locator("#events-table img").count() == 0
     assert page.problems == []

@@ -8,6 +8,7 @@ import math
 
 import pytest
 from dashboard_support import SCALE_SERIES, SKIPS, annotation_texts, skip_event, trace_named
+
 from gradwatch.dashboard import figures
 from gradwatch.dashboard.figures import lines
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 from dashboard_support import GRAD_NORMS, HISTOGRAMS, annotation_texts, trace_named
+
 from gradwatch.dashboard import figures
 from gradwatch.dashboard.figures import layers
 

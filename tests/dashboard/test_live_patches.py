@@ -7,6 +7,7 @@ import dash
 import httpx
 import pytest
 from dashboard_support import SCALE_SERIES, FakeApi, apply_patch, refresh, skip_event
+
 from gradwatch.dashboard import create_dash_app, figures, live
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-import gradwatch.dashboard
 import pytest
 from dashboard_support import app_client, render, run_api
+
+import gradwatch.dashboard
 from gradwatch.dashboard import app, create_dash_app, figures, live, verdict, views
 from gradwatch.dashboard.app import parse_route
 from gradwatch.dashboard.pages import alerts, alerts_views, compare, run, run_views, runs

@@ -22,6 +22,7 @@ from dashboard_support import (
     render,
     run_api,
 )
+
 from gradwatch.dashboard import create_dash_app, figures
 from gradwatch.dashboard.views import keep_view
 
@@ -165,30 +166,43 @@ def test_the_run_timeline_has_the_runs_alerts_with_clickable_steps():
 
 
 def test_a_distributed_run_shows_its_ranks_and_a_crashed_one_stands_out(fake_api):
-    single = create_dash_app("http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api)))
+    single = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
+    )
     assert "ranks-line" not in json.dumps(refresh(single.server.test_client())["run-header"])
     assert not [r for r in fake_api.requests if r.url.path.endswith("/ranks")]  # not asked for one process
 
     fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
-    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2, "data": [
-        {"rank": 0, "host": "node-a", "status": "finished", "batches": 10},
-        {"rank": 1, "host": "<b>node-b</b>", "status": "crashed", "batches": 4},
-    ]}
+    fake_api.ranks = {
+        "world_size": 2,
+        "gradients": "sharded",
+        "count": 2,
+        "data": [
+            {"rank": 0, "host": "node-a", "status": "finished", "batches": 10},
+            {"rank": 1, "host": "<b>node-b</b>", "status": "crashed", "batches": 4},
+        ],
+    }
     client = create_dash_app(
         "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
     ).server.test_client()
     header = json.dumps(refresh(client)["run-header"], ensure_ascii=False)
     assert "2 ranks, gradients sharded" in header
     assert "rank 0 \u00b7 node-a \u00b7 finished" in header
-    assert "rank 1 \u00b7 <b>node-b</b> \u00b7 crashed" in header and "rank-chip bad" in header  # text, flagged
+    assert (
+        "rank 1 \u00b7 <b>node-b</b> \u00b7 crashed" in header and "rank-chip bad" in header
+    )  # text, flagged
 
 
 def test_a_sharded_run_draws_its_global_norm_combined_over_the_ranks(fake_api):
     fake_api.run["metadata"] = {**(fake_api.run.get("metadata") or {}), "world_size": 2}
     fake_api.series["grad/global_norm"] = {"steps": [0, 1, 2], "values": [0.3, 0.4, 0.5]}  # rank 0's shard
     fake_api.combined["grad/global_norm"] = {"steps": [0, 1, 2], "values": [1.0, 1.1, 1.2]}
-    fake_api.ranks = {"world_size": 2, "gradients": "sharded", "count": 2,
-                      "data": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]}
+    fake_api.ranks = {
+        "world_size": 2,
+        "gradients": "sharded",
+        "count": 2,
+        "data": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}],
+    }
     client = create_dash_app(
         "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(fake_api))
     ).server.test_client()

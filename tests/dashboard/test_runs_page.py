@@ -17,6 +17,7 @@ from dashboard_support import (
     render,
     run_api,
 )
+
 from gradwatch.dashboard import create_dash_app
 
 
@@ -95,7 +96,10 @@ def test_selected_runs_stay_ticked_when_the_list_is_redrawn():
 
 def test_runs_list_filters_by_status_and_tags_on_the_server():
     asked = []
-    runs = [{**RUN, "id": f"r{i}", "name": f"run-{i:02d}", "status": ("running", "finished")[i % 2]} for i in range(6)]
+    runs = [
+        {**RUN, "id": f"r{i}", "name": f"run-{i:02d}", "status": ("running", "finished")[i % 2]}
+        for i in range(6)
+    ]
 
     def handler(request):
         if request.url.path == "/api/v1/runs":
@@ -111,7 +115,9 @@ def test_runs_list_filters_by_status_and_tags_on_the_server():
     finished = refresh_runs(client, statuses=["finished", "exploded"], tag="lora, fp16")
     assert shown_names(finished) == ["run-01", "run-03", "run-05"]
     assert (["finished"], ["lora", "fp16"]) in asked  # unknown statuses dropped; tags split on , and spaces
-    searched = refresh_runs(client, statuses=["running"], search="run-0")  # client-side search keeps the filter
+    searched = refresh_runs(
+        client, statuses=["running"], search="run-0"
+    )  # client-side search keeps the filter
     assert shown_names(searched) == ["run-00", "run-02", "run-04"] and asked[-1][0] == ["running"]
 
 

@@ -5,6 +5,7 @@ browser-session cookie (never in the page), and signing out asks again."""
 import httpx
 import pytest
 from conftest import CHROMIUM_ARGS
+
 from gradwatch.server.auth import Tokens
 from gradwatch.server.database import make_engine
 
@@ -52,10 +53,14 @@ def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server
         expect(page.get_by_text("hidden-run")).to_have_count(0)  # another project's run
 
         [cookie] = [c for c in context.cookies() if c["name"] == "gradwatch_token"]
-        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["expires"] == -1  # session only
+        assert (
+            cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["expires"] == -1
+        )  # session only
         assert read_alpha not in page.content()
         assert page.evaluate("document.cookie") == ""  # page scripts cannot read it
-        assert page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)").count("gw_") == 0
+        assert (
+            page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)").count("gw_") == 0
+        )
 
         page.goto(f"{full_server.url}/dashboard/signout")
         expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
@@ -73,29 +78,36 @@ def test_signin_never_redirects_off_the_dashboard(full_server, sqlite_url):
     with httpx.Client(base_url=full_server.url, follow_redirects=False) as client:
         client.cookies.set("gradwatch_csrf", "c" * 43)  # the double-submit pair a rendered form carries
         csrf = {"csrf": "c" * 43}
-        response = client.post("/dashboard/signin", data={"token": token, "next": "https://evil.example/"} | csrf)
+        response = client.post(
+            "/dashboard/signin", data={"token": token, "next": "https://evil.example/"} | csrf
+        )
         assert response.status_code == 302 and response.headers["location"] == "/dashboard/"
         response = client.post("/dashboard/signin", data={"token": token, "next": "//evil.example/x"} | csrf)
         assert response.headers["location"] == "/dashboard/"
         response = client.post("/dashboard/signin", data={"token": token, "next": "/dashboard/alerts"} | csrf)
         assert response.headers["location"] == "/dashboard/alerts"
-        assert "HttpOnly" in response.headers["set-cookie"] and "SameSite=Strict" in response.headers["set-cookie"]
+        assert (
+            "HttpOnly" in response.headers["set-cookie"]
+            and "SameSite=Strict" in response.headers["set-cookie"]
+        )
 
 
 def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, chromium_path):
     """The run page, the runs list, compare and alerts fetch in worker threads: they must carry the
     signed-in person's token too (issue 14: they answered 401 and showed "?" badges)."""
-    import gradwatch
     from playwright.sync_api import expect, sync_playwright
     from training import train
+
+    import gradwatch
 
     engine = make_engine(sqlite_url)
     tokens = Tokens(engine)
     _, write_token = tokens.create("team", "ingest", "agents")
     _, read_token = tokens.create("team", "read", "alice")
     engine.dispose()
-    with gradwatch.init(project="team", name="signed-in", server=full_server.url, token=write_token,
-                        flush_interval=0.05) as run:
+    with gradwatch.init(
+        project="team", name="signed-in", server=full_server.url, token=write_token, flush_interval=0.05
+    ) as run:
         train(30, run=run, overflow_steps=(12, 13))
 
     with sync_playwright() as playwright:
@@ -120,7 +132,9 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
         )
         expect(page.locator("#run-verdict")).to_have_attribute("data-verdict", "critical", timeout=WAIT_MS)
         page.goto(f"{full_server.url}/dashboard/compare?runs={run.id}")
-        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=WAIT_MS)
+        page.wait_for_function(
+            "() => document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=WAIT_MS
+        )
         page.goto(f"{full_server.url}/dashboard/alerts")
         expect(page.locator("#alerts-table")).to_contain_text("signed-in", timeout=WAIT_MS)
         for url in ("/dashboard/", f"/dashboard/runs/{run.id}", f"/dashboard/compare?runs={run.id}"):

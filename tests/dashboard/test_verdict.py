@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import math
 
-import gradwatch
 import httpx
 import pytest
 from dashboard_support import FakeApi, refresh, skip_event
+
+import gradwatch
 from gradwatch.dashboard import create_dash_app, verdict
 from gradwatch.dashboard.api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
 
@@ -41,10 +42,20 @@ def incident(incident_id=1, *, status="open", severity="critical", **fields):
         "resolved_step": None,
         "rules": ["grad_norm_spike", "loss_spike"],
         "findings": [
-            {"rule": "grad_norm_spike", "title": "gradient norm up 1000× in 40 steps", "step": 1210,
-             "severity": "critical", "evidence": {"ratio": 1000.0}},
-            {"rule": "loss_spike", "title": "loss up 8× in 20 steps", "step": 1230,
-             "severity": "warning", "evidence": {}},
+            {
+                "rule": "grad_norm_spike",
+                "title": "gradient norm up 1000× in 40 steps",
+                "step": 1210,
+                "severity": "critical",
+                "evidence": {"ratio": 1000.0},
+            },
+            {
+                "rule": "loss_spike",
+                "title": "loss up 8× in 20 steps",
+                "step": 1230,
+                "severity": "warning",
+                "evidence": {},
+            },
         ],
         "next_steps": ["halve the lr (3e-4 → 1.5e-4) and rewind to the checkpoint before step 1200"],
         "link": "http://x/dashboard/runs/r1?step=1200",
@@ -93,7 +104,9 @@ def test_a_critical_run_names_the_lead_incidents_cause_and_counts_the_open_ones(
 def test_a_warning_with_one_open_incident_at_one_step():
     banner = verdict.verdict_banner("warning", [incident(severity="warning", first_step=7, last_step=7)])
     assert banner.children[0].children == "WARNING"
-    assert banner.children[1].children == "1 open incident: the learning rate jumped 300× at step 1200 (step 7)"
+    assert (
+        banner.children[1].children == "1 open incident: the learning rate jumped 300× at step 1200 (step 7)"
+    )
 
 
 def test_only_resolved_incidents_are_summarised_as_resolved():
@@ -108,8 +121,12 @@ def test_without_a_verdict_the_banner_says_unavailable_with_the_reason(answer):
 
     props = banner_props(banner)
     assert props["className"] == "verdict verdict-unavailable" and props["data-verdict"] == "unavailable"
-    assert banner.children[1].children == "verdict unavailable: the incidents could not be read (404 Not Found)"
-    assert verdict.verdict_banner(None, [], "no answer").children[1].children == "verdict unavailable: no answer"
+    assert (
+        banner.children[1].children == "verdict unavailable: the incidents could not be read (404 Not Found)"
+    )
+    assert (
+        verdict.verdict_banner(None, [], "no answer").children[1].children == "verdict unavailable: no answer"
+    )
 
 
 # -- incident cards --------------------------------------------------------------------------------------
@@ -145,7 +162,9 @@ def test_hostile_causes_titles_and_steps_are_text_never_html():
         findings=[{"rule": HOSTILE, "title": HOSTILE, "step": 3, "severity": "critical", "evidence": {}}],
         next_steps=[HOSTILE],
     )
-    text = as_text([verdict.verdict_banner("critical", [hostile]), *verdict.incident_cards([hostile], run_href)])
+    text = as_text(
+        [verdict.verdict_banner("critical", [hostile]), *verdict.incident_cards([hostile], run_href)]
+    )
 
     assert text.count(json.dumps(HOSTILE)[1:-1]) >= 5  # every one a plain string child
     assert "dangerouslySetInnerHTML" not in text
@@ -177,7 +196,12 @@ def test_a_130_step_skip_storm_is_one_row():
     assert [row["kind"] for row in rows] == ["clip_before_unscale", "skip", "rank_disagreement"]
     assert rows[0] is events[0] and rows[2] is events[-1]  # other kinds pass through unchanged
     streak = rows[1]["streak"]
-    assert (rows[1]["step"], streak["first_step"], streak["last_step"], streak["count"]) == (169, 169, 298, 130)
+    assert (rows[1]["step"], streak["first_step"], streak["last_step"], streak["count"]) == (
+        169,
+        169,
+        298,
+        130,
+    )
     assert streak["text"] == (
         "steps 169-298: every step skipped, scale 2^0 → 2^-130; "
         "non-finite most often in fc1.weight (130 of 130 steps)"
@@ -207,7 +231,12 @@ def test_the_most_frequent_non_finite_layer_is_named():
 
 
 def test_non_consecutive_skips_stay_separate_and_a_single_skip_is_a_normal_row():
-    events = [skip_event(3, 8.0, 4.0), skip_event(5, 4.0, 2.0), skip_event(6, 2.0, 1.0), skip_event(9, 1.0, 0.5)]
+    events = [
+        skip_event(3, 8.0, 4.0),
+        skip_event(5, 4.0, 2.0),
+        skip_event(6, 2.0, 1.0),
+        skip_event(9, 1.0, 0.5),
+    ]
     rows = verdict.condense_events(events)
 
     assert rows[0] is events[0] and rows[2] is events[3]
@@ -284,7 +313,11 @@ def test_incidents_filters_by_project_run_and_status():
 
     assert ([item["id"] for item in found], count) == ([1], 1)
     assert dict(api.requests[0].url.params) == {
-        "project": "llm", "run_id": "r1", "status": "open", "limit": "10", "offset": "5"
+        "project": "llm",
+        "run_id": "r1",
+        "status": "open",
+        "limit": "10",
+        "offset": "5",
     }
     client_for(api).incidents()
     assert dict(api.requests[1].url.params) == {"limit": "100", "offset": "0"}
@@ -296,7 +329,9 @@ def test_incidents_filters_by_project_run_and_status():
 
 
 def refreshed(api):
-    app = create_dash_app("http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api)))
+    app = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    )
     return refresh(app.server.test_client())
 
 
@@ -385,8 +420,9 @@ def test_run_page_opens_with_a_critical_verdict_and_the_incident_diagnosis(full_
     page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
     banner = page.locator("#run-verdict")
     banner.wait_for(timeout=20_000)
-    page.wait_for_function("() => document.querySelector('#run-verdict').dataset.verdict === 'critical'",
-                           timeout=20_000)
+    page.wait_for_function(
+        "() => document.querySelector('#run-verdict').dataset.verdict === 'critical'", timeout=20_000
+    )
     assert page.locator("#run-verdict-label").inner_text() == "CRITICAL"
     card = page.locator(f"#incident-{health['data'][0]['id']}")
     card.wait_for(timeout=20_000)

@@ -8,15 +8,16 @@ import json
 import time
 from collections.abc import Iterator
 
-import gradwatch
 import httpx
 import pytest
 from conftest import free_port
+from training import RecordingTransport, train
+from webhook_receiver import WebhookReceiver
+
+import gradwatch
 from gradwatch.server.alerts.webhooks import verify
 from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
-from training import RecordingTransport, train
-from webhook_receiver import WebhookReceiver
 
 PUBLIC_URL = "http://gradwatch.example:8765"
 
@@ -32,8 +33,12 @@ SCENARIO_RULES = [
 def alert_server(database_url) -> Iterator[BackgroundServer]:
     """The API with a fast outbox (short polls and backoff) and heartbeat checks."""
     settings = Settings(
-        database_url=database_url, public_url=PUBLIC_URL, outbox_poll_interval_s=0.1,
-        outbox_backoff_base_s=0.2, outbox_backoff_max_s=1.0, heartbeat_check_interval_s=0.2,
+        database_url=database_url,
+        public_url=PUBLIC_URL,
+        outbox_poll_interval_s=0.1,
+        outbox_backoff_base_s=0.2,
+        outbox_backoff_max_s=1.0,
+        heartbeat_check_interval_s=0.2,
     )
     server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
     yield server
@@ -99,7 +104,9 @@ def test_overflow_burst_is_one_incident_with_the_nan_loss_as_cause(alert_server,
     assert drop["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=12"
 
     nan = alerts["loss_non_finite"]
-    assert nan["step"] == 10 and nan["evidence"]["steps"] == [10, 11, 12] and nan["evidence"]["first_step"] == 10
+    assert (
+        nan["step"] == 10 and nan["evidence"]["steps"] == [10, 11, 12] and nan["evidence"]["first_step"] == 10
+    )
     assert nan["status"] == "firing"  # resolves after 100 finite losses
 
     health = _incidents(api, run_id)
@@ -113,7 +120,9 @@ def test_overflow_burst_is_one_incident_with_the_nan_loss_as_cause(alert_server,
 
 def test_healthy_run_of_the_same_length_fires_nothing(alert_server, api):
     _configure(api, "healthy")
-    run_id = _train(alert_server, "healthy", 60, watch_options={"update_ratio_every": 1, "histograms_every": 1})
+    run_id = _train(
+        alert_server, "healthy", 60, watch_options={"update_ratio_every": 1, "histograms_every": 1}
+    )
     assert api.get("/api/v1/alerts", params={"run_id": run_id}).json() == {"data": [], "count": 0}
 
 
@@ -154,7 +163,10 @@ def test_gradient_norm_spike_in_bf16_only_when_it_lasts(alert_server, api):
 def test_a_scale_set_below_one_is_one_incident_about_init_scale(alert_server, api):
     _configure(api, "underflow")
     run_id = _train(
-        alert_server, "underflow", 20, init_scale=2.0**-20,
+        alert_server,
+        "underflow",
+        20,
+        init_scale=2.0**-20,
         watch_options={"update_ratio_every": 1, "histograms_every": 1},
     )
     alerts = _alerts(api, run_id)
@@ -170,9 +182,13 @@ def test_a_scale_set_below_one_is_one_incident_about_init_scale(alert_server, ap
 
 def test_rank_disagreement_on_a_skip(alert_server, api):
     run_id = "ddp-job"
-    with gradwatch.init(project="ddp", server=alert_server.url, run_id=run_id, rank=0, flush_interval=0.05) as r0:
+    with gradwatch.init(
+        project="ddp", server=alert_server.url, run_id=run_id, rank=0, flush_interval=0.05
+    ) as r0:
         train(30, run=r0, overflow_steps=(10,))
-    with gradwatch.init(project="ddp", server=alert_server.url, run_id=run_id, rank=1, flush_interval=0.05) as r1:
+    with gradwatch.init(
+        project="ddp", server=alert_server.url, run_id=run_id, rank=1, flush_interval=0.05
+    ) as r1:
         train(30, run=r1)
     alert = _alerts(api, run_id)["rank_disagreement"]
     assert alert["step"] == 10
@@ -182,24 +198,33 @@ def test_rank_disagreement_on_a_skip(alert_server, api):
 
 def test_heartbeat_fires_when_a_run_goes_silent_and_resolves_when_it_reports(alert_server, api):
     run = api.post("/api/v1/runs", json={"project": "quiet"}).json()
-    rule = api.post("/api/v1/alert-rules", json={"project": "quiet", "type": "heartbeat", "run_id": run["id"],
-                                                  "params": {"timeout_s": 1}}).json()
+    rule = api.post(
+        "/api/v1/alert-rules",
+        json={"project": "quiet", "type": "heartbeat", "run_id": run["id"], "params": {"timeout_s": 1}},
+    ).json()
     batch = {"seq": 0, "scalars": [{"key": "loss", "steps": [0, 1], "values": [1.0, 0.9]}]}
     api.post(f"/api/v1/runs/{run['id']}/batches", json=batch)
     deadline = time.monotonic() + 10
-    while not (alerts := api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["data"]):
+    while not (
+        alerts := api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["data"]
+    ):
         assert time.monotonic() < deadline, "no heartbeat alert"
         time.sleep(0.1)
     [alert] = [a for a in alerts if a["rule_id"] == rule["id"]]
     assert alert["type"] == "heartbeat" and alert["step"] == 1
-    api.post(f"/api/v1/runs/{run['id']}/batches", json={"seq": 1, "scalars": [{"key": "loss", "steps": [2], "values": [0.8]}]})
+    api.post(
+        f"/api/v1/runs/{run['id']}/batches",
+        json={"seq": 1, "scalars": [{"key": "loss", "steps": [2], "values": [0.8]}]},
+    )
     resolved = api.get(f"/api/v1/alerts/{alert['id']}").json()
     assert resolved["status"] == "resolved" and resolved["resolved_step"] == 2
 
     while not api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["count"]:
         assert time.monotonic() < deadline + 10, "no second heartbeat alert"
         time.sleep(0.1)
-    api.post(f"/api/v1/runs/{run['id']}/batches", json={"seq": 2, "status": "finished"})  # no points, just the end
+    api.post(
+        f"/api/v1/runs/{run['id']}/batches", json={"seq": 2, "status": "finished"}
+    )  # no points, just the end
     assert api.get("/api/v1/alerts", params={"run_id": run["id"], "status": "firing"}).json()["count"] == 0
 
 
@@ -208,7 +233,9 @@ def test_the_misuse_the_agent_reported_is_the_incident_cause(alert_server, api):
     alerts = _alerts(api, run_id)
     assert alerts["misuse"]["step"] == 0 and alerts["misuse"]["evidence"]["kinds"] == ["clip_before_unscale"]
     hint = alerts["scale_drop"]["hint"]
-    assert hint.startswith("Likely cause (clip before unscale): clip_grad_norm_ was called on SCALED gradients")
+    assert hint.startswith(
+        "Likely cause (clip before unscale): clip_grad_norm_ was called on SCALED gradients"
+    )
     incidents = _incidents(api, run_id)["data"]
     assert incidents[-1]["cause_key"] == "clip_before_unscale"
     assert "scaler.unscale_(optimizer)" in incidents[-1]["next_steps"][0]
@@ -235,14 +262,26 @@ def _batches(layers: list[str], data: dict, steps: int, count: int) -> list[dict
     bounds = [steps * i // count for i in range(count + 1)]
     batches = []
     for seq, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+
         def within(points: dict, lo: int = lo, hi: int = hi) -> tuple[list, list]:
             kept = sorted((s, v) for s, v in points.items() if lo <= s < hi)
             return [s for s, _ in kept], [v for _, v in kept]
 
         batch = {
-            "seq": seq, "layers": layers,
-            "scalars": [{"key": k, "steps": s, "values": v} for k, p in data["scalars"].items() for s, v in [within(p)] if s],
-            "vectors": [{"key": k, "steps": s, "values": v} for k, p in data["vectors"].items() for s, v in [within(p)] if s],
+            "seq": seq,
+            "layers": layers,
+            "scalars": [
+                {"key": k, "steps": s, "values": v}
+                for k, p in data["scalars"].items()
+                for s, v in [within(p)]
+                if s
+            ],
+            "vectors": [
+                {"key": k, "steps": s, "values": v}
+                for k, p in data["vectors"].items()
+                for s, v in [within(p)]
+                if s
+            ],
             "events": [e for e in data["events"] if lo <= e["step"] < hi],
         }
         batches.append(batch)
@@ -252,7 +291,9 @@ def _batches(layers: list[str], data: dict, steps: int, count: int) -> list[dict
 def test_same_alerts_however_the_points_are_batched(api):
     _configure(api, "batching")
     steps = 100
-    layers, data = _record(steps, overflow_steps=(10, 11, 12, 30, 32, 34, 36), watch_options={"update_ratio_every": 1})
+    layers, data = _record(
+        steps, overflow_steps=(10, 11, 12, 30, 32, 34, 36), watch_options={"update_ratio_every": 1}
+    )
     results = []
     for count in (1, 7, 50):
         run = api.post("/api/v1/runs", json={"project": "batching"}).json()
@@ -260,11 +301,21 @@ def test_same_alerts_however_the_points_are_batched(api):
             response = api.post(f"/api/v1/runs/{run['id']}/batches", json=batch)
             assert response.status_code == 200, response.text
         alerts = api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["data"]
-        results.append(sorted(
-            (a["type"], a["status"], a["step"], a["last_step"], a["resolved_step"], a["occurrences"], a["title"],
-             json.dumps({k: v for k, v in a["evidence"].items() if k != "link"}, sort_keys=True))
-            for a in alerts
-        ))
+        results.append(
+            sorted(
+                (
+                    a["type"],
+                    a["status"],
+                    a["step"],
+                    a["last_step"],
+                    a["resolved_step"],
+                    a["occurrences"],
+                    a["title"],
+                    json.dumps({k: v for k, v in a["evidence"].items() if k != "link"}, sort_keys=True),
+                )
+                for a in alerts
+            )
+        )
     assert {r[0] for r in results[0]} >= {"scale_drop", "loss_non_finite", "skip_storm", "no_scale_growth"}
     assert results[0] == results[1] == results[2]
 
@@ -273,7 +324,9 @@ def test_rules_api_defaults_scoping_and_validation(api):
     rules = api.get("/api/v1/alert-rules", params={"project": "fresh"}).json()
     assert {"scale_drop", "skip_storm", "non_finite"} <= {r["type"] for r in rules["data"]}
 
-    bad = api.post("/api/v1/alert-rules", json={"project": "fresh", "type": "scale_drop", "params": {"factor": 0.5}})
+    bad = api.post(
+        "/api/v1/alert-rules", json={"project": "fresh", "type": "scale_drop", "params": {"factor": 0.5}}
+    )
     assert bad.status_code == 422 and "factor must be greater than 1" in bad.json()["detail"]
     bad = api.post("/api/v1/alert-rules", json={"project": "fresh", "type": "sclae_drop"})
     assert bad.status_code == 422 and "unknown rule type 'sclae_drop'" in bad.json()["detail"]
@@ -281,16 +334,27 @@ def test_rules_api_defaults_scoping_and_validation(api):
     assert bad.status_code == 422 and "no such run" in bad.json()["detail"]
 
     run = api.post("/api/v1/runs", json={"project": "fresh"}).json()
-    created = api.post("/api/v1/alert-rules", json={
-        "project": "fresh", "run_id": run["id"], "type": "scale_drop", "params": {"factor": 4}, "cooldown_steps": 0,
-    })
+    created = api.post(
+        "/api/v1/alert-rules",
+        json={
+            "project": "fresh",
+            "run_id": run["id"],
+            "type": "scale_drop",
+            "params": {"factor": 4},
+            "cooldown_steps": 0,
+        },
+    )
     assert created.status_code == 201, created.text
     rule = created.json()
     assert rule["params"] == {"factor": 4.0, "window": 100} and rule["run_id"] == run["id"]
-    edited = api.patch(f"/api/v1/alert-rules/{rule['id']}", json={"params": {"factor": 16}, "enabled": False}).json()
+    edited = api.patch(
+        f"/api/v1/alert-rules/{rule['id']}", json={"params": {"factor": 16}, "enabled": False}
+    ).json()
     assert edited["params"]["factor"] == 16.0 and edited["enabled"] is False
     other_run = api.post("/api/v1/runs", json={"project": "fresh"}).json()
-    ids_for_other = {r["id"] for r in api.get("/api/v1/alert-rules", params={"run_id": other_run["id"]}).json()["data"]}
+    ids_for_other = {
+        r["id"] for r in api.get("/api/v1/alert-rules", params={"run_id": other_run["id"]}).json()["data"]
+    }
     assert rule["id"] not in ids_for_other
     assert api.delete(f"/api/v1/alert-rules/{rule['id']}").status_code == 204
     assert api.get(f"/api/v1/alert-rules/{rule['id']}").status_code == 404
@@ -336,7 +400,9 @@ def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_s
     assert generic["event"] == "incident.firing"
     incident = generic["incident"]
     assert set(incident["rules"]) == {"loss_non_finite", "scale_drop"} and incident["severity"] == "critical"
-    assert incident["run_id"] == run_id and incident["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=10"
+    assert (
+        incident["run_id"] == run_id and incident["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=10"
+    )
     assert incident["cause"] and incident["next_steps"] and "step 10" in generic["text"]
     assert verify("s3cret", by_format["json"].headers, by_format["json"].body, now=time.time())
     assert "X-Gradwatch-Signature" not in by_format["slack"].headers
@@ -358,10 +424,16 @@ def test_redirects_are_not_followed(alert_server, api, receiver):
         api.post(f"/api/v1/webhooks/{hook['id']}/test")
         receiver.wait_for(1)
         deadline = time.monotonic() + 10
-        while (d := api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["data"][0])["last_error"] is None:
+        while (d := api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["data"][0])[
+            "last_error"
+        ] is None:
             assert time.monotonic() < deadline, d
             time.sleep(0.05)
-        assert d["response_status"] == 307 and "not followed" in d["last_error"] and elsewhere.url in d["last_error"]
+        assert (
+            d["response_status"] == 307
+            and "not followed" in d["last_error"]
+            and elsewhere.url in d["last_error"]
+        )
         time.sleep(0.3)
         assert elsewhere.received == []
 
@@ -375,7 +447,9 @@ def test_webhook_hosts_outside_the_allow_list_are_refused(database_url, receiver
         with httpx.Client(base_url=server.url, timeout=30) as api:
             response = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "p"})
             assert response.status_code == 422 and "'127.0.0.1' is not allowed" in response.json()["detail"]
-            ok = api.post("/api/v1/webhooks", json={"url": "https://hooks.slack.com/services/x", "project": "p"})
+            ok = api.post(
+                "/api/v1/webhooks", json={"url": "https://hooks.slack.com/services/x", "project": "p"}
+            )
             assert ok.status_code == 201
     finally:
         server.stop()
@@ -388,7 +462,9 @@ def test_failed_deliveries_are_retried_with_backoff(alert_server, api, receiver)
     receiver.wait_for(2)  # the first attempt and one retry after 0.2 s
     receiver.status = 200
     deadline = time.monotonic() + 10
-    while (d := api.get("/api/v1/deliveries", params={"webhook_id": hook["id"]}).json()["data"][0])["status"] != "delivered":
+    while (d := api.get("/api/v1/deliveries", params={"webhook_id": hook["id"]}).json()["data"][0])[
+        "status"
+    ] != "delivered":
         assert time.monotonic() < deadline, d
         time.sleep(0.05)
     assert d["attempts"] >= 3 and d["response_status"] == 200
@@ -406,14 +482,20 @@ def test_a_blip_resolved_within_the_group_wait_is_never_sent_and_a_later_trigger
         assert api.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
     alerts = api.get("/api/v1/alerts", params={"run_id": run["id"], "limit": 10}).json()["data"]
     assert [(a["type"], a["step"], a["status"], a["occurrences"]) for a in alerts] == [
-        ("scale_floor", 200, "firing", 1), ("scale_floor", 0, "resolved", 2)]
+        ("scale_floor", 200, "firing", 1),
+        ("scale_floor", 0, "resolved", 2),
+    ]
     assert alerts[1]["resolved_step"] == 3
     incidents = _incidents(api, run["id"])["data"]
     assert [(i["first_step"], i["status"], i["notified_at"] is None) for i in incidents] == [
-        (200, "open", True), (0, "resolved", True)]
+        (200, "open", True),
+        (0, "resolved", True),
+    ]
     receiver.wait_for(1)  # the run sends nothing more: the wall-clock group wait (5 s) ends it
     time.sleep(0.3)
-    assert [(r.json["event"], r.json["incident"]["first_step"]) for r in receiver.received] == [("incident.firing", 200)]
+    assert [(r.json["event"], r.json["incident"]["first_step"]) for r in receiver.received] == [
+        ("incident.firing", 200)
+    ]
     assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 1
 
     assert api.delete(f"/api/v1/runs/{run['id']}").status_code == 204  # its alerts and deliveries go too
@@ -423,7 +505,9 @@ def test_a_blip_resolved_within_the_group_wait_is_never_sent_and_a_later_trigger
 
 def test_disabled_webhooks_send_no_test_and_the_log_keeps_status_codes_only(alert_server, api, receiver):
     receiver.status = 500
-    hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "quiet", "enabled": False}).json()
+    hook = api.post(
+        "/api/v1/webhooks", json={"url": receiver.url, "project": "quiet", "enabled": False}
+    ).json()
     refused = api.post(f"/api/v1/webhooks/{hook['id']}/test")
     assert refused.status_code == 422 and "disabled" in refused.json()["detail"]
     live = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "quiet"}).json()
@@ -434,9 +518,13 @@ def test_disabled_webhooks_send_no_test_and_the_log_keeps_status_codes_only(aler
         assert time.monotonic() < deadline, d
         time.sleep(0.05)
     assert d["response_status"] == 500 and d["last_error"] == "HTTP 500 Internal Server Error"  # no body
-    closed = api.post("/api/v1/webhooks", json={"url": f"http://127.0.0.1:{free_port()}/x", "project": "quiet"}).json()
+    closed = api.post(
+        "/api/v1/webhooks", json={"url": f"http://127.0.0.1:{free_port()}/x", "project": "quiet"}
+    ).json()
     api.post(f"/api/v1/webhooks/{closed['id']}/test")
-    while (d := api.get(f"/api/v1/webhooks/{closed['id']}/deliveries").json()["data"][0])["last_error"] is None:
+    while (d := api.get(f"/api/v1/webhooks/{closed['id']}/deliveries").json()["data"][0])[
+        "last_error"
+    ] is None:
         assert time.monotonic() < deadline + 10, d
         time.sleep(0.05)
     assert d["last_error"] == "no HTTP response from the receiver (refused, unreachable or timed out)"

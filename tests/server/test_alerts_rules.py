@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+
 from gradwatch.server.alerts.rules import (
     CLEAR,
     DEFAULT_RULES,
@@ -84,7 +85,9 @@ class Scaler:
                 "loss": self.loss if loss is None else loss,
                 **scalars,
             }
-            events = [("skip", {"scale_before": before, "non_finite_layers": self.layers})] if overflow else []
+            events = (
+                [("skip", {"scale_before": before, "non_finite_layers": self.layers})] if overflow else []
+            )
             steps.append(StepData(self.step, 0, scalars=values, events=events))
             self.step += 1
         return steps
@@ -110,7 +113,9 @@ SCALER_RULES = ("scaler_calibration", "scale_drop", "skip_storm", "non_finite", 
 
 def test_every_default_is_a_known_type_and_defaults_validate():
     assert set(DEFAULT_RULES) <= set(RULE_TYPES)
-    assert {"scaler_calibration", "scale_drop", "skip_storm", "non_finite", "loss_non_finite"} <= set(DEFAULT_RULES)
+    assert {"scaler_calibration", "scale_drop", "skip_storm", "non_finite", "loss_non_finite"} <= set(
+        DEFAULT_RULES
+    )
     for name in RULE_TYPES:
         make_rule(name)
 
@@ -332,8 +337,13 @@ def test_non_finite_fires_on_a_streak_of_overflows_with_a_finite_loss_after_cali
 
 def test_non_finite_fires_at_once_when_an_inf_norm_is_applied():
     _, steps = _megatron_start(clean=30)
-    steps.append(StepData(47, 0, scalars={"amp/scale": 2.0**15, "amp/skipped": 0.0, "grad/global_norm": math.inf,
-                                          "loss": 2.0}))
+    steps.append(
+        StepData(
+            47,
+            0,
+            scalars={"amp/scale": 2.0**15, "amp/skipped": 0.0, "grad/global_norm": math.inf, "loss": 2.0},
+        )
+    )
     verdicts, _ = _feed(make_rule("non_finite"), steps)
     step, finding = _findings(verdicts)[0]
     assert step == 47 and finding.evidence["applied"] is True and finding.cause == "non_finite_applied"
@@ -354,8 +364,14 @@ def test_non_finite_in_a_run_without_a_scaler_fires_on_the_first_non_finite_norm
 
 def test_loss_non_finite_names_the_first_step_and_its_batch_and_resolves():
     steps = _scalars("loss", [2.0] * 5)
-    steps.append(StepData(5, 0, scalars={"loss": math.nan},
-                          events=[("bad_batch", {"ids_logged": True, "ids": ["doc-17", "doc-18"]})]))
+    steps.append(
+        StepData(
+            5,
+            0,
+            scalars={"loss": math.nan},
+            events=[("bad_batch", {"ids_logged": True, "ids": ["doc-17", "doc-18"]})],
+        )
+    )
     steps.append(StepData(6, 0, scalars={"loss": math.inf}, events=[("bad_batch", {"ids_logged": False})]))
     steps += _scalars("loss", [2.0] * 5, start=7)
     verdicts, _ = _feed(make_rule("loss_non_finite", {"clear_after": 5}), steps)
@@ -373,15 +389,22 @@ def test_loss_non_finite_names_the_first_step_and_its_batch_and_resolves():
 def test_loss_non_finite_reads_amp_loss_without_a_logged_loss():
     steps = _scalars("amp/loss", [1.0, 1.0, math.nan])
     finding = _first_finding(_feed(make_rule("loss_non_finite"), steps)[0])
-    assert finding.step == 2 and finding.evidence["key"] == "amp/loss" and finding.evidence["batch_ids"] is None
+    assert (
+        finding.step == 2 and finding.evidence["key"] == "amp/loss" and finding.evidence["batch_ids"] is None
+    )
     assert "batch" not in finding.title
 
 
 def test_loss_non_finite_after_resolving_names_the_new_step():
-    steps = [StepData(5, 0, scalars={"loss": math.nan}, events=[("bad_batch", {"ids_logged": True, "ids": [1]})])]
+    steps = [
+        StepData(5, 0, scalars={"loss": math.nan}, events=[("bad_batch", {"ids_logged": True, "ids": [1]})])
+    ]
     steps += _scalars("loss", [2.0] * 1000, start=6)
-    steps.append(StepData(2000, 0, scalars={"loss": math.nan},
-                          events=[("bad_batch", {"ids_logged": True, "ids": [99]})]))
+    steps.append(
+        StepData(
+            2000, 0, scalars={"loss": math.nan}, events=[("bad_batch", {"ids_logged": True, "ids": [99]})]
+        )
+    )
     verdicts, _ = _feed(make_rule("loss_non_finite", {"clear_after": 100}), steps)
     assert CLEAR in [v for _, v in verdicts]
     step, finding = _findings(verdicts)[-1]
@@ -391,18 +414,27 @@ def test_loss_non_finite_after_resolving_names_the_new_step():
 
 def test_misuse_fires_once_per_kind_and_never_clears():
     steps = [
-        StepData(3, 0, events=[("clip_before_unscale", {"hint": "call scaler.unscale_ first", "max_norm": 1.0})]),
+        StepData(
+            3, 0, events=[("clip_before_unscale", {"hint": "call scaler.unscale_ first", "max_norm": 1.0})]
+        ),
         StepData(4, 0, events=[("clip_before_unscale", {"hint": "again"})]),
         StepData(9, 0, events=[("bf16_model_in_fp16", {"hint": 42}), ("skip", {})]),
         StepData(10, 0, events=[("bf16_model_in_fp16", {}), ("clip_before_unscale", {})]),
     ]
     verdicts, _ = _feed(make_rule("misuse"), steps)
-    assert [(s, type(v).__name__) for s, v in verdicts] == [(3, "Finding"), (4, "NoneType"), (9, "Finding"),
-                                                             (10, "NoneType")]
+    assert [(s, type(v).__name__) for s, v in verdicts] == [
+        (3, "Finding"),
+        (4, "NoneType"),
+        (9, "Finding"),
+        (10, "NoneType"),
+    ]
     first, second = verdicts[0][1], verdicts[2][1]
     assert first.evidence["kinds"] == ["clip_before_unscale"] and first.cause == "clip_before_unscale"
     assert second.evidence["kinds"] == ["clip_before_unscale", "bf16_model_in_fp16"]
-    assert second.evidence["steps"] == [3, 9] and second.evidence["hints"] == ["call scaler.unscale_ first", ""]
+    assert second.evidence["steps"] == [3, 9] and second.evidence["hints"] == [
+        "call scaler.unscale_ first",
+        "",
+    ]
     assert second.cause == "clip_before_unscale" and "first at step 3" in second.title
     assert CLEAR not in [v for _, v in verdicts]
 
@@ -467,8 +499,9 @@ def test_a_warm_restart_of_a_cosine_schedule_is_not_a_spike():
             loss = 8.0 * math.exp(-step / 30) + 1.0
         else:
             loss = 1.0 + 1.5 * math.exp(-(step - 300) / 40)
-        steps.append(StepData(step, 0, scalars={"loss": loss * (1 + 0.01 * math.sin(step)),
-                                                "lr": _cosine(step, 300)}))
+        steps.append(
+            StepData(step, 0, scalars={"loss": loss * (1 + 0.01 * math.sin(step)), "lr": _cosine(step, 300)})
+        )
     verdicts, _ = _feed(make_rule("loss_spike"), steps)
     assert _findings(verdicts) == []
     assert _findings(_feed(make_rule("lr_jump"), steps)[0]) == []
@@ -524,8 +557,10 @@ def test_an_lr_jump_far_above_the_peak_fires_at_that_step_and_resolves_when_it_r
 
 
 def _clip_steps(ratios, max_norm=1.0, **scalars):
-    return [StepData(i, 0, scalars={"grad/global_norm": r * max_norm, "grad/clip_max_norm": max_norm, **scalars})
-            for i, r in enumerate(ratios)]
+    return [
+        StepData(i, 0, scalars={"grad/global_norm": r * max_norm, "grad/clip_max_norm": max_norm, **scalars})
+        for i, r in enumerate(ratios)
+    ]
 
 
 def test_healthy_clipping_on_some_steps_is_silent():
@@ -561,7 +596,9 @@ def test_clipping_skipped_steps_are_not_counted():
 
 def test_underflow_fires_when_zeros_and_subnormal_survivors_persist():
     steps = [
-        StepData(s, 0, vectors={"grad/zero_frac": [0.01, 0.9, 0.0], "grad/precision_loss_frac": [0.0, 0.95, 0.0]})
+        StepData(
+            s, 0, vectors={"grad/zero_frac": [0.01, 0.9, 0.0], "grad/precision_loss_frac": [0.0, 0.95, 0.0]}
+        )
         for s in (10, 20, 30)
     ]
     verdicts, _ = _feed(make_rule("underflow"), steps)
@@ -573,8 +610,12 @@ def test_underflow_fires_when_zeros_and_subnormal_survivors_persist():
 
 
 def test_a_sparse_embedding_gradient_is_not_underflow():
-    steps = [StepData(s, 0, vectors={"grad/zero_frac": [0.95, 0.0, 0.0], "grad/precision_loss_frac": [0.0, 0.0, 0.0]})
-             for s in range(0, 50, 10)]
+    steps = [
+        StepData(
+            s, 0, vectors={"grad/zero_frac": [0.95, 0.0, 0.0], "grad/precision_loss_frac": [0.0, 0.0, 0.0]}
+        )
+        for s in range(0, 50, 10)
+    ]
     verdicts, _ = _feed(make_rule("underflow"), steps)
     assert _findings(verdicts) == [] and verdicts[-1][1] is CLEAR
 
@@ -591,7 +632,9 @@ def test_a_lora_a_with_an_all_zero_gradient_at_step_zero_is_not_underflow():
 def test_underflow_by_the_scaled_threshold():
     steps = [StepData(s, 0, vectors={"grad/underflow_frac": [0.0, 0.4]}) for s in (0, 1)]
     finding = _first_finding(_feed(make_rule("underflow"), steps)[0])
-    assert finding.evidence["key"] == "grad/underflow_frac" and finding.evidence["layers"] == ["hidden.weight"]
+    assert finding.evidence["key"] == "grad/underflow_frac" and finding.evidence["layers"] == [
+        "hidden.weight"
+    ]
 
 
 def _norms(step, row, skipped=None):
@@ -649,12 +692,17 @@ def test_updates_rounded_away_on_two_sampled_steps_are_not_learning():
     assert verdicts[0][1] is None
     finding = verdicts[1][1]
     assert finding.evidence["layers"] == ["b"] and finding.evidence["values"] == [0.9]
-    assert finding.evidence["update_ratios"] == [1e-7] and finding.evidence["key"] == "update/rounded_away_frac"
+    assert (
+        finding.evidence["update_ratios"] == [1e-7] and finding.evidence["key"] == "update/rounded_away_frac"
+    )
 
 
 def test_once_rounded_away_is_not_a_stall_and_nan_is_no_gradient():
-    steps = [_updates(100, rounded=[0.9, math.nan]), _updates(200, rounded=[0.01, math.nan]),
-             _updates(300, rounded=[0.02, math.nan])]
+    steps = [
+        _updates(100, rounded=[0.9, math.nan]),
+        _updates(200, rounded=[0.01, math.nan]),
+        _updates(300, rounded=[0.02, math.nan]),
+    ]
     verdicts, _ = _feed(make_rule("not_learning"), steps, layers=("a", "b"))
     assert _findings(verdicts) == [] and verdicts[-1][1] is CLEAR
 
@@ -680,28 +728,47 @@ def _rich_run():
     steps += scaler.run("." * 30, lr=1e-3)
     for data in steps:
         if data.step % 5 == 0:
-            data.vectors.update({
-                "grad/norm": [0.0, 0.5, math.inf if data.scalars.get("amp/skipped") else 0.3],
-                "grad/zero_frac": [0.95, 0.9, 0.0],
-                "grad/precision_loss_frac": [0.0, 0.95, math.nan],
-                "grad/underflow_frac": [0.0, 0.2],
-                "update/ratio": [0.0, 1e-3, 5e-2],
-                "update/rounded_away_frac": [0.9, math.nan, 0.0],
-            })
+            data.vectors.update(
+                {
+                    "grad/norm": [0.0, 0.5, math.inf if data.scalars.get("amp/skipped") else 0.3],
+                    "grad/zero_frac": [0.95, 0.9, 0.0],
+                    "grad/precision_loss_frac": [0.0, 0.95, math.nan],
+                    "grad/underflow_frac": [0.0, 0.2],
+                    "update/ratio": [0.0, 1e-3, 5e-2],
+                    "update/rounded_away_frac": [0.9, math.nan, 0.0],
+                }
+            )
         if data.step == 3:
-            data.events += [("no_gradient", {"layers": ["embed.weight"]}), ("clip_before_unscale", {"hint": "h"}),
-                            ("bad_batch", {"ids_logged": True, "ids": [4, 5]})]
+            data.events += [
+                ("no_gradient", {"layers": ["embed.weight"]}),
+                ("clip_before_unscale", {"hint": "h"}),
+                ("bad_batch", {"ids_logged": True, "ids": [4, 5]}),
+            ]
         if data.step == 70:
-            data.events += [("bf16_model_in_fp16", {"max_abs_weight": 1e6}), ("bad_batch", {"ids_logged": True,
-                                                                                            "ids": ["x"]})]
-    others = [StepData(d.step, 1, scalars={"amp/skipped": 1.0 - d.scalars["amp/skipped"]} if d.step % 7 == 0
-                       else dict(d.scalars)) for d in steps if "amp/skipped" in d.scalars]
+            data.events += [
+                ("bf16_model_in_fp16", {"max_abs_weight": 1e6}),
+                ("bad_batch", {"ids_logged": True, "ids": ["x"]}),
+            ]
+    others = [
+        StepData(
+            d.step,
+            1,
+            scalars={"amp/skipped": 1.0 - d.scalars["amp/skipped"]} if d.step % 7 == 0 else dict(d.scalars),
+        )
+        for d in steps
+        if "amp/skipped" in d.scalars
+    ]
     return steps + others
 
 
 def _comparable(verdicts):
     return [
-        (step, v if not isinstance(v, Finding) else (v.step, v.title, json.dumps(v.evidence, sort_keys=True), v.cause))
+        (
+            step,
+            v
+            if not isinstance(v, Finding)
+            else (v.step, v.title, json.dumps(v.evidence, sort_keys=True), v.cause),
+        )
         for step, v in verdicts
     ]
 
@@ -719,8 +786,18 @@ def test_the_rich_run_exercises_the_rules():
     """So that the round-trip test above compares findings, not just silence."""
     steps = _rich_run()
     firing = {name for name in RULE_TYPES if _findings(_feed(make_rule(name), steps)[0])}
-    assert {"skip_storm", "loss_non_finite", "misuse", "lr_jump", "clip_saturation", "underflow", "dead_layers",
-            "not_learning", "rank_disagreement", "update_ratio"} <= firing
+    assert {
+        "skip_storm",
+        "loss_non_finite",
+        "misuse",
+        "lr_jump",
+        "clip_saturation",
+        "underflow",
+        "dead_layers",
+        "not_learning",
+        "rank_disagreement",
+        "update_ratio",
+    } <= firing
 
 
 ALL_SCALARS = sorted({key for rule in RULE_TYPES.values() for key in rule.scalar_keys} | {"lr", "loss"})
@@ -740,19 +817,42 @@ def _odd_steps():
         step += 1
     for row in ([], [math.nan], [0.0], [math.inf, -math.inf, math.nan, 0.0, 1.0, 2.0, 3.0, 4.0], [-1.0, 2.0]):
         for _ in range(3):
-            steps.append(StepData(step, 0, scalars={"amp/skipped": 0.0}, vectors=dict.fromkeys(ALL_VECTORS, row)))
+            steps.append(
+                StepData(step, 0, scalars={"amp/skipped": 0.0}, vectors=dict.fromkeys(ALL_VECTORS, row))
+            )
             step += 1
         for key in ALL_VECTORS:
             steps.append(StepData(step, 0, vectors={key: row}))
             step += 1
     for kind in ALL_EVENTS:
         steps.append(StepData(step, 0, events=[(kind, {})]))
-        steps.append(StepData(step + 1, 0, scalars={"amp/scale": math.nan, "amp/skipped": 1.0, "loss": math.nan},
-                              events=[(kind, {"layers": [], "ids": None, "non_finite_layers": None, "hint": None,
-                                              "scale_before": "x", "ids_logged": True})]))
+        steps.append(
+            StepData(
+                step + 1,
+                0,
+                scalars={"amp/scale": math.nan, "amp/skipped": 1.0, "loss": math.nan},
+                events=[
+                    (
+                        kind,
+                        {
+                            "layers": [],
+                            "ids": None,
+                            "non_finite_layers": None,
+                            "hint": None,
+                            "scale_before": "x",
+                            "ids_logged": True,
+                        },
+                    )
+                ],
+            )
+        )
         step += 2
-    steps += [StepData(step + i, 0, scalars={"amp/scale": s, "amp/skipped": k})
-              for i, (s, k) in enumerate([(0.0, 1.0), (0.0, 1.0), (math.nan, 0.0), (math.inf, 0.0), (1.0, math.nan)])]
+    steps += [
+        StepData(step + i, 0, scalars={"amp/scale": s, "amp/skipped": k})
+        for i, (s, k) in enumerate(
+            [(0.0, 1.0), (0.0, 1.0), (math.nan, 0.0), (math.inf, 0.0), (1.0, math.nan)]
+        )
+    ]
     steps.append(StepData(step + 10, 3, scalars={"amp/skipped": 1.0}))
     return steps
 
@@ -771,11 +871,25 @@ def test_odd_inputs_never_raise(rule_type):
 @pytest.mark.parametrize(
     ("rule_type", "data"),
     [
-        ("scaler_calibration", StepData(5, 0, scalars={"amp/skipped": 1.0, "amp/scale": 8.0},
-                                events=[("skip", {"non_finite_layers": 3})])),
-        ("dead_layers", StepData(5, 0, vectors={"grad/norm": [0.0]}, events=[("no_gradient", {"layers": 7})])),
-        ("loss_non_finite", StepData(5, 0, scalars={"loss": math.nan},
-                                     events=[("bad_batch", {"ids_logged": True, "ids": 123})])),
+        (
+            "scaler_calibration",
+            StepData(
+                5,
+                0,
+                scalars={"amp/skipped": 1.0, "amp/scale": 8.0},
+                events=[("skip", {"non_finite_layers": 3})],
+            ),
+        ),
+        (
+            "dead_layers",
+            StepData(5, 0, vectors={"grad/norm": [0.0]}, events=[("no_gradient", {"layers": 7})]),
+        ),
+        (
+            "loss_non_finite",
+            StepData(
+                5, 0, scalars={"loss": math.nan}, events=[("bad_batch", {"ids_logged": True, "ids": 123})]
+            ),
+        ),
     ],
     ids=["skip-layers-int", "no-gradient-layers-int", "bad-batch-ids-int"],
 )
@@ -790,12 +904,19 @@ def test_rank_disagreement_compares_ranks_at_one_step():
     rank1 = _scalars("amp/skipped", [0.0, 0.0, 0.0], rank=1)
     verdicts, _ = _feed(rule, rank0 + rank1)
     finding = _first_finding(verdicts)
-    assert finding.step == 1 and finding.evidence["skipped_ranks"] == [0] and finding.evidence["applied_ranks"] == [1]
+    assert (
+        finding.step == 1
+        and finding.evidence["skipped_ranks"] == [0]
+        and finding.evidence["applied_ranks"] == [1]
+    )
 
 
 def test_update_ratio_band_names_the_layers_outside():
     rule = make_rule("update_ratio", {"low": 1e-5, "high": 1e-2})
-    steps = [StepData(0, 0, vectors={"update/ratio": [1e-3, 5e-2]}), StepData(1, 0, vectors={"update/ratio": [1e-3, 1e-3]})]
+    steps = [
+        StepData(0, 0, vectors={"update/ratio": [1e-3, 5e-2]}),
+        StepData(1, 0, vectors={"update/ratio": [1e-3, 1e-3]}),
+    ]
     verdicts, _ = _feed(rule, steps, layers=("a", "b"))
     assert verdicts[0][1].evidence["layers"] == ["b"] and verdicts[0][1].cause == "update_ratio_high"
     assert verdicts[1][1] is CLEAR
@@ -806,8 +927,14 @@ def test_update_ratio_band_names_the_layers_outside():
 
 def _incident(**overrides):
     incident = {
-        "id": 7, "project": "llm", "run_id": "r1", "run_name": "lora-7b", "status": "open", "severity": "critical",
-        "family": "precision", "cause_key": "scale_collapse",
+        "id": 7,
+        "project": "llm",
+        "run_id": "r1",
+        "run_name": "lora-7b",
+        "status": "open",
+        "severity": "critical",
+        "family": "precision",
+        "cause_key": "scale_collapse",
         "title": "the loss scale never settles: gradients overflow at any scale in attn.out.weight",
         "cause": "Gradients overflow fp16 on (nearly) every step in attn.out.weight: the GradScaler keeps halving.",
         "next_steps": [
@@ -816,15 +943,29 @@ def _incident(**overrides):
         ],
         "rules": ["scaler_calibration", "scale_floor"],
         "findings": [
-            {"rule": "scaler_calibration", "title": "the loss scale never settles: 17 of 17 steps skipped", "step": 16,
-             "severity": "critical", "evidence": {"values": [65536.0, 0.5], "ratio": 0.1 + 0.2,
-                                                  "layers": ["attn.out.weight"]}},
-            {"rule": "scale_floor", "title": "loss scale 2^-1 is below the floor 1", "step": 16, "severity": "critical",
-             "evidence": {"values": [0.5], "layers": ["attn.out.weight", "mlp.fc1.weight"], "floor": 1.0}},
+            {
+                "rule": "scaler_calibration",
+                "title": "the loss scale never settles: 17 of 17 steps skipped",
+                "step": 16,
+                "severity": "critical",
+                "evidence": {"values": [65536.0, 0.5], "ratio": 0.1 + 0.2, "layers": ["attn.out.weight"]},
+            },
+            {
+                "rule": "scale_floor",
+                "title": "loss scale 2^-1 is below the floor 1",
+                "step": 16,
+                "severity": "critical",
+                "evidence": {"values": [0.5], "layers": ["attn.out.weight", "mlp.fc1.weight"], "floor": 1.0},
+            },
         ],
-        "first_step": 16, "last_step": 20, "resolved_step": None,
+        "first_step": 16,
+        "last_step": 20,
+        "resolved_step": None,
         "link": "http://gw.example/dashboard/runs/r1?step=16",
-        "created_at": "2024-01-01T00:00:00+00:00", "updated_at": None, "resolved_at": None, "notified_at": None,
+        "created_at": "2024-01-01T00:00:00+00:00",
+        "updated_at": None,
+        "resolved_at": None,
+        "notified_at": None,
     }
     incident.update(overrides)
     return incident
@@ -880,9 +1021,20 @@ def test_a_resolved_incident_says_resolved(fmt):
 
 @pytest.mark.parametrize("fmt", ["json", "slack", "discord"])
 def test_the_test_event_renders_the_sample(fmt):
-    sample = _incident(id=None, run_id=None, run_name="test", severity="info", family="test", cause_key="test",
-                       title="gradwatch test notification", next_steps=[], rules=[], findings=[], first_step=None,
-                       last_step=None)
+    sample = _incident(
+        id=None,
+        run_id=None,
+        run_name="test",
+        severity="info",
+        family="test",
+        cause_key="test",
+        title="gradwatch test notification",
+        next_steps=[],
+        rules=[],
+        findings=[],
+        first_step=None,
+        last_step=None,
+    )
     body = _strict_loads(render(fmt, "test", sample))
     assert "this webhook works" in json.dumps(body)
 
@@ -919,13 +1071,25 @@ def test_signature_round_trip_and_url_validation():
 
 def test_layer_rules_ignore_skipped_steps_whose_gradients_overflowed():
     """On a skipped step the gradients are inf/NaN or wiped out: zeros there say nothing about a layer."""
-    steps = [StepData(s, 0, scalars={"amp/skipped": 0.0}, vectors={"grad/norm": [1.0, 1.0]}) for s in range(12)]
-    steps += [StepData(s, 0, scalars={"amp/skipped": 1.0}, vectors={"grad/norm": [0.0, math.inf]}) for s in (12, 13, 14)]
+    steps = [
+        StepData(s, 0, scalars={"amp/skipped": 0.0}, vectors={"grad/norm": [1.0, 1.0]}) for s in range(12)
+    ]
+    steps += [
+        StepData(s, 0, scalars={"amp/skipped": 1.0}, vectors={"grad/norm": [0.0, math.inf]})
+        for s in (12, 13, 14)
+    ]
     steps += [StepData(15, 0, scalars={"amp/skipped": 0.0}, vectors={"grad/norm": [1.0, 1.0]})]
     verdicts, _ = _feed(make_rule("dead_layers"), steps)
     assert not any(isinstance(v, Finding) for _, v in verdicts)
-    under = [StepData(s, 0, scalars={"amp/skipped": 1.0},
-                      vectors={"grad/zero_frac": [0.9, 0.0], "grad/precision_loss_frac": [1.0, 0.0]}) for s in (3, 4)]
+    under = [
+        StepData(
+            s,
+            0,
+            scalars={"amp/skipped": 1.0},
+            vectors={"grad/zero_frac": [0.9, 0.0], "grad/precision_loss_frac": [1.0, 0.0]},
+        )
+        for s in (3, 4)
+    ]
     verdicts, _ = _feed(make_rule("underflow"), under)
     assert not any(isinstance(v, Finding) for _, v in verdicts)
 
@@ -934,9 +1098,21 @@ def test_slack_and_discord_payloads_cannot_ping_or_disguise_links():
     import json
 
     incident = {
-        "id": 1, "project": "p", "run_id": "r", "run_name": "<!channel> @everyone <https://evil.example|Click here>",
-        "status": "open", "severity": "critical", "title": "t", "cause": "c <@U123>", "next_steps": [], "rules": [],
-        "findings": [], "first_step": 3, "last_step": 3, "resolved_step": None, "link": "http://x/dashboard/runs/r",
+        "id": 1,
+        "project": "p",
+        "run_id": "r",
+        "run_name": "<!channel> @everyone <https://evil.example|Click here>",
+        "status": "open",
+        "severity": "critical",
+        "title": "t",
+        "cause": "c <@U123>",
+        "next_steps": [],
+        "rules": [],
+        "findings": [],
+        "first_step": 3,
+        "last_step": 3,
+        "resolved_step": None,
+        "link": "http://x/dashboard/runs/r",
     }
     slack = json.loads(render("slack", "incident.firing", incident))
     text = json.dumps(slack)

@@ -158,10 +158,19 @@ def _layer_batch(seq, steps, layers=("a.weight", "b.weight"), **extra):
     return {
         "seq": seq,
         "layers": list(layers),
-        "vectors": [{"key": "grad/norm", "steps": list(steps),
-                     "values": [[float(s), float(s) * 2] for s in steps]}],
-        "histograms": [{"key": "grad/hist", "step": s, "exponent_min": -80, "exponent_max": 40,
-                        "counts": [[s] * width, [1] * width]} for s in steps],
+        "vectors": [
+            {"key": "grad/norm", "steps": list(steps), "values": [[float(s), float(s) * 2] for s in steps]}
+        ],
+        "histograms": [
+            {
+                "key": "grad/hist",
+                "step": s,
+                "exponent_min": -80,
+                "exponent_max": 40,
+                "counts": [[s] * width, [1] * width],
+            }
+            for s in steps
+        ],
         **extra,
     }
 
@@ -184,8 +193,11 @@ def test_per_layer_vectors_come_back_as_a_step_by_layer_matrix(client):
 def test_non_finite_per_layer_values_survive_merging(client):
     run = _create(client)
     url = f"/api/v1/runs/{run['id']}"
-    batch = {"seq": 0, "layers": ["x"], "vectors": [
-        {"key": "grad/norm", "steps": [0, 1, 2, 3], "values": [[1.0], ["NaN"], [5.0], [2.0]]}]}
+    batch = {
+        "seq": 0,
+        "layers": ["x"],
+        "vectors": [{"key": "grad/norm", "steps": [0, 1, 2, 3], "values": [[1.0], ["NaN"], [5.0], [2.0]]}],
+    }
     assert client.post(f"{url}/batches", json=batch).status_code == 200
     merged = client.get(f"{url}/vectors", params={"key": "grad/norm", "max_steps": 2}).json()
     assert merged["values"] == [["NaN"], [5.0]]
@@ -209,8 +221,11 @@ def test_layer_data_that_does_not_fit_the_run_is_refused_whole(client):
     run = _create(client)
     url = f"/api/v1/runs/{run['id']}"
     client.post(f"{url}/batches", json=_layer_batch(0, [0]))
-    wrong = {"seq": 1, "scalars": [{"key": "loss", "steps": [1], "values": [1.0]}],
-             "vectors": [{"key": "grad/norm", "steps": [1], "values": [[1.0, 2.0, 3.0]]}]}
+    wrong = {
+        "seq": 1,
+        "scalars": [{"key": "loss", "steps": [1], "values": [1.0]}],
+        "vectors": [{"key": "grad/norm", "steps": [1], "values": [[1.0, 2.0, 3.0]]}],
+    }
     response = client.post(f"{url}/batches", json=wrong)
     assert response.status_code == 422
     assert "3 values per step but the run has 2 layers" in response.json()["detail"]
@@ -281,9 +296,12 @@ def test_compare_returns_one_key_of_several_runs_in_one_call(client):
     first = _create(client, name="first")
     second = _create(client, name="<b>second</b>")
     client.post(f"/api/v1/runs/{first['id']}/batches", json=_batch(0, values=(1.0, 2.0, 3.0)))
-    client.post(f"/api/v1/runs/{second['id']}/batches", json=_batch(0, steps=range(5000), values=[0.5] * 5000))
-    response = client.get("/api/v1/compare", params={"run": [second["id"], first["id"]], "key": "loss",
-                                                     "max_points": 100})
+    client.post(
+        f"/api/v1/runs/{second['id']}/batches", json=_batch(0, steps=range(5000), values=[0.5] * 5000)
+    )
+    response = client.get(
+        "/api/v1/compare", params={"run": [second["id"], first["id"]], "key": "loss", "max_points": 100}
+    )
     assert response.status_code == 200, response.text
     data = response.json()["data"]
     assert [d["name"] for d in data] == ["<b>second</b>", "first"]
@@ -300,8 +318,9 @@ def test_prune_deletes_only_old_finished_runs(database_url, api_server, client):
     import time
     from pathlib import Path
 
-    from gradwatch.server.database import make_engine
     from sqlalchemy import text
+
+    from gradwatch.server.database import make_engine
 
     old_done = _create(client, name="old-finished")
     old_running = _create(client, name="old-running")
@@ -310,8 +329,10 @@ def test_prune_deletes_only_old_finished_runs(database_url, api_server, client):
         client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, status="finished"))
     engine = make_engine(database_url)
     with engine.begin() as connection:
-        connection.execute(text("UPDATE runs SET created_at = :t WHERE id IN (:a, :b)"),
-                           {"t": time.time() - 40 * 86400, "a": old_done["id"], "b": old_running["id"]})
+        connection.execute(
+            text("UPDATE runs SET created_at = :t WHERE id IN (:a, :b)"),
+            {"t": time.time() - 40 * 86400, "a": old_done["id"], "b": old_running["id"]},
+        )
     engine.dispose()
     gradwatch = str(Path(sys.executable).with_name("gradwatch"))
     command = [gradwatch, "prune", "--older-than-days", "30", "--database-url", database_url]
@@ -329,8 +350,9 @@ def test_deleting_a_run_while_its_agents_write_leaves_no_orphan_rows(database_ur
     delete racing with ingest from leaving points of a deleted series behind."""
     import threading
 
-    from gradwatch.server.database import make_engine
     from sqlalchemy import text
+
+    from gradwatch.server.database import make_engine
 
     run = _create(client)
     errors = []
@@ -338,8 +360,10 @@ def test_deleting_a_run_while_its_agents_write_leaves_no_orphan_rows(database_ur
     def write() -> None:
         with httpx.Client(base_url=api_server.url, timeout=30) as writer:
             for seq in range(1, 60):
-                response = writer.post(f"/api/v1/runs/{run['id']}/batches",
-                                       json=_batch(seq, steps=range(seq * 100, seq * 100 + 100), values=[1.0] * 100))
+                response = writer.post(
+                    f"/api/v1/runs/{run['id']}/batches",
+                    json=_batch(seq, steps=range(seq * 100, seq * 100 + 100), values=[1.0] * 100),
+                )
                 if response.status_code == 404:
                     return  # deleted: the agent is told the run is gone
                 if response.status_code != 200:

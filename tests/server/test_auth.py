@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from gradwatch.server.auth import Tokens, hash_token
 from gradwatch.server.database import make_engine
 
@@ -28,10 +29,16 @@ def tokens(database_url, api_server):
 
 # Tokens of the matrix: name -> (project, scope as given to Tokens.create).
 TOKENS = {
-    "ingest-alpha": ("alpha", "ingest"), "read-alpha": ("alpha", "read"), "admin-alpha": ("alpha", "admin"),
-    "legacy-alpha": ("alpha", "write"), "all-alpha": ("alpha", "*"), "ingest,read-alpha": ("alpha", "ingest,read"),
-    "read-beta": ("beta", "read"), "admin-beta": ("beta", "*"),
-    "read-operator": ("*", "read"), "operator": ("*", "*"),
+    "ingest-alpha": ("alpha", "ingest"),
+    "read-alpha": ("alpha", "read"),
+    "admin-alpha": ("alpha", "admin"),
+    "legacy-alpha": ("alpha", "write"),
+    "all-alpha": ("alpha", "*"),
+    "ingest,read-alpha": ("alpha", "ingest,read"),
+    "read-beta": ("beta", "read"),
+    "admin-beta": ("beta", "*"),
+    "read-operator": ("*", "read"),
+    "operator": ("*", "*"),
 }
 
 
@@ -45,11 +52,19 @@ def _setup(url: str, tokens: Tokens) -> dict:
     with httpx.Client(base_url=url, headers=_auth(made["operator"]), timeout=30) as client:
         run = client.post("/api/v1/runs", json={"project": "alpha", "name": "a"}).json()
         batch = {
-            "seq": 0, "layers": LAYERS,
+            "seq": 0,
+            "layers": LAYERS,
             "scalars": [{"key": "loss", "steps": [0, 1], "values": [1.0, "NaN"]}],
             "vectors": [{"key": "grad/norm", "steps": [0], "values": [[1.0, 2.0]]}],
-            "histograms": [{"key": "grad/hist", "step": 0, "exponent_min": 0, "exponent_max": 0,
-                            "counts": [[1, 0, 0], [2, 0, 0]]}],
+            "histograms": [
+                {
+                    "key": "grad/hist",
+                    "step": 0,
+                    "exponent_min": 0,
+                    "exponent_max": 0,
+                    "counts": [[1, 0, 0], [2, 0, 0]],
+                }
+            ],
             "events": [{"step": 1, "kind": "skip"}],
         }
         assert client.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
@@ -59,8 +74,13 @@ def _setup(url: str, tokens: Tokens) -> dict:
         assert hook.status_code == 201, hook.text
         alert = client.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["data"][0]
         incident = client.get("/api/v1/incidents", params={"run_id": run["id"]}).json()["data"][0]
-    made.update(run=run["id"], rule=rule.json()["id"], hook=hook.json()["id"], alert=alert["id"],
-                incident=incident["id"])
+    made.update(
+        run=run["id"],
+        rule=rule.json()["id"],
+        hook=hook.json()["id"],
+        alert=alert["id"],
+        incident=incident["id"],
+    )
     return made
 
 
@@ -89,30 +109,111 @@ def _endpoints(ids: dict) -> list[tuple[str, str, str, dict, str, int]]:
         ("GET", r + "/incidents", f"{run}/incidents", {}, "read", HIDDEN),
         ("GET", r + "/ranks", f"{run}/ranks", {}, "read", HIDDEN),
         ("GET", r + "/ranks/series", f"{run}/ranks/series", {"params": {"key": "loss"}}, "read", HIDDEN),
-        ("GET", r + "/ranks/vectors", f"{run}/ranks/vectors", {"params": {"key": "grad/norm"}}, "read", HIDDEN),
-        ("GET", r + "/ranks/histograms", f"{run}/ranks/histograms", {"params": {"layer": "l0"}}, "read", HIDDEN),
+        (
+            "GET",
+            r + "/ranks/vectors",
+            f"{run}/ranks/vectors",
+            {"params": {"key": "grad/norm"}},
+            "read",
+            HIDDEN,
+        ),
+        (
+            "GET",
+            r + "/ranks/histograms",
+            f"{run}/ranks/histograms",
+            {"params": {"layer": "l0"}},
+            "read",
+            HIDDEN,
+        ),
         ("GET", r + "/ranks/disagreements", f"{run}/ranks/disagreements", {}, "read", HIDDEN),
-        ("GET", "/api/v1/compare", "/api/v1/compare", {"params": {"run": ids["run"], "key": "loss"}}, "read", HIDDEN),
+        (
+            "GET",
+            "/api/v1/compare",
+            "/api/v1/compare",
+            {"params": {"run": ids["run"], "key": "loss"}},
+            "read",
+            HIDDEN,
+        ),
         ("GET", "/api/v1/alerts", "/api/v1/alerts", {"params": {"run_id": ids["run"]}}, "read", HIDDEN),
         ("GET", "/api/v1/alerts/{alert_id}", f"/api/v1/alerts/{alert}", {}, "read", HIDDEN),
         ("GET", "/api/v1/incidents", "/api/v1/incidents", {"params": {"project": "alpha"}}, "read", REFUSED),
-        ("GET", "/api/v1/incidents/{incident_id}", f"/api/v1/incidents/{ids['incident']}", {}, "read", HIDDEN),
-        ("GET", "/api/v1/alert-rules", "/api/v1/alert-rules", {"params": {"run_id": ids["run"]}}, "read", HIDDEN),
+        (
+            "GET",
+            "/api/v1/incidents/{incident_id}",
+            f"/api/v1/incidents/{ids['incident']}",
+            {},
+            "read",
+            HIDDEN,
+        ),
+        (
+            "GET",
+            "/api/v1/alert-rules",
+            "/api/v1/alert-rules",
+            {"params": {"run_id": ids["run"]}},
+            "read",
+            HIDDEN,
+        ),
         ("GET", "/api/v1/alert-rules/{rule_id}", f"/api/v1/alert-rules/{rule}", {}, "read", HIDDEN),
         ("GET", "/api/v1/webhooks", "/api/v1/webhooks", {"params": {"project": "alpha"}}, "read", REFUSED),
         ("GET", "/api/v1/webhooks/{webhook_id}", f"/api/v1/webhooks/{hook}", {}, "read", HIDDEN),
-        ("GET", "/api/v1/webhooks/{webhook_id}/deliveries", f"/api/v1/webhooks/{hook}/deliveries", {}, "read", HIDDEN),
-        ("GET", "/api/v1/deliveries", "/api/v1/deliveries", {"params": {"project": "alpha"}}, "read", REFUSED),
-        ("POST", "/api/v1/runs", "/api/v1/runs", {"json": {"project": "alpha", "name": "new"}}, "ingest", REFUSED),
+        (
+            "GET",
+            "/api/v1/webhooks/{webhook_id}/deliveries",
+            f"/api/v1/webhooks/{hook}/deliveries",
+            {},
+            "read",
+            HIDDEN,
+        ),
+        (
+            "GET",
+            "/api/v1/deliveries",
+            "/api/v1/deliveries",
+            {"params": {"project": "alpha"}},
+            "read",
+            REFUSED,
+        ),
+        (
+            "POST",
+            "/api/v1/runs",
+            "/api/v1/runs",
+            {"json": {"project": "alpha", "name": "new"}},
+            "ingest",
+            REFUSED,
+        ),
         ("POST", r + "/batches", f"{run}/batches", batch, "ingest", HIDDEN),
         ("PATCH", r, run, {"json": {"tags": ["t"]}}, "admin", HIDDEN),
-        ("POST", "/api/v1/alert-rules", "/api/v1/alert-rules", {"json": {"project": "alpha", "type": "scale_drop"}},
-         "admin", REFUSED),
-        ("PATCH", "/api/v1/alert-rules/{rule_id}", f"/api/v1/alert-rules/{rule}", {"json": {"enabled": True}},
-         "admin", HIDDEN),
-        ("POST", "/api/v1/alerts/{alert_id}/acknowledge", f"/api/v1/alerts/{alert}/acknowledge", {}, "admin", HIDDEN),
-        ("POST", "/api/v1/webhooks", "/api/v1/webhooks", {"json": {"project": "alpha", "url": "http://127.0.0.1:9/x"}},
-         "admin", REFUSED),
+        (
+            "POST",
+            "/api/v1/alert-rules",
+            "/api/v1/alert-rules",
+            {"json": {"project": "alpha", "type": "scale_drop"}},
+            "admin",
+            REFUSED,
+        ),
+        (
+            "PATCH",
+            "/api/v1/alert-rules/{rule_id}",
+            f"/api/v1/alert-rules/{rule}",
+            {"json": {"enabled": True}},
+            "admin",
+            HIDDEN,
+        ),
+        (
+            "POST",
+            "/api/v1/alerts/{alert_id}/acknowledge",
+            f"/api/v1/alerts/{alert}/acknowledge",
+            {},
+            "admin",
+            HIDDEN,
+        ),
+        (
+            "POST",
+            "/api/v1/webhooks",
+            "/api/v1/webhooks",
+            {"json": {"project": "alpha", "url": "http://127.0.0.1:9/x"}},
+            "admin",
+            REFUSED,
+        ),
         ("POST", "/api/v1/webhooks/{webhook_id}/test", f"/api/v1/webhooks/{hook}/test", {}, "admin", HIDDEN),
         # Deletes last: they remove what the others use.
         ("DELETE", "/api/v1/alert-rules/{rule_id}", f"/api/v1/alert-rules/{rule}", {}, "admin", HIDDEN),
@@ -127,8 +228,15 @@ ANY_TOKEN = {("GET", "/healthz"), ("GET", "/api/v1/auth/whoami"), ("GET", "/api/
 
 def _scopes(name: str) -> set[str]:
     scope = TOKENS[name][1]
-    return {"ingest", "read", "admin"} if scope == "*" else (
-        {"ingest", "read"} if scope == "write" else set(scope.split(",")) | ({"read"} if "admin" in scope else set()))
+    return (
+        {"ingest", "read", "admin"}
+        if scope == "*"
+        else (
+            {"ingest", "read"}
+            if scope == "write"
+            else set(scope.split(",")) | ({"read"} if "admin" in scope else set())
+        )
+    )
 
 
 def test_every_endpoint_times_every_scope(api_server, tokens):
@@ -142,8 +250,13 @@ def test_every_endpoint_times_every_scope(api_server, tokens):
         routes = {(m.upper(), path) for path, ops in schema["paths"].items() for m in ops}
         assert routes == {(m, route) for m, route, *_ in endpoints} | ANY_TOKEN
         for method, route, path, kwargs, scope, elsewhere in endpoints:
-            expectations = [(None, 401), ("gw_not-a-token", 401), (ids["revoked"], 401),
-                            (ids["read-beta"], elsewhere), (ids["admin-beta"], elsewhere)]
+            expectations = [
+                (None, 401),
+                ("gw_not-a-token", 401),
+                (ids["revoked"], 401),
+                (ids["read-beta"], elsewhere),
+                (ids["admin-beta"], elsewhere),
+            ]
             for name in TOKENS:
                 if TOKENS[name][0] != "beta":
                     expectations.append((ids[name], 200 if scope in _scopes(name) else 403))
@@ -161,7 +274,9 @@ def test_every_endpoint_times_every_scope(api_server, tokens):
                 if expected == 403 and TOKENS.get(who, ("beta",))[0] == "alpha":
                     assert f"needs a token with {scope} scope" in response.json()["detail"], route
                 if expected == HIDDEN:  # the same words as for an id that never existed
-                    assert "does not exist" in response.json()["detail"] and "alpha" not in response.text, route
+                    assert "does not exist" in response.json()["detail"] and "alpha" not in response.text, (
+                        route
+                    )
         for token in ("read-alpha", "ingest-alpha", "read-beta"):
             assert client.get("/api/v1/alert-rules/types", headers=_auth(ids[token])).status_code == 200
 
@@ -170,7 +285,11 @@ def test_legacy_write_tokens_become_ingest_and_read(api_server, tokens):
     _, token = tokens.create("alpha", "write")
     with httpx.Client(base_url=api_server.url, headers=_auth(token), timeout=30) as client:
         assert client.get("/api/v1/auth/whoami").json() == {
-            "open": False, "project": "alpha", "scope": "ingest,read", "scopes": ["ingest", "read"]}
+            "open": False,
+            "project": "alpha",
+            "scope": "ingest,read",
+            "scopes": ["ingest", "read"],
+        }
         run = client.post("/api/v1/runs", json={"project": "alpha"}).json()["id"]
         assert client.delete(f"/api/v1/runs/{run}").status_code == 403  # a job's token wipes nothing
         assert client.get(f"/api/v1/runs/{run}").status_code == 200
@@ -183,17 +302,30 @@ def test_a_run_id_taken_by_another_project_is_not_squatted(api_server, tokens):
     with httpx.Client(base_url=api_server.url, timeout=30) as client:
         squat = client.post("/api/v1/runs", json={"project": "beta", "id": "job-42"}, headers=_auth(beta))
         assert squat.status_code == 201 and squat.json()["id"] == "job-42"
-        first = client.post("/api/v1/runs", json={"project": "alpha", "id": "job-42", "name": "mine"},
-                            headers=_auth(alpha))
+        first = client.post(
+            "/api/v1/runs", json={"project": "alpha", "id": "job-42", "name": "mine"}, headers=_auth(alpha)
+        )
         assert first.status_code == 201, first.text
         stored = first.json()["id"]
         assert stored != "job-42" and first.json()["project"] == "alpha" and "beta" not in first.text
         again = client.post("/api/v1/runs", json={"project": "alpha", "id": "job-42"}, headers=_auth(alpha))
         assert again.json()["id"] == stored  # another rank of the same job lands in the same run
-        assert client.post(f"/api/v1/runs/{stored}/batches", headers=_auth(alpha), json={
-            "seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]}).status_code == 200
-        assert client.post("/api/v1/runs/job-42/batches", headers=_auth(alpha), json={
-            "seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]}).status_code == 404
+        assert (
+            client.post(
+                f"/api/v1/runs/{stored}/batches",
+                headers=_auth(alpha),
+                json={"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]},
+            ).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                "/api/v1/runs/job-42/batches",
+                headers=_auth(alpha),
+                json={"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]},
+            ).status_code
+            == 404
+        )
 
 
 def test_the_agent_adopts_the_id_the_server_gives(api_server, tokens):
@@ -201,23 +333,33 @@ def test_the_agent_adopts_the_id_the_server_gives(api_server, tokens):
 
     beta = tokens.create("beta", "*")[1]
     alpha = tokens.create("alpha", "ingest,read")[1]
-    httpx.post(f"{api_server.url}/api/v1/runs", json={"project": "beta", "id": "shared-id"}, headers=_auth(beta),
-               timeout=30)
+    httpx.post(
+        f"{api_server.url}/api/v1/runs",
+        json={"project": "beta", "id": "shared-id"},
+        headers=_auth(beta),
+        timeout=30,
+    )
     run = gradwatch.init(project="alpha", run_id="shared-id", server=api_server.url, token=alpha)
     run.log({"loss": 1.5}, step=0)
     run.finish()
     assert run.stats.dropped_points == 0
     listed = httpx.get(f"{api_server.url}/api/v1/runs", headers=_auth(alpha), timeout=30).json()["data"]
     assert len(listed) == 1 and listed[0]["id"] != "shared-id"
-    series = httpx.get(f"{api_server.url}/api/v1/runs/{listed[0]['id']}/series", params={"key": "loss"},
-                       headers=_auth(alpha), timeout=30).json()
+    series = httpx.get(
+        f"{api_server.url}/api/v1/runs/{listed[0]['id']}/series",
+        params={"key": "loss"},
+        headers=_auth(alpha),
+        timeout=30,
+    ).json()
     assert series["values"] == [1.5]
 
 
 def test_listings_show_only_the_tokens_project(api_server, tokens):
     ids = _setup(api_server.url, tokens)
     with httpx.Client(base_url=api_server.url, timeout=30) as client:
-        beta = client.post("/api/v1/runs", json={"project": "beta", "name": "b"}, headers=_auth(ids["write-beta"]))
+        beta = client.post(
+            "/api/v1/runs", json={"project": "beta", "name": "b"}, headers=_auth(ids["write-beta"])
+        )
         assert beta.status_code == 201
         as_beta = client.get("/api/v1/runs", headers=_auth(ids["read-beta"])).json()
         assert [r["project"] for r in as_beta["data"]] == ["beta"]
@@ -229,8 +371,11 @@ def test_listings_show_only_the_tokens_project(api_server, tokens):
             assert all(item.get("project", "beta") == "beta" for item in listed.json()["data"]), path
         refused = client.get("/api/v1/runs", params={"project": "alpha"}, headers=_auth(ids["read-beta"]))
         assert refused.status_code == 403 and "'beta', not 'alpha'" in refused.json()["detail"]
-        compare = client.get("/api/v1/compare", params={"run": [beta.json()["id"], ids["run"]], "key": "loss"},
-                             headers=_auth(ids["read-beta"]))
+        compare = client.get(
+            "/api/v1/compare",
+            params={"run": [beta.json()["id"], ids["run"]], "key": "loss"},
+            headers=_auth(ids["read-beta"]),
+        )
         assert compare.status_code == 404  # one of the runs belongs to another project: as if absent
 
 
@@ -265,8 +410,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_token_cli_create_list_revoke_against_a_real_server(database_url, api_server):
-    created = _cli("token", "create", "--project", "alpha", "--scope", "ingest", "--name", "ci agents",
-                   "--database-url", database_url)
+    created = _cli(
+        "token",
+        "create",
+        "--project",
+        "alpha",
+        "--scope",
+        "ingest",
+        "--name",
+        "ci agents",
+        "--database-url",
+        database_url,
+    )
     assert created.returncode == 0, created.stderr
     token = created.stdout.split()[-1]  # the last word of the output is the token
     assert token.startswith("gw_")
@@ -311,20 +466,32 @@ def test_tokens_in_request_paths_never_reach_the_log():
 
     from gradwatch.server.serve import _RedactTokens
 
-    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, '%s - "WebSocket %s" [accepted]',
-                               ("127.0.0.1:5000", "/api/v1/runs/r/live?key=loss&token=gw_secret123&rank=0"), None)
+    record = logging.LogRecord(
+        "uvicorn.error",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "WebSocket %s" [accepted]',
+        ("127.0.0.1:5000", "/api/v1/runs/r/live?key=loss&token=gw_secret123&rank=0"),
+        None,
+    )
     _RedactTokens().filter(record)
     assert "gw_secret123" not in record.getMessage() and "token=[redacted]&rank=0" in record.getMessage()
-    for path in ("/api/v1/runs/r/live?tok%65n=gw_secret123", "/api/v1/runs?TOKEN=gw_secret123&x=1",
-                 "/api/v1/runs?a=1&Token=gw_secret123"):  # parsed names, not spellings (issue 14)
-        record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "GET %s"',
-                                   ("127.0.0.1:5000", path), None)
+    for path in (
+        "/api/v1/runs/r/live?tok%65n=gw_secret123",
+        "/api/v1/runs?TOKEN=gw_secret123&x=1",
+        "/api/v1/runs?a=1&Token=gw_secret123",
+    ):  # parsed names, not spellings (issue 14)
+        record = logging.LogRecord(
+            "uvicorn.access", logging.INFO, __file__, 1, '%s - "GET %s"', ("127.0.0.1:5000", path), None
+        )
         _RedactTokens().filter(record)
         assert "gw_secret123" not in record.getMessage(), path
 
 
 def test_open_after_revocation_only_when_asked(sqlite_url):
     from conftest import free_port
+
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 

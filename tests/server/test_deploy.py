@@ -38,10 +38,17 @@ def compose_binary() -> Path:
 
 
 def compose_config(path: Path) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("POSTGRES_", "GRADWATCH_", "COMPOSE_"))}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("POSTGRES_", "GRADWATCH_", "COMPOSE_"))
+    }
     return subprocess.run(
         [str(compose_binary()), "--file", str(path), "config", "--format", "json"],
-        capture_output=True, text=True, timeout=60, env=environment, check=False, cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environment,
+        check=False,
+        cwd=path.parent,
     )
 
 
@@ -80,7 +87,9 @@ def test_compose_file_is_valid_and_starts_in_order(compose):
         assert dockerfile == ROOT / "server" / "deploy" / "Dockerfile" and dockerfile.is_file()
 
     proxy = services["proxy"]
-    assert proxy["depends_on"] == {name: {"condition": "service_healthy", "required": True} for name in SERVERS}
+    assert proxy["depends_on"] == {
+        name: {"condition": "service_healthy", "required": True} for name in SERVERS
+    }
     [mount] = proxy["volumes"]
     assert Path(mount["source"]) == NGINX_CONF and mount["target"] == "/etc/nginx/conf.d/default.conf"
     assert mount["read_only"] is True
@@ -88,10 +97,14 @@ def test_compose_file_is_valid_and_starts_in_order(compose):
     assert "/healthz" in " ".join(proxy["healthcheck"]["test"])
 
 
-@pytest.mark.parametrize(("old", "new", "complaint"), [
-    ("condition: service_completed_successfully", "condition: when_ready", "value must be one of"),
-    ("  gradwatch-2: *gradwatch-server\n", "", "depends on undefined service"),
-], ids=["bad-condition", "missing-service"])
+@pytest.mark.parametrize(
+    ("old", "new", "complaint"),
+    [
+        ("condition: service_completed_successfully", "condition: when_ready", "value must be one of"),
+        ("  gradwatch-2: *gradwatch-server\n", "", "depends on undefined service"),
+    ],
+    ids=["bad-condition", "missing-service"],
+)
 def test_compose_validation_rejects_a_broken_file(tmp_path, old, new, complaint):
     """The validation is real: a wrong dependency condition, or a proxy waiting for a service that does
     not exist, fails it."""
@@ -108,11 +121,15 @@ def test_compose_validation_rejects_a_broken_file(tmp_path, old, new, complaint)
 def test_the_image_build_context_holds_what_the_dockerfile_copies():
     dockerfile = (ROOT / "server" / "deploy" / "Dockerfile").read_text()
     ignore = (ROOT / "server" / "deploy" / "Dockerfile.dockerignore").read_text().split()
-    copied = [word for line in dockerfile.splitlines() if line.startswith("COPY") for word in line.split()[1:-1]]
+    copied = [
+        word for line in dockerfile.splitlines() if line.startswith("COPY") for word in line.split()[1:-1]
+    ]
     for source in ("pyproject.toml", "README.md", "agent", "server", "dashboard", "migrations"):
         assert source in copied, source
         assert (ROOT / source).exists()
-        assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is filtered out of the build context"
+        assert f"!{source}" in ignore or f"!{source}/" in ignore, (
+            f"{source} is filtered out of the build context"
+        )
 
 
 # -- the reverse proxy -------------------------------------------------------------------------------
@@ -120,7 +137,7 @@ def test_the_image_build_context_holds_what_the_dockerfile_copies():
 
 def test_the_proxy_forwards_websocket_upgrades_for_live_streams():
     text = NGINX_CONF.read_text()
-    live = text[text.index("location ~ ^/api/v1/runs/[^/]+/live$"):]
+    live = text[text.index("location ~ ^/api/v1/runs/[^/]+/live$") :]
     live = live[: live.index("}") + 1]
     assert "proxy_http_version 1.1;" in live
     assert "proxy_set_header Upgrade $http_upgrade;" in live
@@ -170,14 +187,21 @@ def proxy(replicas, tmp_path) -> Iterator[str]:
     site = site.replace("listen 8080;", f"listen 127.0.0.1:{port};")
     (tmp_path / "site.conf").write_text(site)
     user = "user root;\n" if os.geteuid() == 0 else ""
-    temp_paths = "".join(f"{kind}_temp_path {tmp_path / kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp_paths = "".join(
+        f"{kind}_temp_path {tmp_path / kind};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     (tmp_path / "nginx.conf").write_text(
         f"{user}daemon off;\nworker_processes 1;\npid {tmp_path / 'nginx.pid'};\nerror_log {tmp_path / 'error.log'} warn;\n"
         "events { worker_connections 64; }\n"
         f"http {{\naccess_log off;\n{temp_paths}include {tmp_path / 'site.conf'};\n}}\n"
     )
-    check = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                           capture_output=True, text=True, check=False)
+    check = subprocess.run(
+        [nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert check.returncode == 0, check.stderr
     process = subprocess.Popen([nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")])
     try:
@@ -199,7 +223,11 @@ def test_two_replicas_behind_the_proxy_serve_http_and_live_websockets(proxy, rep
             status = json.loads(live.recv(timeout=10))
             assert status["type"] == "status" and status["status"] == "running"
             for seq in range(4):  # round-robin: the batches reach both replicas
-                batch = {"rank": 0, "seq": seq, "scalars": [{"key": "loss", "steps": [seq], "values": [1.0 / (seq + 1)]}]}
+                batch = {
+                    "rank": 0,
+                    "seq": seq,
+                    "scalars": [{"key": "loss", "steps": [seq], "values": [1.0 / (seq + 1)]}],
+                }
                 assert api.post("/api/v1/runs/behind-proxy/batches", json=batch).status_code == 200
             received = []
             while len(received) < 4:
@@ -241,7 +269,8 @@ def test_servers_starting_at_once_on_an_empty_postgres_take_turns(postgres_url):
     starters = 4
     barrier, results = context.Barrier(starters), context.Queue()
     processes = [
-        context.Process(target=_start_on, args=(postgres_url, i == 0, barrier, results)) for i in range(starters)
+        context.Process(target=_start_on, args=(postgres_url, i == 0, barrier, results))
+        for i in range(starters)
     ]
     for process in processes:
         process.start()

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+
 from gradwatch.server.alerts.diagnosis import RunContext, diagnose, lr_jump_near, scaler_settings
 from gradwatch.server.alerts.rules import RULE_TYPES, Finding, StepData, make_rule
 from gradwatch.server.storage.codecs import dump_json
@@ -16,8 +17,11 @@ from gradwatch.server.storage.codecs import dump_json
 def _finding(rule, step, evidence, title="", severity=None):
     """A finding as the engine hands it to diagnose(): evidence through the store's JSON."""
     return {
-        "rule": rule, "title": title or f"{rule} at step {step}", "step": step,
-        "severity": severity or RULE_TYPES[rule].severity, "evidence": json.loads(dump_json(evidence)),
+        "rule": rule,
+        "title": title or f"{rule} at step {step}",
+        "step": step,
+        "severity": severity or RULE_TYPES[rule].severity,
+        "evidence": json.loads(dump_json(evidence)),
     }
 
 
@@ -35,8 +39,14 @@ def _from_rule(rule_type, steps, layers=("embed.weight", "hidden.weight", "head.
 
 def _nan_loss(step, ids=("doc-3", "doc-9")):
     steps = [StepData(s, 0, scalars={"loss": 2.0}) for s in range(step - 5, step)]
-    steps.append(StepData(step, 0, scalars={"loss": math.nan},
-                          events=[("bad_batch", {"ids_logged": True, "ids": list(ids)})]))
+    steps.append(
+        StepData(
+            step,
+            0,
+            scalars={"loss": math.nan},
+            events=[("bad_batch", {"ids_logged": True, "ids": list(ids)})],
+        )
+    )
     return _from_rule("loss_non_finite", steps)
 
 
@@ -45,9 +55,14 @@ def _overflow_every_step(layer="attn.out.weight"):
     scale = 2.0**16
     for step in range(30):
         scale /= 2
-        steps.append(StepData(step, 0, scalars={"amp/scale": scale, "amp/skipped": 1.0, "grad/global_norm": math.inf,
-                                                "loss": 2.0},
-                              events=[("skip", {"scale_before": scale * 2, "non_finite_layers": [layer]})]))
+        steps.append(
+            StepData(
+                step,
+                0,
+                scalars={"amp/scale": scale, "amp/skipped": 1.0, "grad/global_norm": math.inf, "loss": 2.0},
+                events=[("skip", {"scale_before": scale * 2, "non_finite_layers": [layer]})],
+            )
+        )
     return steps
 
 
@@ -68,8 +83,11 @@ def test_clip_before_unscale_explains_everything_else():
         _from_rule("scaler_calibration", _overflow_every_step()),
         _nan_loss(20),
         _finding("lr_jump", 10, {"values": [1e-3, 0.3], "ratio": 300.0}),
-        _finding("clip_saturation", 40, {"median_ratio": 30.0, "max_norm": 1.0, "fraction_clipped": 1.0,
-                                         "micro_batches": 8}),
+        _finding(
+            "clip_saturation",
+            40,
+            {"median_ratio": 30.0, "max_norm": 1.0, "fraction_clipped": 1.0, "micro_batches": 8},
+        ),
     ]
     diagnosis = diagnose(findings, RunContext(fp16_scaler=True, scale=2.0**16, clip_max_norm=1.0))
     assert diagnosis.cause_key == "clip_before_unscale" and diagnosis.severity == "critical"
@@ -78,7 +96,9 @@ def test_clip_before_unscale_explains_everything_else():
 
 
 def test_a_misuse_known_from_the_run_context_alone_is_named():
-    findings = [_finding("clip_saturation", 40, {"median_ratio": 3e4, "max_norm": 1.0, "fraction_clipped": 1.0})]
+    findings = [
+        _finding("clip_saturation", 40, {"median_ratio": 3e4, "max_norm": 1.0, "fraction_clipped": 1.0})
+    ]
     context = RunContext(fp16_scaler=True, scale=2.0**16, misuse={"clip_before_unscale": {"max_norm": 0.5}})
     diagnosis = diagnose(findings, context)
     assert diagnosis.cause_key == "clip_before_unscale" and "max_norm=0.5" in diagnosis.cause
@@ -136,7 +156,9 @@ def test_an_lr_jump_long_before_a_nan_loss_is_not_its_cause():
 
 
 def test_an_lr_jump_finding_in_the_incident_names_its_step_and_the_lr_to_go_back_to():
-    jump = _from_rule("lr_jump", [StepData(s, 0, scalars={"lr": 1e-3 if s < 200 else 0.3}) for s in range(210)])
+    jump = _from_rule(
+        "lr_jump", [StepData(s, 0, scalars={"lr": 1e-3 if s < 200 else 0.3}) for s in range(210)]
+    )
     spike = _finding("grad_norm_spike", 205, {"onset_step": 203, "ratio": 40.0})
     diagnosis = diagnose([jump, spike], RunContext())
     assert diagnosis.cause_key == "lr_jump" and "step 200" in diagnosis.title
@@ -169,8 +191,10 @@ def test_a_loss_spike_on_a_negative_loss_does_not_break_the_diagnosis():
 
 
 def test_a_scaler_collapse_gets_scaler_settings_from_the_safe_band():
-    findings = [_from_rule("scaler_calibration", _overflow_every_step()),
-                _from_rule("scale_floor", _overflow_every_step())]
+    findings = [
+        _from_rule("scaler_calibration", _overflow_every_step()),
+        _from_rule("scale_floor", _overflow_every_step()),
+    ]
     diagnosis = diagnose(findings, RunContext(fp16_scaler=True, safe_scale=(2.0**3, 2.0**12)))
     assert diagnosis.cause_key == "scale_collapse"
     assert "attn.out.weight" in diagnosis.cause and "attn.out.weight" in diagnosis.title
@@ -188,8 +212,11 @@ def test_a_scaler_collapse_without_a_band_that_fits_says_bf16(band):
 
 
 def test_an_overflow_storm_names_the_count_and_the_scale():
-    storm = _finding("skip_storm", 500, {"count": 6, "scales": [1024.0, 512.0], "layers": ["head.weight"],
-                                         "steps": [490, 500]})
+    storm = _finding(
+        "skip_storm",
+        500,
+        {"count": 6, "scales": [1024.0, 512.0], "layers": ["head.weight"], "steps": [490, 500]},
+    )
     diagnosis = diagnose([storm], RunContext(fp16_scaler=True))
     assert diagnosis.cause_key == "overflow"
     assert "6 skipped steps, scale now 2^9" in diagnosis.cause and "head.weight" in diagnosis.cause
@@ -197,16 +224,19 @@ def test_an_overflow_storm_names_the_count_and_the_scale():
 
 
 def test_an_applied_non_finite_gradient_says_restart():
-    finding = _finding("non_finite", 77, {"applied": True, "steps": [77], "values": [math.inf],
-                                          "layers": ["head.weight"]})
+    finding = _finding(
+        "non_finite", 77, {"applied": True, "steps": [77], "values": [math.inf], "layers": ["head.weight"]}
+    )
     diagnosis = diagnose([finding], RunContext())
     assert diagnosis.cause_key == "non_finite_applied"
     assert "checkpoint before step 77" in diagnosis.next_steps[0] and "bf16" in diagnosis.next_steps[1]
 
 
 def test_underflow_asks_for_a_higher_init_scale():
-    steps = [StepData(s, 0, vectors={"grad/zero_frac": [0.0, 0.9], "grad/precision_loss_frac": [0.0, 0.95]})
-             for s in (10, 20)]
+    steps = [
+        StepData(s, 0, vectors={"grad/zero_frac": [0.0, 0.9], "grad/precision_loss_frac": [0.0, 0.95]})
+        for s in (10, 20)
+    ]
     underflow = _from_rule("underflow", steps, layers=("base.weight", "lora_A"))
     context = RunContext(fp16_scaler=True, scale=2.0**16, safe_scale=(2.0**18, 2.0**24))
     diagnosis = diagnose([underflow], context)
@@ -221,15 +251,20 @@ def test_underflow_asks_for_a_higher_init_scale():
 
 
 def _clipping(ratio, steps=30, **scalars):
-    return [StepData(i, 0, scalars={"grad/global_norm": ratio, "grad/clip_max_norm": 1.0, **scalars})
-            for i in range(steps)]
+    return [
+        StepData(i, 0, scalars={"grad/global_norm": ratio, "grad/clip_max_norm": 1.0, **scalars})
+        for i in range(steps)
+    ]
 
 
 def test_clip_saturation_with_accumulation_says_divide_the_loss():
     finding = _from_rule("clip_saturation", _clipping(1.5, **{"amp/micro_batches": 8.0}))
     diagnosis = diagnose([finding], RunContext(micro_batches=8.0))
     assert diagnosis.cause_key == "clip_saturation_accumulation"
-    assert "(loss / 8).backward()" in diagnosis.next_steps[0] and "scaler.scale(loss / 8)" in diagnosis.next_steps[0]
+    assert (
+        "(loss / 8).backward()" in diagnosis.next_steps[0]
+        and "scaler.scale(loss / 8)" in diagnosis.next_steps[0]
+    )
     assert "8 micro-batches" in diagnosis.title
 
 
@@ -245,7 +280,9 @@ def test_dead_layers_without_a_gradient_point_at_a_detach():
     diagnosis = diagnose([dead], RunContext())
     assert diagnosis.cause_key == "dead_layers" and "grad is None" in diagnosis.cause
     assert ".detach()" in diagnosis.next_steps[0] and "head.weight" in diagnosis.next_steps[0]
-    zero = diagnose([_finding("dead_layers", 4, {"layers": ["x"], "grad_none": []})], RunContext(fp16_scaler=True))
+    zero = diagnose(
+        [_finding("dead_layers", 4, {"layers": ["x"], "grad_none": []})], RunContext(fp16_scaler=True)
+    )
     assert "exactly zero" in zero.cause and "underflowing in fp16" in zero.cause
 
 
@@ -259,10 +296,16 @@ def test_not_learning_with_a_zero_lr_is_the_schedule():
 
 
 def test_an_unknown_rule_falls_back_to_its_finding_and_the_worst_severity_wins():
-    findings = [_finding("update_ratio", 9, {"layers": ["a"]}, title="update ratio of a is 0.5", severity="info"),
-                _finding("heartbeat", 12, {}, severity="critical")]
+    findings = [
+        _finding("update_ratio", 9, {"layers": ["a"]}, title="update ratio of a is 0.5", severity="info"),
+        _finding("heartbeat", 12, {}, severity="critical"),
+    ]
     diagnosis = diagnose(findings, RunContext())
-    assert (diagnosis.cause_key, diagnosis.cause, diagnosis.next_steps) == ("update_ratio", "update ratio of a is 0.5", [])
+    assert (diagnosis.cause_key, diagnosis.cause, diagnosis.next_steps) == (
+        "update_ratio",
+        "update ratio of a is 0.5",
+        [],
+    )
     assert diagnosis.severity == "critical"
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from conftest import free_port, server_process
+
 from gradwatch._sender import MAX_BATCH_VALUES, Backoff, Sender, split_by_steps
 from gradwatch._transport import MAX_RETRY_AFTER, HttpTransport, TransportError, parse_retry_after
 from gradwatch._wire import batch_points
@@ -35,8 +36,14 @@ RUN = {"id": "run-1", "project": "p", "name": "n", "config": {}, "metadata": {}}
 
 
 def _scalars(first_step: int, steps: int, keys: list[str]) -> list[dict[str, Any]]:
-    return [{"key": key, "steps": list(range(first_step, first_step + steps)),
-             "values": [0.5 + 0.01 * (s % 7) for s in range(first_step, first_step + steps)]} for key in keys]
+    return [
+        {
+            "key": key,
+            "steps": list(range(first_step, first_step + steps)),
+            "values": [0.5 + 0.01 * (s % 7) for s in range(first_step, first_step + steps)],
+        }
+        for key in keys
+    ]
 
 
 # -- the limiter (a fake clock) ---------------------------------------------------------------------
@@ -54,7 +61,9 @@ def test_batch_size_counts_points_as_the_agent_does_and_every_number() -> None:
     document = {
         "scalars": [{"key": "loss", "steps": [1, 2, 3], "values": [1.0, 2.0, 3.0]}],
         "vectors": [{"key": "grad/norm", "steps": [1, 2], "values": [[0.1] * 5, [0.2] * 5]}],
-        "histograms": [{"key": "grad/hist", "step": 1, "exponent_min": 0, "exponent_max": 0, "counts": [[1, 2, 3]] * 4}],
+        "histograms": [
+            {"key": "grad/hist", "step": 1, "exponent_min": 0, "exponent_max": 0, "counts": [[1, 2, 3]] * 4}
+        ],
     }
     assert batch_size(document) == (3 + 2 + 1, 3 + 10 + 12)
     assert batch_size(document)[0] == batch_points(document)
@@ -64,7 +73,9 @@ def test_batch_size_counts_points_as_the_agent_does_and_every_number() -> None:
 
 def test_rate_limit_refuses_with_retry_after_until_the_bucket_can_pay() -> None:
     clock = FakeClock()
-    limits = IngestLimits(concurrency=0, points_per_s=1000, burst_points=2000, max_batch_points=10_000, clock=clock)
+    limits = IngestLimits(
+        concurrency=0, points_per_s=1000, burst_points=2000, max_batch_points=10_000, clock=clock
+    )
     limits.charge("token:1", 1500, 1500)  # a full bucket pays
     with pytest.raises(IngestLimited) as refused:
         limits.charge("token:1", 1500, 1500)  # 500 left
@@ -90,10 +101,16 @@ def test_rate_limit_refuses_with_retry_after_until_the_bucket_can_pay() -> None:
 
 def test_caps_refuse_413_and_charge_the_refused_batch() -> None:
     clock = FakeClock()
-    limits = IngestLimits(points_per_s=100, burst_points=1000, max_batch_points=500, max_batch_values=2000, clock=clock)
+    limits = IngestLimits(
+        points_per_s=100, burst_points=1000, max_batch_points=500, max_batch_values=2000, clock=clock
+    )
     with pytest.raises(IngestLimited) as refused:
         limits.charge("token:1", 501, 501)
-    assert (refused.value.status, refused.value.limit, refused.value.retry_after) == (413, "batch_points", None)
+    assert (refused.value.status, refused.value.limit, refused.value.retry_after) == (
+        413,
+        "batch_points",
+        None,
+    )
     assert "501 points" in refused.value.detail and "at most 500" in refused.value.detail
     with pytest.raises(IngestLimited) as refused:
         limits.charge("token:1", 10, 2001)
@@ -114,10 +131,16 @@ def test_a_batch_that_costs_more_cpu_than_its_points_is_charged_the_cpu() -> Non
     limits = IngestLimits(concurrency=0, points_per_s=1000, burst_points=100_000, clock=clock)
     cost = limits.charge("token:1", 1000, 1000)
     limits.settle("token:1", cost, cpu_s=0.04)  # within the free CPU of a request: nothing more
-    limits.settle("token:1", cost, cpu_s=ingest_limits.FREE_CPU_S + 900 / ingest_limits.POINTS_PER_CPU_S)  # < its points
+    limits.settle(
+        "token:1", cost, cpu_s=ingest_limits.FREE_CPU_S + 900 / ingest_limits.POINTS_PER_CPU_S
+    )  # < its points
     assert limits._tenants["token:1"].balance == 99_000
-    limits.settle("token:1", cost, cpu_s=ingest_limits.FREE_CPU_S + 2.0)  # the alert rules fired on every step, say
-    assert limits._tenants["token:1"].balance == pytest.approx(99_000 - (2 * ingest_limits.POINTS_PER_CPU_S - 1000), abs=1e-6)
+    limits.settle(
+        "token:1", cost, cpu_s=ingest_limits.FREE_CPU_S + 2.0
+    )  # the alert rules fired on every step, say
+    assert limits._tenants["token:1"].balance == pytest.approx(
+        99_000 - (2 * ingest_limits.POINTS_PER_CPU_S - 1000), abs=1e-6
+    )
     with pytest.raises(IngestLimited) as refused:
         asyncio.run(limits.admit("token:1"))
     assert f"the last batch cost {2 * ingest_limits.POINTS_PER_CPU_S:,}" in refused.value.detail
@@ -238,8 +261,12 @@ def answering_server() -> Iterator[ThreadingHTTPServer]:
 
 
 def test_http_transport_reads_retry_after_of_429_and_503(answering_server) -> None:
-    answering_server.answers += [(429, {"Retry-After": "12"}), (503, {"Retry-After": "100000"}), (500, {"Retry-After": "5"}),
-                                 (429, {})]
+    answering_server.answers += [
+        (429, {"Retry-After": "12"}),
+        (503, {"Retry-After": "100000"}),
+        (500, {"Retry-After": "5"}),
+        (429, {}),
+    ]
     transport = HttpTransport(f"http://127.0.0.1:{answering_server.server_port}")
     seen = []
     for _ in range(4):
@@ -274,7 +301,9 @@ def test_sender_waits_the_servers_retry_after_and_drops_nothing(tmp_path) -> Non
     from gradwatch._spool import Spool
 
     transport = _LimitedTransport(refusals=2, retry_after=0.6)
-    sender = Sender(transport, RUN, 0, Spool(tmp_path / "spool.jsonl", RUN, 0), backoff=Backoff(base=0.01, cap=0.01))
+    sender = Sender(
+        transport, RUN, 0, Spool(tmp_path / "spool.jsonl", RUN, 0), backoff=Backoff(base=0.01, cap=0.01)
+    )
     buffer = StepBuffer()
     for step in range(10):
         buffer.add_scalar("loss", step, 1.0 / (step + 1))
@@ -284,20 +313,37 @@ def test_sender_waits_the_servers_retry_after_and_drops_nothing(tmp_path) -> Non
     assert len(waits) == 2 and min(waits) >= 0.6, waits  # backoff alone would have waited ~0.01 s
     stats = sender.stats
     assert (stats.sent, stats.dropped) == (10, 0)
-    assert next(s for b in transport.stored for s in b["scalars"] if s["key"] == "loss")["steps"] == list(range(10))
+    assert next(s for b in transport.stored for s in b["scalars"] if s["key"] == "loss")["steps"] == list(
+        range(10)
+    )
 
 
 def _batch(steps: int, keys: int, layers: int = 0, histogram_every: int = 0) -> dict[str, Any]:
     names = [f"k{i}" for i in range(keys)]
-    batch: dict[str, Any] = {"scalars": _scalars(0, steps, names),
-                             "events": [{"step": s, "kind": "skip", "data": {}} for s in range(0, steps, 7)]}
+    batch: dict[str, Any] = {
+        "scalars": _scalars(0, steps, names),
+        "events": [{"step": s, "kind": "skip", "data": {}} for s in range(0, steps, 7)],
+    }
     if layers:
         batch["layers"] = [f"layer{i}" for i in range(layers)]
-        batch["vectors"] = [{"key": "grad/norm", "steps": list(range(0, steps, 3)),
-                             "values": [[0.1] * layers for _ in range(0, steps, 3)]}]
+        batch["vectors"] = [
+            {
+                "key": "grad/norm",
+                "steps": list(range(0, steps, 3)),
+                "values": [[0.1] * layers for _ in range(0, steps, 3)],
+            }
+        ]
     if histogram_every:
-        batch["histograms"] = [{"key": "grad/hist", "step": s, "exponent_min": -2, "exponent_max": 2,
-                                "counts": [[1, 0, 0, 0, 0, 0, 0]] * layers} for s in range(0, steps, histogram_every)]
+        batch["histograms"] = [
+            {
+                "key": "grad/hist",
+                "step": s,
+                "exponent_min": -2,
+                "exponent_max": 2,
+                "counts": [[1, 0, 0, 0, 0, 0, 0]] * layers,
+            }
+            for s in range(0, steps, histogram_every)
+        ]
     batch["status"] = "finished"
     return batch
 
@@ -328,8 +374,9 @@ def test_split_by_steps_keeps_each_step_whole_and_every_piece_within_both_caps()
 
 
 def test_sender_seals_a_flush_larger_than_the_caps_into_several_batches() -> None:
-    from gradwatch._buffer import StepBuffer
     from training import RecordingTransport  # imports torch: not at module level (the scenario's process)
+
+    from gradwatch._buffer import StepBuffer
 
     transport = RecordingTransport()
     sender = Sender(transport, RUN, 0, max_batch_points=1000)
@@ -349,8 +396,9 @@ def test_sender_seals_a_flush_larger_than_the_caps_into_several_batches() -> Non
 # -- a real server: caps, and SQLite's lock answering 503 --------------------------------------------
 
 
-def post(url: str, path: str, body: bytes, token: str | None = None, gzipped: bool = False,
-          timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+def post(
+    url: str, path: str, body: bytes, token: str | None = None, gzipped: bool = False, timeout: float = 60.0
+) -> tuple[int, dict[str, str], bytes]:
     """One POST on a new connection: (status, headers, body); (0, {}, error text) when it failed."""
     host, port = url.removeprefix("http://").split(":")
     headers = {"Content-Type": "application/json"}
@@ -382,8 +430,15 @@ def get_json(url: str, path: str, token: str | None = None) -> Any:
 def _small_limits(sqlite_url: str) -> Any:
     from gradwatch.server.settings import Settings
 
-    return Settings(database_url=sqlite_url, max_batch_points=1000, max_batch_values=5000, max_body_bytes=200_000,
-                    ingest_points_per_s=100, ingest_burst_points=1500, alert_worker=False)
+    return Settings(
+        database_url=sqlite_url,
+        max_batch_points=1000,
+        max_batch_values=5000,
+        max_body_bytes=200_000,
+        ingest_points_per_s=100,
+        ingest_burst_points=1500,
+        alert_worker=False,
+    )
 
 
 @pytest.fixture
@@ -391,7 +446,9 @@ def small_limits_server(sqlite_url) -> Iterator[tuple[str, str]]:
     """A server with small limits and a token (rates are metered per token; an open server meters none)."""
     from gradwatch.server.serve import BackgroundServer
 
-    server = BackgroundServer(_small_limits(sqlite_url), "127.0.0.1", free_port(), with_dashboard=False).start()
+    server = BackgroundServer(
+        _small_limits(sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    ).start()
     _, token = server.server.config.app.state.tokens.create("p", "*")
     yield server.url, token
     server.stop()
@@ -400,26 +457,40 @@ def small_limits_server(sqlite_url) -> Iterator[tuple[str, str]]:
 def test_oversized_batches_are_refused_413_before_anything_is_stored(small_limits_server) -> None:
     url, token = small_limits_server
     assert post(url, "/api/v1/runs", json.dumps({"id": "r", "project": "p"}).encode(), token=token)[0] == 201
-    too_many_values = {"rank": 0, "seq": 1, "vectors": [{"key": "grad/norm", "steps": [0, 1], "values": [[0.0] * 3000] * 2}]}
-    status, _, body = post(url, "/api/v1/runs/r/batches", gzip.compress(json.dumps(too_many_values).encode()), gzipped=True, token=token)
+    too_many_values = {
+        "rank": 0,
+        "seq": 1,
+        "vectors": [{"key": "grad/norm", "steps": [0, 1], "values": [[0.0] * 3000] * 2}],
+    }
+    status, _, body = post(
+        url,
+        "/api/v1/runs/r/batches",
+        gzip.compress(json.dumps(too_many_values).encode()),
+        gzipped=True,
+        token=token,
+    )
     assert status == 413 and json.loads(body)["limit"] == "batch_values", body
     assert "6,000 numbers" in json.loads(body)["detail"]
     too_many_points = {"rank": 0, "seq": 2, "scalars": _scalars(0, 1001, ["loss"])}
-    status, headers, body = post(url, "/api/v1/runs/r/batches", json.dumps(too_many_points).encode(), token=token)
+    status, headers, body = post(
+        url, "/api/v1/runs/r/batches", json.dumps(too_many_points).encode(), token=token
+    )
     assert status == 413 and json.loads(body)["limit"] == "batch_points", body
     assert "1,001 points" in json.loads(body)["detail"]
     assert get_json(url, "/api/v1/runs/r/series?key=loss", token)["steps"] == []
     assert get_json(url, "/api/v1/runs/r/keys?kind=vector", token)["data"] == []
     # The refused batches were charged (6000 numbers / 20, then 1001 points): 1500 - 1301 < 1001, what the
     # last one cost, so the next is refused before its body is read.
-    status, headers, body = post(url, "/api/v1/runs/r/batches", json.dumps({"rank": 0, "seq": 3}).encode(), token=token)
+    status, headers, body = post(
+        url, "/api/v1/runs/r/batches", json.dumps({"rank": 0, "seq": 3}).encode(), token=token
+    )
     assert status == 429 and int(headers["retry-after"]) >= 1 and json.loads(body)["limit"] == "rate", body
 
 
 def test_bodies_refused_before_they_could_be_counted_cost_their_time(small_limits_server) -> None:
     url, token = small_limits_server
     assert post(url, "/api/v1/runs", json.dumps({"id": "r", "project": "p"}).encode(), token=token)[0] == 201
-    bomb = gzip.compress(b'{"rank":0,"seq":1,"scalars":[{"key":"x","steps":[' + b"0," * 500_000 + b'0]}]}')
+    bomb = gzip.compress(b'{"rank":0,"seq":1,"scalars":[{"key":"x","steps":[' + b"0," * 500_000 + b"0]}]}")
     answers = [post(url, "/api/v1/runs/r/batches", bomb, gzipped=True, token=token) for _ in range(30)]
     assert answers[0][0] == 413 and b"once decompressed" in answers[0][2], answers[0]
     refused = [answer for answer in answers if answer[0] == 429]
@@ -432,7 +503,9 @@ def test_an_open_server_meters_no_rate_but_keeps_the_caps(sqlite_url) -> None:
     it is stored, while a batch over the caps is still refused."""
     from gradwatch.server.serve import BackgroundServer
 
-    server = BackgroundServer(_small_limits(sqlite_url), "127.0.0.1", free_port(), with_dashboard=False).start()
+    server = BackgroundServer(
+        _small_limits(sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    ).start()
     try:
         assert post(server.url, "/api/v1/runs", json.dumps({"id": "r", "project": "p"}).encode())[0] == 201
         for seq in range(5):  # 5 x 900 points, three times the burst of 1500
@@ -453,8 +526,12 @@ def test_a_write_that_waits_too_long_for_sqlites_lock_is_answered_503(tmp_path, 
 
     monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_S", 0.3)
     path = tmp_path / "locked.db"
-    server = BackgroundServer(Settings(database_url=f"sqlite:///{path}", alert_worker=False), "127.0.0.1",
-                              free_port(), with_dashboard=False).start()
+    server = BackgroundServer(
+        Settings(database_url=f"sqlite:///{path}", alert_worker=False),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
+    ).start()
     try:
         assert post(server.url, "/api/v1/runs", json.dumps({"id": "r", "project": "p"}).encode())[0] == 201
         holder = sqlite3.connect(path, isolation_level=None)
@@ -490,7 +567,9 @@ class Victim(threading.Thread):
     """Another project's agent: one small batch (`points` points) every `interval` seconds through
     the agent's own HttpTransport, each answer's latency and status recorded."""
 
-    def __init__(self, url: str, token: str | None, run_id: str, interval: float = 0.25, points: int = 1) -> None:
+    def __init__(
+        self, url: str, token: str | None, run_id: str, interval: float = 0.25, points: int = 1
+    ) -> None:
         super().__init__(name="victim", daemon=True)
         self.transport = HttpTransport(url, token)
         self.run_id = run_id
@@ -504,8 +583,17 @@ class Victim(threading.Thread):
         step = 0
         next_send = time.monotonic()
         while not self.stop.is_set():
-            batch = {"rank": 0, "seq": step, "scalars": [{"key": "loss", "steps": [step + i for i in range(self.points)],
-                                                          "values": [1.0 / (step + 1)] * self.points}]}
+            batch = {
+                "rank": 0,
+                "seq": step,
+                "scalars": [
+                    {
+                        "key": "loss",
+                        "steps": [step + i for i in range(self.points)],
+                        "values": [1.0 / (step + 1)] * self.points,
+                    }
+                ],
+            }
             began = time.monotonic()
             status: int | None = 200
             error = None
@@ -541,9 +629,14 @@ class Summary:
     @classmethod
     def of(cls, samples: list[Sample]) -> Summary:
         latencies = [s.latency for s in samples]
-        return cls(len(samples), percentile(latencies, 0.5), percentile(latencies, 0.95), max(latencies, default=math.nan),
-                   sum(1 for s in samples if s.error is not None or s.status != 200),
-                   sum(1 for s in samples if s.status is not None and s.status >= 500))
+        return cls(
+            len(samples),
+            percentile(latencies, 0.5),
+            percentile(latencies, 0.95),
+            max(latencies, default=math.nan),
+            sum(1 for s in samples if s.error is not None or s.status != 200),
+            sum(1 for s in samples if s.status is not None and s.status >= 500),
+        )
 
 
 def _json_array(items: list[str]) -> str:
@@ -553,8 +646,12 @@ def _json_array(items: list[str]) -> str:
 def healthy(key: str, step: int) -> float:
     """`key` at `step` in a healthy fp16 run (no alert rule fires on it), as bench/server_ingest.py has it."""
     wiggle = 0.05 * math.sin(0.1 * step + len(key))
-    return {"loss": 2.0 + 8.0 / (1.0 + step / 500) + wiggle, "lr": 3e-4, "amp/scale": 65536.0 * 2.0 ** (step // 2000),
-            "amp/skipped": 0.0}.get(key, 0.8 * (1.0 + wiggle))
+    return {
+        "loss": 2.0 + 8.0 / (1.0 + step / 500) + wiggle,
+        "lr": 3e-4,
+        "amp/scale": 65536.0 * 2.0 ** (step // 2000),
+        "amp/skipped": 0.0,
+    }.get(key, 0.8 * (1.0 + wiggle))
 
 
 def firing(key: str, step: int) -> float:
@@ -562,7 +659,9 @@ def firing(key: str, step: int) -> float:
     return 1.0 if key == "amp/skipped" else 0.8 * (1.0 + 0.05 * math.sin(0.1 * step + len(key)))
 
 
-def scalar_body(rank: int, first_step: int, points: int, keys: list[str], value: Any = healthy) -> tuple[bytes, bytes]:
+def scalar_body(
+    rank: int, first_step: int, points: int, keys: list[str], value: Any = healthy
+) -> tuple[bytes, bytes]:
     """A batch of `points` scalar points over `keys` as JSON text around its seq: (before, after)."""
     steps = points // len(keys)
     step_text = _json_array([str(s) for s in range(first_step, first_step + steps)])
@@ -578,8 +677,10 @@ def vector_body(rank: int, first_step: int, rows: int, width: int) -> tuple[byte
     per number, the dearest to validate)."""
     row = _json_array(["0"] * width)
     steps = _json_array([str(s) for s in range(first_step, first_step + rows)])
-    return (f'{{"rank":{rank},"seq":'.encode(),
-            f',"vectors":[{{"key":"grad/norm","steps":{steps},"values":{_json_array([row] * rows)}}}]}}'.encode())
+    return (
+        f'{{"rank":{rank},"seq":'.encode(),
+        f',"vectors":[{{"key":"grad/norm","steps":{steps},"values":{_json_array([row] * rows)}}}]}}'.encode(),
+    )
 
 
 @dataclass
@@ -617,21 +718,34 @@ class Hostile:
             if worker == self.max_workers - 1 and self.max_batch_values:
                 width = 1000
                 rows = self.max_batch_values // width
-                self.bodies[f"max{worker}"] = [(*vector_body(rank, i * rows, rows, width), rows) for i in range(2)]
+                self.bodies[f"max{worker}"] = [
+                    (*vector_body(rank, i * rows, rows, width), rows) for i in range(2)
+                ]
             else:
                 value = firing if self.firing and rank == 0 else healthy
                 self.bodies[f"max{worker}"] = [
-                    (*scalar_body(rank, i * steps_per_body, self.max_batch_points, RULE_KEYS, value), self.max_batch_points)
+                    (
+                        *scalar_body(rank, i * steps_per_body, self.max_batch_points, RULE_KEYS, value),
+                        self.max_batch_points,
+                    )
                     for i in range(3)
                 ]
         over = self.max_batch_points + self.max_batch_points // 2
         self.bodies["oversize"] = [(*scalar_body(90, 0, over, ["loss"]), over)]
-        self.bomb = gzip.compress(b'{"rank":0,"seq":1,"scalars":[{"key":"x","steps":[' + b"0," * (self.max_body_bytes // 2)
-                                  + b"0]}]}", 6)
-        self.bodies["swarm"] = [(*scalar_body(91 + i, 0, 2000, ["loss", "lr"]), 2000) for i in range(self.swarm)]
+        self.bomb = gzip.compress(
+            b'{"rank":0,"seq":1,"scalars":[{"key":"x","steps":['
+            + b"0," * (self.max_body_bytes // 2)
+            + b"0]}]}",
+            6,
+        )
+        self.bodies["swarm"] = [
+            (*scalar_body(91 + i, 0, 2000, ["loss", "lr"]), 2000) for i in range(self.swarm)
+        ]
 
     def _send(self, body: bytes, points: int, gzipped: bool = False) -> None:
-        status, headers, answer = post(self.url, f"/api/v1/runs/{self.run_id}/batches", body, self.token, gzipped)
+        status, headers, answer = post(
+            self.url, f"/api/v1/runs/{self.run_id}/batches", body, self.token, gzipped
+        )
         with self._lock:
             self.statuses[status] += 1
             if status == 200:
@@ -645,8 +759,13 @@ class Hostile:
                     self.limits_named["?"] += 1
 
     def report(self) -> HostileReport:
-        return HostileReport(dict(self.statuses), list(self.retry_after), dict(self.limits_named),
-                             self.accepted_points, self.rule_status)
+        return HostileReport(
+            dict(self.statuses),
+            list(self.retry_after),
+            dict(self.limits_named),
+            self.accepted_points,
+            self.rule_status,
+        )
 
     def run(self, seconds: float) -> None:
         seqs = iter(range(10**9))
@@ -668,10 +787,23 @@ class Hostile:
                     self._send(before + next_seq() + after, points)
                 turn += 1
 
-        self.rule_status = post(self.url, "/api/v1/alert-rules", json.dumps(
-            {"project": "hostile", "type": "grad_norm_spike", "params": {"window": 10_000, "warmup": 10_000}}
-        ).encode(), self.token)[0]
-        threads = [threading.Thread(target=loop, args=(name,), daemon=True) for name in self.bodies if name.startswith("max")]
+        self.rule_status = post(
+            self.url,
+            "/api/v1/alert-rules",
+            json.dumps(
+                {
+                    "project": "hostile",
+                    "type": "grad_norm_spike",
+                    "params": {"window": 10_000, "warmup": 10_000},
+                }
+            ).encode(),
+            self.token,
+        )[0]
+        threads = [
+            threading.Thread(target=loop, args=(name,), daemon=True)
+            for name in self.bodies
+            if name.startswith("max")
+        ]
         threads.append(threading.Thread(target=loop, args=("oversize",), daemon=True))
         threads += [threading.Thread(target=loop, args=("swarm", i), daemon=True) for i in range(self.swarm)]
         for thread in threads:
@@ -689,7 +821,9 @@ class HostileReport:
     rule_status: int | None
 
 
-def _hostile_process(connection: Any, url: str, token: str | None, run_id: str, options: dict[str, Any]) -> None:
+def _hostile_process(
+    connection: Any, url: str, token: str | None, run_id: str, options: dict[str, Any]
+) -> None:
     """The hostile tenant in a process of its own, so that its threads never hold the victim's GIL:
     builds its bodies, says "ready", attacks for the seconds it is sent, sends its HostileReport."""
     hostile = Hostile(url, token, run_id, **options)
@@ -709,16 +843,31 @@ class ScenarioResult:
     attack_start: float
 
 
-def run_scenario(url: str, victim_token: str | None, hostile_token: str | None, baseline_s: float, attack_s: float,
-                 **hostile_options: Any) -> ScenarioResult:
+def run_scenario(
+    url: str,
+    victim_token: str | None,
+    hostile_token: str | None,
+    baseline_s: float,
+    attack_s: float,
+    **hostile_options: Any,
+) -> ScenarioResult:
     """Create the two runs, measure the victim alone for baseline_s, then under attack for attack_s."""
-    for token, project, run_id in ((victim_token, "victim", "victim-run"), (hostile_token, "hostile", "hostile-run")):
-        status, _, body = post(url, "/api/v1/runs", json.dumps({"id": run_id, "project": project}).encode(), token)
+    for token, project, run_id in (
+        (victim_token, "victim", "victim-run"),
+        (hostile_token, "hostile", "hostile-run"),
+    ):
+        status, _, body = post(
+            url, "/api/v1/runs", json.dumps({"id": run_id, "project": project}).encode(), token
+        )
         assert status == 201, body
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=_hostile_process, args=(theirs, url, hostile_token, "hostile-run", hostile_options),
-                              name="hostile", daemon=True)
+    process = context.Process(
+        target=_hostile_process,
+        args=(theirs, url, hostile_token, "hostile-run", hostile_options),
+        name="hostile",
+        daemon=True,
+    )
     process.start()
     try:
         assert ours.poll(180) and ours.recv() == "ready", "the hostile process did not start"
@@ -739,9 +888,14 @@ def run_scenario(url: str, victim_token: str | None, hostile_token: str | None, 
             process.join()
         ours.close()
         theirs.close()
-    return ScenarioResult(Summary.of(victim.between(0.5, attack_start)),  # the first requests warm up
-                          Summary.of(victim.between(attack_start, attack_end)), hostile, attack_end - attack_start,
-                          victim, attack_start)
+    return ScenarioResult(
+        Summary.of(victim.between(0.5, attack_start)),  # the first requests warm up
+        Summary.of(victim.between(attack_start, attack_end)),
+        hostile,
+        attack_end - attack_start,
+        victim,
+        attack_start,
+    )
 
 
 def make_tokens(database_url: str) -> tuple[str, str]:
@@ -767,18 +921,32 @@ def test_a_hostile_tenant_neither_stalls_nor_fails_another_tenants_ingest(databa
     defaults = Settings(database_url=database_url)  # what `gradwatch server` runs with
     victim_token, hostile_token = make_tokens(database_url)
     with server_process(database_url, tmp_path) as url:
-        result = run_scenario(url, victim_token, hostile_token, baseline_s=4.0, attack_s=10.0, swarm=6,
-                              max_batch_points=defaults.max_batch_points, max_batch_values=defaults.max_batch_values,
-                              max_body_bytes=defaults.max_body_bytes)
+        result = run_scenario(
+            url,
+            victim_token,
+            hostile_token,
+            baseline_s=4.0,
+            attack_s=10.0,
+            swarm=6,
+            max_batch_points=defaults.max_batch_points,
+            max_batch_values=defaults.max_batch_values,
+            max_body_bytes=defaults.max_body_bytes,
+        )
     base, attack, hostile = result.baseline, result.attack, result.hostile
-    print(f"\nvictim baseline: {base}\nvictim attack:   {attack}\nhostile: statuses {dict(hostile.statuses)}, "
-          f"limits {dict(hostile.limits_named)}, accepted {hostile.accepted_points / result.attack_seconds:,.0f} points/s, "
-          f"rule {hostile.rule_status}")
+    print(
+        f"\nvictim baseline: {base}\nvictim attack:   {attack}\nhostile: statuses {dict(hostile.statuses)}, "
+        f"limits {dict(hostile.limits_named)}, accepted {hostile.accepted_points / result.attack_seconds:,.0f} points/s, "
+        f"rule {hostile.rule_status}"
+    )
     assert base.samples >= 10 and attack.samples >= 10
     assert base.errors == 0 and attack.errors == 0 and attack.server_errors == 0, attack
     assert attack.p50 < max(5 * base.p50, base.p50 + 0.25), (base, attack)
     assert attack.p95 < base.p95 + 6.0, (base, attack)  # a maximal batch holds SQLite's lock for seconds
-    assert hostile.statuses.get(429, 0) > 0 and hostile.retry_after and all(int(v) >= 1 for v in hostile.retry_after)
+    assert (
+        hostile.statuses.get(429, 0) > 0
+        and hostile.retry_after
+        and all(int(v) >= 1 for v in hostile.retry_after)
+    )
     assert "rate" in hostile.limits_named  # (its oversized batches meet 413 only while it is not in debt)
     # Its large bodies refused before they are read have their connection closed (status 0 here).
     assert not [status for status in hostile.statuses if status >= 500], hostile.statuses

@@ -102,7 +102,9 @@ def _post(url: str, run_id: str, batch: dict[str, Any], client: httpx.Client | N
     post = client.post if client is not None else httpx.post
     response = post(
         f"{url}/api/v1/runs/{run_id}/batches",
-        content=body, headers={"content-type": "application/json"}, timeout=30,
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
     )
     assert response.status_code == 200, response.text
     return response.json()
@@ -154,8 +156,14 @@ def test_a_backlog_is_read_in_pieces_each_point_once_in_step_order(database_url)
         keys, ranks = ("loss", "lr", "amp/scale"), (0, 1, 2)
         for rank in ranks:
             for seq, steps in enumerate((range(30), range(30, 50))):
-                store.ingest("run-1", BatchIn.model_validate(
-                    _scalars(seq, steps, rank=rank, keys=keys, events=[{"step": steps[-1], "kind": "skip"}])))
+                store.ingest(
+                    "run-1",
+                    BatchIn.model_validate(
+                        _scalars(
+                            seq, steps, rank=rank, keys=keys, events=[{"step": steps[-1], "kind": "skip"}]
+                        )
+                    ),
+                )
         received: dict[tuple[str, int], list] = defaultdict(list)
         events = []
         cursor = store.live.open_cursor("run-1", None, None, since=9)
@@ -183,14 +191,22 @@ def test_points_events_and_status_arrive_within_a_second_with_exact_values(api_s
     with viewer(api_server.url, "run-1") as watching:
         batch = {
             "seq": 0,
-            "scalars": [{"key": "loss", "steps": [0, 1, 2, 3, 4],
-                         "values": [1.5, math.nan, math.inf, -math.inf, 5e-324]}],
+            "scalars": [
+                {
+                    "key": "loss",
+                    "steps": [0, 1, 2, 3, 4],
+                    "values": [1.5, math.nan, math.inf, -math.inf, 5e-324],
+                }
+            ],
             "events": [{"step": 2, "kind": "skip", "data": {"scale_before": 65536.0, "layers": ["a.w"]}}],
         }
         _post(api_server.url, "run-1", batch)
         posted = time.monotonic()
         assert watching.receive(WITHIN_S) == {
-            "type": "points", "key": "loss", "rank": 0, "steps": [0, 1, 2, 3, 4],
+            "type": "points",
+            "key": "loss",
+            "rank": 0,
+            "steps": [0, 1, 2, 3, 4],
             "values": [1.5, "NaN", "Infinity", "-Infinity", 5e-324],
         }
         assert time.monotonic() - posted < WITHIN_S
@@ -218,12 +234,23 @@ def test_key_rank_and_since_select_what_is_sent(api_server):
     url = api_server.url
     _create_run(url, "run-1")
     for rank in (0, 1):
-        _post(url, "run-1", _scalars(0, range(10), rank=rank, keys=("loss", "lr"),
-                                     events=[{"step": 2, "kind": "skip"}, {"step": 8, "kind": "skip"}]))
-    with viewer(url, "run-1", key="loss", since=4) as loss_since_4, \
-            viewer(url, "run-1", rank=1, since=-1) as rank_1, \
-            viewer(url, "run-1", key=["lr", "grad/global_norm"]) as lr_and_norm, \
-            viewer(url, "run-1") as everything:
+        _post(
+            url,
+            "run-1",
+            _scalars(
+                0,
+                range(10),
+                rank=rank,
+                keys=("loss", "lr"),
+                events=[{"step": 2, "kind": "skip"}, {"step": 8, "kind": "skip"}],
+            ),
+        )
+    with (
+        viewer(url, "run-1", key="loss", since=4) as loss_since_4,
+        viewer(url, "run-1", rank=1, since=-1) as rank_1,
+        viewer(url, "run-1", key=["lr", "grad/global_norm"]) as lr_and_norm,
+        viewer(url, "run-1") as everything,
+    ):
         loss_since_4.wait_for(points=10, events=2)  # history after step 4, both ranks
         assert dict(loss_since_4.points) == _expected(("loss",), (0, 1), range(5, 10))
         assert [(e["step"], e["rank"]) for e in loss_since_4.events] == [(8, 0), (8, 1)]
@@ -236,8 +263,17 @@ def test_key_rank_and_since_select_what_is_sent(api_server):
 
         # New steps of both ranks; a key that is new; rank 0 lagging behind rank 1.
         _post(url, "run-1", _scalars(1, range(10, 13), rank=1, keys=("loss", "lr", "grad/global_norm")))
-        _post(url, "run-1", _scalars(1, range(10, 12), rank=0, keys=("loss", "lr", "grad/global_norm"),
-                                     events=[{"step": 11, "kind": "skip"}]))
+        _post(
+            url,
+            "run-1",
+            _scalars(
+                1,
+                range(10, 12),
+                rank=0,
+                keys=("loss", "lr", "grad/global_norm"),
+                events=[{"step": 11, "kind": "skip"}],
+            ),
+        )
         everything.wait_for(points=15, events=1)
         assert dict(everything.points) == (
             _expected(("loss", "lr", "grad/global_norm"), (1,), range(10, 13))
@@ -289,8 +325,12 @@ def test_a_server_with_tokens_streams_only_to_readers_of_the_project(database_ur
     finally:
         engine.dispose()
     url = api_server.url
-    created = httpx.post(f"{url}/api/v1/runs", json={"id": "run-1", "project": "alpha"},
-                         headers={"Authorization": f"Bearer {write}"}, timeout=30)
+    created = httpx.post(
+        f"{url}/api/v1/runs",
+        json={"id": "run-1", "project": "alpha"},
+        headers={"Authorization": f"Bearer {write}"},
+        timeout=30,
+    )
     assert created.status_code == 201, created.text
     refused = [
         ({}, {}, 4401, "this server requires a token"),
@@ -299,20 +339,28 @@ def test_a_server_with_tokens_streams_only_to_readers_of_the_project(database_ur
         ({"token": other}, {}, 4404, "run 'run-1' does not exist"),  # another project's: as if absent
     ]
     for params, headers, code, reason in refused:
-        with _connect(url, "run-1", params=params, additional_headers=headers) as ws, \
-                pytest.raises(ConnectionClosed) as closed:
+        with (
+            _connect(url, "run-1", params=params, additional_headers=headers) as ws,
+            pytest.raises(ConnectionClosed) as closed,
+        ):
             ws.recv(timeout=RECEIVE_S)
         assert closed.value.rcvd.code == code and closed.value.rcvd.reason.startswith(reason), closed.value
     with _connect(url, "nope", params={"token": read}) as ws, pytest.raises(ConnectionClosed) as closed:
         ws.recv(timeout=RECEIVE_S)
     assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (4404, "run 'nope' does not exist")
 
-    with viewer(url, "run-1", token=read) as by_query, \
-            _connect(url, "run-1", additional_headers={"Authorization": f"Bearer {read}"}) as ws:
+    with (
+        viewer(url, "run-1", token=read) as by_query,
+        _connect(url, "run-1", additional_headers={"Authorization": f"Bearer {read}"}) as ws,
+    ):
         by_header = Viewer(ws)
         assert by_header.receive()["type"] == "status"
-        response = httpx.post(f"{url}/api/v1/runs/run-1/batches", json=_scalars(0, [0, 1]),
-                              headers={"Authorization": f"Bearer {write}"}, timeout=30)
+        response = httpx.post(
+            f"{url}/api/v1/runs/run-1/batches",
+            json=_scalars(0, [0, 1]),
+            headers={"Authorization": f"Bearer {write}"},
+            timeout=30,
+        )
         assert response.status_code == 200, response.text
         for watching in (by_query, by_header):
             watching.wait_for(points=2)
@@ -341,8 +389,13 @@ def test_a_client_that_does_not_read_blocks_neither_ingest_nor_other_viewers(api
     small.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     # ping_interval=None: a client that reads nothing also answers no pings; its own keepalive would
     # close it after ~40 s, which says nothing about the server.
-    with _connect(url, "run-1", sock=small, compression=None, max_queue=1, max_size=None, ping_interval=None) as stalled, \
-            viewer(url, "run-1", key="progress") as reader, httpx.Client(timeout=30) as client:
+    with (
+        _connect(
+            url, "run-1", sock=small, compression=None, max_queue=1, max_size=None, ping_interval=None
+        ) as stalled,
+        viewer(url, "run-1", key="progress") as reader,
+        httpx.Client(timeout=30) as client,
+    ):
         stalled.recv(timeout=RECEIVE_S)  # its subscription is live; from now on it reads nothing
         for seq in range(batches):
             # A key no alert rule reads: this test is about streaming, not about rule evaluation's cost.
@@ -429,8 +482,11 @@ def test_two_server_processes_stream_every_point_exactly_once(postgres_url, tmp_
         urls = (first, second)
         _create_run(first, "job")
         _create_run(second, "other")
-        with viewer(first, "job") as on_first, viewer(second, "job") as on_second, \
-                viewer(first, "other") as other_run:
+        with (
+            viewer(first, "job") as on_first,
+            viewer(second, "job") as on_second,
+            viewer(first, "other") as other_run,
+        ):
 
             def agent(rank: int) -> None:
                 """Rank r posts to server r % 2, and every 5th batch once more to the other
@@ -460,23 +516,33 @@ def test_two_server_processes_stream_every_point_exactly_once(postgres_url, tmp_
             assert not failures, failures
             total_steps = range(batches * steps_per_batch)
             expected = _expected(keys, ranks, total_steps)
-            expected_events = Counter((rank, seq * steps_per_batch + steps_per_batch - 1)
-                                      for rank in ranks for seq in range(0, batches, 4))
+            expected_events = Counter(
+                (rank, seq * steps_per_batch + steps_per_batch - 1)
+                for rank in ranks
+                for seq in range(0, batches, 4)
+            )
             for watching in (on_first, on_second):
-                watching.wait_for(points=len(keys) * len(ranks) * len(total_steps),
-                                  events=sum(expected_events.values()), timeout=30)
+                watching.wait_for(
+                    points=len(keys) * len(ranks) * len(total_steps),
+                    events=sum(expected_events.values()),
+                    timeout=30,
+                )
                 watching.assert_quiet(0.5)
                 assert dict(watching.points) == expected  # each point once, in step order
                 assert Counter((e["rank"], e["step"]) for e in watching.events) == expected_events
-                assert watching.statuses[-1] == {"type": "status", "status": "running",
-                                                 "last_step": total_steps[-1]}
+                assert watching.statuses[-1] == {
+                    "type": "status",
+                    "status": "running",
+                    "last_step": total_steps[-1],
+                }
             assert other_run.point_count() == 0 and other_run.events == []
 
         with httpx.Client(base_url=second, timeout=30) as client:  # and the database has each point once
             for key in keys:
                 for rank in ranks:
-                    series = client.get("/api/v1/runs/job/series",
-                                        params={"key": key, "rank": rank, "max_points": 10_000}).json()
+                    series = client.get(
+                        "/api/v1/runs/job/series", params={"key": key, "rank": rank, "max_points": 10_000}
+                    ).json()
                     assert list(zip(series["steps"], series["values"])) == expected[(key, rank)]
             events = client.get("/api/v1/runs/job/events").json()
             assert Counter((e["rank"], e["step"]) for e in events["data"]) == expected_events
@@ -490,8 +556,12 @@ def test_revoking_a_token_closes_its_open_streams(database_url, api_server):
     tokens = Tokens(engine)
     write = tokens.create("alpha", "ingest")[1]
     record, read = tokens.create("alpha", "read")
-    created = httpx.post(f"{api_server.url}/api/v1/runs", json={"id": "run-1", "project": "alpha"},
-                         headers={"Authorization": f"Bearer {write}"}, timeout=30)
+    created = httpx.post(
+        f"{api_server.url}/api/v1/runs",
+        json={"id": "run-1", "project": "alpha"},
+        headers={"Authorization": f"Bearer {write}"},
+        timeout=30,
+    )
     assert created.status_code == 201, created.text
     with _connect(api_server.url, "run-1", params={"token": read}) as ws:
         assert json.loads(ws.recv(timeout=RECEIVE_S))["type"] == "status"

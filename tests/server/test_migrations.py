@@ -4,6 +4,8 @@ the ORM models; a stale schema is refused with the command that upgrades it."""
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
+
 from gradwatch.server.database import (
     SchemaError,
     current_revision,
@@ -13,7 +15,6 @@ from gradwatch.server.database import (
     upgrade,
 )
 from gradwatch.server.models import Base
-from sqlalchemy import text
 
 
 def test_empty_database_is_migrated_to_head_and_matches_models(database_url):
@@ -28,6 +29,7 @@ def test_empty_database_is_migrated_to_head_and_matches_models(database_url):
 
 def test_downgrade_to_base_and_up_again(database_url):
     from alembic import command
+
     from gradwatch.server.database import _alembic_config
 
     engine = make_engine(database_url)
@@ -60,9 +62,7 @@ def test_behind_message_names_the_command(sqlite_url, monkeypatch):
     # A newer gradwatch (head "0099") meets this database at our head: it must refuse, not migrate.
     real_head = head_revision()
     monkeypatch.setattr(database, "head_revision", lambda: "0099")
-    monkeypatch.setattr(
-        database, "ScriptDirectory", _ScriptsKnowing({real_head, "0099"})
-    )
+    monkeypatch.setattr(database, "ScriptDirectory", _ScriptsKnowing({real_head, "0099"}))
     with pytest.raises(SchemaError) as info:
         prepare_schema(engine, sqlite_url)
     assert "gradwatch db upgrade --database-url" in str(info.value)
@@ -97,6 +97,7 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
     import json
 
     from alembic import command
+
     from gradwatch.server.alerts.rules import DEFAULT_RULES, make_rule
     from gradwatch.server.database import _alembic_config
 
@@ -106,17 +107,28 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
         config.attributes["connection"] = connection
         command.upgrade(config, "0007")
         connection.execute(text("INSERT INTO alert_projects (project, created_at) VALUES ('old', 0)"))
-        for rule_type, params in (("skip_storm", {"count": 10, "window": 100, "ignore_first": 50}),
-                                  ("scale_drop", {"factor": 8.0, "window": 100})):
-            connection.execute(text(
-                "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps, created_at, "
-                "updated_at) VALUES ('old', :type, :type, :params, true, 100, 0, 0)"
-            ), {"type": rule_type, "params": json.dumps(params)})
+        for rule_type, params in (
+            ("skip_storm", {"count": 10, "window": 100, "ignore_first": 50}),
+            ("scale_drop", {"factor": 8.0, "window": 100}),
+        ):
+            connection.execute(
+                text(
+                    "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps, created_at, "
+                    "updated_at) VALUES ('old', :type, :type, :params, true, 100, 0, 0)"
+                ),
+                {"type": rule_type, "params": json.dumps(params)},
+            )
         command.upgrade(config, "head")
-        rows = connection.execute(text("SELECT type, params_json FROM alert_rules WHERE project = 'old'")).all()
+        rows = connection.execute(
+            text("SELECT type, params_json FROM alert_rules WHERE project = 'old'")
+        ).all()
     by_type = {rule_type: json.loads(params) for rule_type, params in rows}
-    assert set(by_type) == set(DEFAULT_RULES) - {"rank_disagreement", "heartbeat", "scale_floor", "non_finite"} | {
-        "skip_storm", "scale_drop"}
+    assert set(by_type) == set(DEFAULT_RULES) - {
+        "rank_disagreement",
+        "heartbeat",
+        "scale_floor",
+        "non_finite",
+    } | {"skip_storm", "scale_drop"}
     assert len(rows) == len(by_type)  # each type once
     for rule_type, params in by_type.items():
         assert make_rule(rule_type, params).values == params  # the migration's values are valid, complete
@@ -126,6 +138,7 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
 
 def test_upgrade_to_0009_turns_write_tokens_into_ingest_and_read(database_url):
     from alembic import command
+
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import _alembic_config
 
@@ -135,11 +148,19 @@ def test_upgrade_to_0009_turns_write_tokens_into_ingest_and_read(database_url):
         config.attributes["connection"] = connection
         command.upgrade(config, "0008")
         for scope, digest in (("write", "a" * 64), ("read", "b" * 64)):
-            connection.execute(text(
-                "INSERT INTO api_tokens (project, scope, name, prefix, token_hash, created_at) "
-                "VALUES ('old', :scope, :scope, 'gw_x', :digest, 0)"), {"scope": scope, "digest": digest})
-        connection.execute(text("INSERT INTO runs (id, project, name, status, config_json, metadata_json, "
-                                "created_at, updated_at) VALUES ('r1', 'old', 'r1', 'running', '{}', '{}', 0, 0)"))
+            connection.execute(
+                text(
+                    "INSERT INTO api_tokens (project, scope, name, prefix, token_hash, created_at) "
+                    "VALUES ('old', :scope, :scope, 'gw_x', :digest, 0)"
+                ),
+                {"scope": scope, "digest": digest},
+            )
+        connection.execute(
+            text(
+                "INSERT INTO runs (id, project, name, status, config_json, metadata_json, "
+                "created_at, updated_at) VALUES ('r1', 'old', 'r1', 'running', '{}', '{}', 0, 0)"
+            )
+        )
         command.upgrade(config, "head")
     assert {(t.name, t.scope) for t in Tokens(engine).list()} == {("write", "ingest,read"), ("read", "read")}
     with engine.begin() as connection:

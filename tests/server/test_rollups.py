@@ -9,10 +9,11 @@ import random
 from collections import defaultdict
 
 import pytest
+from sqlalchemy import text
+
 from gradwatch.server.database import make_engine, prepare_schema, upgrade
 from gradwatch.server.schemas import BatchIn, RunIn
 from gradwatch.server.storage import Store, rollups
-from sqlalchemy import text
 
 
 def _key(value: float) -> tuple:
@@ -21,7 +22,9 @@ def _key(value: float) -> tuple:
 
 def reference_series(points: dict[int, float], start: int | None, end: int | None, max_points: int):
     """The expected (steps, values, downsampled) of Store.series from the raw points alone."""
-    inside = sorted((s, v) for s, v in points.items() if (start is None or s >= start) and (end is None or s < end))
+    inside = sorted(
+        (s, v) for s, v in points.items() if (start is None or s >= start) and (end is None or s < end)
+    )
     if not inside:
         return [], [], False
     first, last = inside[0][0], inside[-1][0]
@@ -85,10 +88,20 @@ def test_series_queries_equal_brute_force_downsampling(store):
             truth["sparse", rank].update(zip(sparse, values))
         store.ingest(run.id, BatchIn.model_validate({"seq": seq, "rank": rank, "scalars": scalars}))
 
-    cases = [(None, None, 2000), (None, None, 100), (None, None, 3), (None, None, 2),
-             (29_000, 33_000, 500), (0, 32, 10), (31, 65_537, 777), (69_990, None, 4)]
-    cases += [(lo, lo + rng.randint(1, 40_000), rng.randint(2, 3000))
-              for lo in (rng.randint(0, 69_000) for _ in range(25))]
+    cases = [
+        (None, None, 2000),
+        (None, None, 100),
+        (None, None, 3),
+        (None, None, 2),
+        (29_000, 33_000, 500),
+        (0, 32, 10),
+        (31, 65_537, 777),
+        (69_990, None, 4),
+    ]
+    cases += [
+        (lo, lo + rng.randint(1, 40_000), rng.randint(2, 3000))
+        for lo in (rng.randint(0, 69_000) for _ in range(25))
+    ]
     for (key, rank), points in truth.items():
         for start, end, max_points in cases:
             got = store.series(run.id, key, rank, start, end, max_points)
@@ -108,9 +121,22 @@ def test_vectors_equal_brute_force_merging(store):
         steps = list(range(lo, lo + 1_000, 3))
         rows = [[_random_value(rng) for _ in layers] for _ in steps]
         truth.update(zip(steps, rows))
-        store.ingest(run.id, BatchIn.model_validate(
-            {"seq": seq, "layers": layers, "vectors": [{"key": "grad/norm", "steps": steps, "values": rows}]}))
-    for start, end, max_steps in [(None, None, 500), (None, None, 7), (1_000, 9_000, 100), (5, 6_000, 10_000)]:
+        store.ingest(
+            run.id,
+            BatchIn.model_validate(
+                {
+                    "seq": seq,
+                    "layers": layers,
+                    "vectors": [{"key": "grad/norm", "steps": steps, "values": rows}],
+                }
+            ),
+        )
+    for start, end, max_steps in [
+        (None, None, 500),
+        (None, None, 7),
+        (1_000, 9_000, 100),
+        (5, 6_000, 10_000),
+    ]:
         got = store.vectors(run.id, "grad/norm", 0, start, end, max_steps)
         inside = sorted(s for s in truth if (start is None or s >= start) and (end is None or s < end))
         assert len(got.steps) <= max_steps
@@ -133,8 +159,12 @@ def test_vectors_equal_brute_force_merging(store):
 
 def test_deleting_a_run_deletes_its_rollups(store):
     run = store.create_run(RunIn(project="p"))
-    store.ingest(run.id, BatchIn.model_validate(
-        {"seq": 0, "scalars": [{"key": "loss", "steps": list(range(5000)), "values": [1.0] * 5000}]}))
+    store.ingest(
+        run.id,
+        BatchIn.model_validate(
+            {"seq": 0, "scalars": [{"key": "loss", "steps": list(range(5000)), "values": [1.0] * 5000}]}
+        ),
+    )
     store.delete_run(run.id)
     with store.engine.connect() as connection:
         assert connection.execute(text("SELECT count(*) FROM point_rollups")).scalar() == 0
@@ -147,9 +177,12 @@ def test_upgrade_rolls_up_data_stored_before_rollups_existed(database_url):
     rng = random.Random(3)
     points = {step: _random_value(rng) for step in range(0, 50_000, 2)}
     with engine.begin() as connection:
-        connection.execute(text(
-            "INSERT INTO runs (id, project, name, status, config_json, metadata_json, created_at, updated_at,"
-            " layers_json) VALUES ('r', 'p', 'r', 'finished', '{}', '{}', 0, 0, '[]')"))
+        connection.execute(
+            text(
+                "INSERT INTO runs (id, project, name, status, config_json, metadata_json, created_at, updated_at,"
+                " layers_json) VALUES ('r', 'p', 'r', 'finished', '{}', '{}', 0, 0, '[]')"
+            )
+        )
         connection.execute(text("INSERT INTO series (run_id, key, kind) VALUES ('r', 'loss', 'scalar')"))
         series_id = connection.execute(text("SELECT id FROM series")).scalar()
         rows = []
@@ -158,7 +191,9 @@ def test_upgrade_rolls_up_data_stored_before_rollups_existed(database_url):
             flag = 0 if finite else (1 if math.isnan(value) else (2 if value > 0 else 3))
             rows.append({"s": series_id, "step": step, "v": value if finite else None, "f": flag})
         connection.execute(
-            text("INSERT INTO points (series_id, rank, step, value, flag) VALUES (:s, 0, :step, :v, :f)"), rows)
+            text("INSERT INTO points (series_id, rank, step, value, flag) VALUES (:s, 0, :step, :v, :f)"),
+            rows,
+        )
     upgrade(engine)
     store = Store(engine)
     for start, end, max_points in [(None, None, 2000), (1_001, 40_000, 300)]:
@@ -176,19 +211,41 @@ def test_rollups_folded_in_batch_by_batch_equal_ones_rebuilt_from_the_data(store
     run = store.create_run(RunIn(project="p"))
     for seq, lo in enumerate(range(0, 40_000, 333)):  # batch edges fall inside buckets at every level
         steps = list(range(lo, lo + 333))
-        store.ingest(run.id, BatchIn.model_validate({"seq": seq, "scalars": [
-            {"key": "loss", "steps": steps, "values": [_random_value(rng) for _ in steps]},
-            {"key": "sparse", "steps": steps[::50], "values": [_random_value(rng) for _ in steps[::50]]},
-        ]}))
+        store.ingest(
+            run.id,
+            BatchIn.model_validate(
+                {
+                    "seq": seq,
+                    "scalars": [
+                        {"key": "loss", "steps": steps, "values": [_random_value(rng) for _ in steps]},
+                        {
+                            "key": "sparse",
+                            "steps": steps[::50],
+                            "values": [_random_value(rng) for _ in steps[::50]],
+                        },
+                    ],
+                }
+            ),
+        )
     rewrite = list(range(10_000, 10_500))  # a resumed run writes old steps again
-    store.ingest(run.id, BatchIn.model_validate(
-        {"seq": 10_000, "scalars": [{"key": "loss", "steps": rewrite, "values": [0.5] * len(rewrite)}]}))
+    store.ingest(
+        run.id,
+        BatchIn.model_validate(
+            {"seq": 10_000, "scalars": [{"key": "loss", "steps": rewrite, "values": [0.5] * len(rewrite)}]}
+        ),
+    )
 
     def pyramid() -> list[tuple]:
         with store.engine.connect() as connection:
-            return [tuple(row) for row in connection.execute(text(
-                "SELECT series_id, rank, level, bucket, count, low_step, low_value, low_flag, high_step,"
-                " high_value, high_flag FROM point_rollups ORDER BY series_id, rank, level, bucket"))]
+            return [
+                tuple(row)
+                for row in connection.execute(
+                    text(
+                        "SELECT series_id, rank, level, bucket, count, low_step, low_value, low_flag, high_step,"
+                        " high_value, high_flag FROM point_rollups ORDER BY series_id, rank, level, bucket"
+                    )
+                )
+            ]
 
     incremental = pyramid()
     with store.engine.begin() as connection:

@@ -18,12 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from conftest import CHROMIUM_ARGS, free_port
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
 from gradwatch.server.auth import Tokens
 from gradwatch.server.database import make_engine
 from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
-from websockets.exceptions import InvalidStatus
-from websockets.sync.client import connect
 
 EVIL = "http://evil.example"
 WAIT_MS = 20_000
@@ -73,13 +74,23 @@ def test_configured_hosts_and_the_public_url_host_are_answered(sqlite_url, monke
     server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            for host, status in (("gw.example", 200), ("GW.example:1234", 200), ("dash.example", 200),
-                                 ("team.example:9000", 200), ("team.example:9001", 400), ("evil.example", 400)):
+            for host, status in (
+                ("gw.example", 200),
+                ("GW.example:1234", 200),
+                ("dash.example", 200),
+                ("team.example:9000", 200),
+                ("team.example:9001", 400),
+                ("evil.example", 400),
+            ):
                 assert client.get("/healthz", headers={"Host": host}).status_code == status, host
     finally:
         server.stop()
-    anything = BackgroundServer(Settings(database_url=sqlite_url, allowed_hosts=("*",), alert_worker=False),
-                                "127.0.0.1", free_port(), with_dashboard=False).start()
+    anything = BackgroundServer(
+        Settings(database_url=sqlite_url, allowed_hosts=("*",), alert_worker=False),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
+    ).start()
     try:
         assert httpx.get(f"{anything.url}/healthz", headers={"Host": "evil.example"}).status_code == 200
     finally:
@@ -101,9 +112,13 @@ def test_cross_site_form_posts_change_nothing_and_same_origin_ones_do(full_serve
     with httpx.Client(base_url=full_server.url, timeout=30) as api:
         alert_id, hook_id = _alert_and_webhook(api)
         acknowledge, test = f"/api/v1/alerts/{alert_id}/acknowledge", f"/api/v1/webhooks/{hook_id}/test"
-        for headers in ({"Origin": EVIL}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
-                        {"Origin": full_server.url.replace("127.0.0.1", "localhost")},  # another origin
-                        {"Origin": full_server.url.replace("http:", "https:")}):
+        for headers in (
+            {"Origin": EVIL},
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Origin": full_server.url.replace("127.0.0.1", "localhost")},  # another origin
+            {"Origin": full_server.url.replace("http:", "https:")},
+        ):
             for path in (acknowledge, test):
                 refused = api.post(path, content=b"", headers=form | headers)
                 assert refused.status_code == 403, (path, headers, refused.text)
@@ -113,7 +128,10 @@ def test_cross_site_form_posts_change_nothing_and_same_origin_ones_do(full_serve
         assert api.get(f"/api/v1/alerts/{alert_id}").json()["acknowledged_at"] is None
         assert api.get(f"/api/v1/webhooks/{hook_id}/deliveries").json()["count"] == 0
         for method in ("PATCH", "DELETE", "PUT"):
-            assert api.request(method, f"/api/v1/webhooks/{hook_id}", headers={"Origin": EVIL}).status_code == 403
+            assert (
+                api.request(method, f"/api/v1/webhooks/{hook_id}", headers={"Origin": EVIL}).status_code
+                == 403
+            )
         assert api.get(f"/api/v1/webhooks/{hook_id}").status_code == 200  # the DELETE did not happen
         assert api.get("/api/v1/runs", headers={"Origin": EVIL}).status_code == 200  # reads are not checked
 
@@ -132,20 +150,33 @@ def test_behind_a_proxy_that_forwards_host_without_its_port_the_page_s_own_origi
         for origin in ("http://127.0.0.1:8080", "http://127.0.0.1"):
             posted = api.post("/api/v1/runs", json={"project": "p"}, headers=proxied | {"Origin": origin})
             assert posted.status_code == 201, posted.text
-        for headers in (proxied | {"Origin": EVIL}, proxied | {"Origin": "https://127.0.0.1:8080"},
-                        {"Host": "127.0.0.1", "Origin": "http://127.0.0.1:8080"}):  # not proxied: another port
-            assert api.post("/api/v1/runs", json={"project": "p"}, headers=headers).status_code == 403, headers
+        for headers in (
+            proxied | {"Origin": EVIL},
+            proxied | {"Origin": "https://127.0.0.1:8080"},
+            {"Host": "127.0.0.1", "Origin": "http://127.0.0.1:8080"},
+        ):  # not proxied: another port
+            assert api.post("/api/v1/runs", json={"project": "p"}, headers=headers).status_code == 403, (
+                headers
+            )
 
 
 def test_dash_callbacks_from_another_site_are_refused(full_server):
-    body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
-            "inputs": [{"id": "url", "property": "pathname", "value": "/dashboard/"},
-                       {"id": "url", "property": "search", "value": ""}],
-            "changedPropIds": ["url.pathname"], "state": []}
+    body = {
+        "output": "page.children",
+        "outputs": {"id": "page", "property": "children"},
+        "inputs": [
+            {"id": "url", "property": "pathname", "value": "/dashboard/"},
+            {"id": "url", "property": "search", "value": ""},
+        ],
+        "changedPropIds": ["url.pathname"],
+        "state": [],
+    }
     with httpx.Client(base_url=full_server.url, timeout=30) as client:
         refused = client.post("/dashboard/_dash-update-component", json=body, headers={"Origin": EVIL})
         assert refused.status_code == 403 and EVIL in refused.json()["detail"]
-        answered = client.post("/dashboard/_dash-update-component", json=body, headers={"Origin": full_server.url})
+        answered = client.post(
+            "/dashboard/_dash-update-component", json=body, headers={"Origin": full_server.url}
+        )
         assert answered.status_code == 200, answered.text
 
 
@@ -179,7 +210,9 @@ def read_token(full_server, sqlite_url) -> str:
     return token
 
 
-def _sign_in(client: httpx.Client, token: str, cookie: str | None, field: str | None, **headers) -> httpx.Response:
+def _sign_in(
+    client: httpx.Client, token: str, cookie: str | None, field: str | None, **headers
+) -> httpx.Response:
     client.cookies.clear()
     if cookie is not None:
         client.cookies.set("gradwatch_csrf", cookie, path="/dashboard/")
@@ -313,26 +346,36 @@ def test_every_response_forbids_framing_and_sniffing(full_server):
 
 
 def test_a_page_s_own_content_security_policy_is_kept_and_framing_added():
-    from gradwatch.server.web_security import WebSecurity, WebSecurityPolicy
     from starlette.responses import PlainTextResponse
 
+    from gradwatch.server.web_security import WebSecurity, WebSecurityPolicy
+
     async def page(scope, receive, send):
-        await PlainTextResponse("hi", headers={"Content-Security-Policy": "default-src 'self';"})(scope, receive, send)
+        await PlainTextResponse("hi", headers={"Content-Security-Policy": "default-src 'self';"})(
+            scope, receive, send
+        )
 
     async def framed(scope, receive, send):
-        response = PlainTextResponse("hi", headers={"Content-Security-Policy": "frame-ancestors 'self'",
-                                                    "X-Frame-Options": "SAMEORIGIN"})
+        response = PlainTextResponse(
+            "hi",
+            headers={"Content-Security-Policy": "frame-ancestors 'self'", "X-Frame-Options": "SAMEORIGIN"},
+        )
         await response(scope, receive, send)
 
     async def get(app) -> httpx.Response:
         guarded = WebSecurity(app, WebSecurityPolicy(Settings(database_url="sqlite://")), tokens=None)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(guarded), base_url="http://127.0.0.1") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(guarded), base_url="http://127.0.0.1"
+        ) as c:
             return await c.get("/")
 
     headers = asyncio.run(get(page)).headers
     assert headers["content-security-policy"] == "default-src 'self'; frame-ancestors 'none'"
     headers = asyncio.run(get(framed)).headers  # the page's own choice stands
-    assert headers["content-security-policy"] == "frame-ancestors 'self'" and headers["x-frame-options"] == "SAMEORIGIN"
+    assert (
+        headers["content-security-policy"] == "frame-ancestors 'self'"
+        and headers["x-frame-options"] == "SAMEORIGIN"
+    )
 
 
 # -- open and exposed while serving ----------------------------------------------------------------

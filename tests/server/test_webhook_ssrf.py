@@ -26,19 +26,29 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from conftest import free_port, unavailable
+from webhook_receiver import WebhookReceiver
+
 from gradwatch.server.alerts import egress
 from gradwatch.server.alerts.egress import ALLOW_PRIVATE_HINT, EgressRefused, PinnedTransport, refusal
 from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
-from webhook_receiver import WebhookReceiver
 
 LOOPBACK, LINK_LOCAL, PRIVATE = "a loopback address", "a link-local address", "a private address"
 # Webhook hosts (as written in a URL, port optional) and the kind of address each is or resolves to.
 TARGETS = {
-    "127.0.0.1": LOOPBACK, "2130706433": LOOPBACK, "0x7f000001": LOOPBACK, "0177.0.0.1": LOOPBACK,
-    "[::1]": LOOPBACK, "[::ffff:127.0.0.1]": LOOPBACK, "localhost:5432": LOOPBACK,
-    "169.254.169.254": LINK_LOCAL, "10.0.0.1": PRIVATE, "192.168.1.1": PRIVATE,
-    "0.0.0.0": "an unspecified address", "[fe80::1]": LINK_LOCAL, "224.0.0.1": "a multicast address",
+    "127.0.0.1": LOOPBACK,
+    "2130706433": LOOPBACK,
+    "0x7f000001": LOOPBACK,
+    "0177.0.0.1": LOOPBACK,
+    "[::1]": LOOPBACK,
+    "[::ffff:127.0.0.1]": LOOPBACK,
+    "localhost:5432": LOOPBACK,
+    "169.254.169.254": LINK_LOCAL,
+    "10.0.0.1": PRIVATE,
+    "192.168.1.1": PRIVATE,
+    "0.0.0.0": "an unspecified address",
+    "[fe80::1]": LINK_LOCAL,
+    "224.0.0.1": "a multicast address",
 }
 NAMES = {"localhost:5432"}  # judged when sent (after resolving), not when created
 WORKER = "gradwatch-outbox"  # the delivery worker's thread
@@ -83,7 +93,9 @@ class FakeDns:
         self.names = names
         self.lookups: list[str] = []
 
-    def __call__(self, host: Any, port: Any, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0) -> list:
+    def __call__(
+        self, host: Any, port: Any, family: int = 0, type: int = 0, proto: int = 0, flags: int = 0
+    ) -> list:
         if host not in self.names:
             return self.real(host, port, family, type, proto, flags)
         if flags & socket.AI_NUMERICHOST:  # a name is not a numeric host, as with the real resolver
@@ -106,8 +118,12 @@ def connections() -> Iterator[Connections]:
 
 def _server(database_url: str, **overrides: Any) -> BackgroundServer:
     settings = Settings(
-        database_url=database_url, outbox_poll_interval_s=0.05, outbox_backoff_base_s=0.2,
-        outbox_backoff_max_s=0.5, webhook_timeout_s=2.0, **overrides,
+        database_url=database_url,
+        outbox_poll_interval_s=0.05,
+        outbox_backoff_base_s=0.2,
+        outbox_backoff_max_s=0.5,
+        webhook_timeout_s=2.0,
+        **overrides,
     )
     return BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
 
@@ -127,7 +143,10 @@ def apis(tmp_path_factory) -> Iterator[dict[str, httpx.Client]]:
     strict = _server(database_url, webhook_allow_private=False)
     lenient = _server(database_url, webhook_allow_private=True, alert_worker=False)
     try:
-        with httpx.Client(base_url=strict.url, timeout=30) as s, httpx.Client(base_url=lenient.url, timeout=30) as le:
+        with (
+            httpx.Client(base_url=strict.url, timeout=30) as s,
+            httpx.Client(base_url=lenient.url, timeout=30) as le,
+        ):
             yield {"strict": s, "lenient": le}
     finally:
         lenient.stop()
@@ -182,26 +201,51 @@ def _settled(api: httpx.Client, webhook_id: int, count: int = 1, timeout: float 
 # -- the rule ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("address", "kind"), [
-    ("127.0.0.1", LOOPBACK), ("127.255.0.9", LOOPBACK), ("::1", LOOPBACK), ("10.1.2.3", PRIVATE),
-    ("172.16.0.1", PRIVATE), ("192.168.1.1", PRIVATE), ("fc00::1", PRIVATE), ("fd12:3456::1", PRIVATE),
-    ("169.254.169.254", LINK_LOCAL), ("fe80::1", LINK_LOCAL), ("224.0.0.1", "a multicast address"),
-    ("ff02::1", "a multicast address"), ("0.0.0.0", "an unspecified address"), ("::", "an unspecified address"),
-    ("0.1.2.3", "an unspecified address"), ("100.64.0.1", "a shared (CGNAT) address"),
-    ("240.0.0.1", "a reserved address"), ("255.255.255.255", "a reserved address"),
-    ("::ffff:127.0.0.1", LOOPBACK), ("::ffff:10.0.0.1", PRIVATE), ("::127.0.0.1", LOOPBACK),
-    ("64:ff9b::a9fe:a9fe", LINK_LOCAL), ("2002:7f00:1::", LOOPBACK),  # NAT64 169.254.169.254, 6to4 127.0.0.1
-    ("2001:0:4136:e378:8000:63bf:80ff:fffe", LOOPBACK),  # Teredo, client 127.0.0.1
-    ("203.0.113.5", None), ("8.8.8.8", None), ("172.32.0.1", None), ("::ffff:8.8.8.8", None),
-    ("64:ff9b::808:808", None), ("2606:4700::1111", None),
-])
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("127.0.0.1", LOOPBACK),
+        ("127.255.0.9", LOOPBACK),
+        ("::1", LOOPBACK),
+        ("10.1.2.3", PRIVATE),
+        ("172.16.0.1", PRIVATE),
+        ("192.168.1.1", PRIVATE),
+        ("fc00::1", PRIVATE),
+        ("fd12:3456::1", PRIVATE),
+        ("169.254.169.254", LINK_LOCAL),
+        ("fe80::1", LINK_LOCAL),
+        ("224.0.0.1", "a multicast address"),
+        ("ff02::1", "a multicast address"),
+        ("0.0.0.0", "an unspecified address"),
+        ("::", "an unspecified address"),
+        ("0.1.2.3", "an unspecified address"),
+        ("100.64.0.1", "a shared (CGNAT) address"),
+        ("240.0.0.1", "a reserved address"),
+        ("255.255.255.255", "a reserved address"),
+        ("::ffff:127.0.0.1", LOOPBACK),
+        ("::ffff:10.0.0.1", PRIVATE),
+        ("::127.0.0.1", LOOPBACK),
+        ("64:ff9b::a9fe:a9fe", LINK_LOCAL),
+        ("2002:7f00:1::", LOOPBACK),  # NAT64 169.254.169.254, 6to4 127.0.0.1
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", LOOPBACK),  # Teredo, client 127.0.0.1
+        ("203.0.113.5", None),
+        ("8.8.8.8", None),
+        ("172.32.0.1", None),
+        ("::ffff:8.8.8.8", None),
+        ("64:ff9b::808:808", None),
+        ("2606:4700::1111", None),
+    ],
+)
 def test_which_addresses_are_refused(address, kind):
     assert refusal(ipaddress.ip_address(address)) == kind
 
 
 def test_egress_exports_what_it_defines():
-    defined = {name for name, value in vars(egress).items()
-               if not name.startswith("_") and getattr(value, "__module__", None) == egress.__name__}
+    defined = {
+        name
+        for name, value in vars(egress).items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == egress.__name__
+    }
     assert set(egress.__all__) == defined | {"ALLOW_PRIVATE_HINT"}
 
 
@@ -210,24 +254,32 @@ def test_egress_exports_what_it_defines():
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t not in NAMES])
 def test_a_private_address_literal_is_refused_when_the_webhook_is_created(apis, quiet_receiver, target):
-    response = apis["strict"].post("/api/v1/webhooks", json={"url": _url(target, quiet_receiver.port), "project": "p"})
+    response = apis["strict"].post(
+        "/api/v1/webhooks", json={"url": _url(target, quiet_receiver.port), "project": "p"}
+    )
     assert response.status_code == 422 and response.json()["detail"] == _refused(target), response.text
 
 
 def test_a_host_name_is_judged_when_sent_not_when_created(apis):
-    response = apis["strict"].post("/api/v1/webhooks", json={"url": "http://localhost:5432/x", "project": "p"})
+    response = apis["strict"].post(
+        "/api/v1/webhooks", json={"url": "http://localhost:5432/x", "project": "p"}
+    )
     assert response.status_code == 201, response.text
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(apis, quiet_receiver, connections, target):
+def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(
+    apis, quiet_receiver, connections, target
+):
     """A webhook made while private targets were allowed, sent by a server that refuses them: the test
     request is refused (at once for a literal, in the delivery log for a name), the delivery fails on
     its first attempt without a retry or a response, and the worker opens no connection at all."""
     connections.clear()
     url = _url(target, quiet_receiver.port)
     hook = apis["lenient"].post("/api/v1/webhooks", json={"url": url, "project": "ssrf"}).json()
-    assert apis["lenient"].post(f"/api/v1/webhooks/{hook['id']}/test").status_code == 202  # the worker: strict's
+    assert (
+        apis["lenient"].post(f"/api/v1/webhooks/{hook['id']}/test").status_code == 202
+    )  # the worker: strict's
 
     test = apis["strict"].post(f"/api/v1/webhooks/{hook['id']}/test")
     if target in NAMES:
@@ -247,7 +299,12 @@ def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(apis, quie
 def test_with_allow_private_loopback_receivers_get_the_post(lenient_api, receiver, connections):
     connections.clear()
     port = receiver.port
-    urls = [receiver.url, f"http://localhost:{port}/a", f"http://2130706433:{port}/b", f"http://127.1:{port}/c"]
+    urls = [
+        receiver.url,
+        f"http://localhost:{port}/a",
+        f"http://2130706433:{port}/b",
+        f"http://127.1:{port}/c",
+    ]
     for url in urls:
         hook = lenient_api.post("/api/v1/webhooks", json={"url": url, "project": "lan"})
         assert hook.status_code == 201, hook.text
@@ -258,7 +315,9 @@ def test_with_allow_private_loopback_receivers_get_the_post(lenient_api, receive
     assert set(connections.by_worker()) <= {("127.0.0.1", port), ("::1", port)}  # resolved, then pinned
 
     # The resolver reads 0177.0.0.1 as 127.0.0.1, but httpx refuses that spelling: failed, not retried.
-    hook = lenient_api.post("/api/v1/webhooks", json={"url": f"http://0177.0.0.1:{port}/d", "project": "lan"}).json()
+    hook = lenient_api.post(
+        "/api/v1/webhooks", json={"url": f"http://0177.0.0.1:{port}/d", "project": "lan"}
+    ).json()
     lenient_api.post(f"/api/v1/webhooks/{hook['id']}/test")
     [delivery] = _settled(lenient_api, hook["id"])
     assert delivery["status"] == "failed" and delivery["attempts"] == 1
@@ -312,10 +371,28 @@ class _TlsReceiver:
             unavailable("openssl not found (apt-get install -y openssl)")
         self.cert, key = folder / "cert.pem", folder / "key.pem"
         subprocess.run(
-            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(self.cert), "-days", "1", "-subj", "/CN=hooks.test",
-             "-addext", "subjectAltName=DNS:hooks.test"],
-            check=True, capture_output=True,
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(self.cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=hooks.test",
+                "-addext",
+                "subjectAltName=DNS:hooks.test",
+            ],
+            check=True,
+            capture_output=True,
         )
         self.sni: list[str | None] = []
         self.hosts: list[str | None] = []

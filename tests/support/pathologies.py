@@ -85,8 +85,14 @@ class _Trace:
     def step(self) -> int:
         return len(self.scenario.losses)
 
-    def add(self, loss: torch.Tensor | float, grad_norm: float, lr: float, skipped: bool = False,
-            scale: float | None = None) -> None:
+    def add(
+        self,
+        loss: torch.Tensor | float,
+        grad_norm: float,
+        lr: float,
+        skipped: bool = False,
+        scale: float | None = None,
+    ) -> None:
         s = self.scenario
         s.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
         s.grad_norms.append(float(grad_norm))
@@ -135,9 +141,16 @@ def _lr(optimizer: torch.optim.Optimizer) -> float:
 
 
 @contextlib.contextmanager
-def _gradwatch(new_run: RunFactory | None, scenario: Scenario, model: nn.Module,
-               optimizer: torch.optim.Optimizer, scaler: Any = None, run_id: str | None = None,
-               start_step: int = 0, **config: Any) -> Iterator[Any]:
+def _gradwatch(
+    new_run: RunFactory | None,
+    scenario: Scenario,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any = None,
+    run_id: str | None = None,
+    start_step: int = 0,
+    **config: Any,
+) -> Iterator[Any]:
     """A watching run for the block (None without new_run), finished at its end."""
     if new_run is None:
         yield None
@@ -152,8 +165,15 @@ def _gradwatch(new_run: RunFactory | None, scenario: Scenario, model: nn.Module,
     finally:
         run.finish()
         stats = run.stats
-        scenario.agent_stats.append({"sent": stats.sent, "queued": stats.queued, "spooled": stats.spooled,
-                                     "dropped": stats.dropped, "last_error": stats.last_error})
+        scenario.agent_stats.append(
+            {
+                "sent": stats.sent,
+                "queued": stats.queued,
+                "spooled": stats.spooled,
+                "dropped": stats.dropped,
+                "last_error": stats.last_error,
+            }
+        )
 
 
 def _log(run: Any, loss: torch.Tensor) -> None:
@@ -161,8 +181,14 @@ def _log(run: Any, loss: torch.Tensor) -> None:
         run.log({"loss": loss.detach()})
 
 
-def _fp16_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               loss: torch.Tensor, trace: _Trace, clip: float | None = 1.0) -> None:
+def _fp16_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    loss: torch.Tensor,
+    trace: _Trace,
+    clip: float | None = 1.0,
+) -> None:
     """The textbook fp16 step (scale, backward, unscale_, clip, step, update), recorded."""
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -176,8 +202,13 @@ def _fp16_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     trace.add(loss, norm, lr, skipped=after < before, scale=after)
 
 
-def _fp32_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, trace: _Trace,
-               clip: float | None = 1.0) -> None:
+def _fp32_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    trace: _Trace,
+    clip: float | None = 1.0,
+) -> None:
     loss.backward()
     norm = _grad_norm(model.parameters())
     if clip is not None:
@@ -198,7 +229,9 @@ class _ChangeMeter:
         self.snapshot = [p.detach().clone() for _, p in self.params]
 
     def after(self) -> dict[str, float]:
-        return {n: (p.detach() == old).double().mean().item() for (n, p), old in zip(self.params, self.snapshot)}
+        return {
+            n: (p.detach() == old).double().mean().item() for (n, p), old in zip(self.params, self.snapshot)
+        }
 
 
 def _first(flags: list[bool]) -> int | None:
@@ -253,13 +286,20 @@ def lr_jump(new_run: RunFactory | None = None) -> Scenario:
             scheduler.step()
     s.onset_step = _first([i > 0 and lr > 10 * s.lrs[i - 1] for i, lr in enumerate(s.lrs)])
     before = [g for g in s.grad_norms[200:250] if _finite(g)]
-    after = s.grad_norms[s.onset_step:s.onset_step + 30] if s.onset_step is not None else []
-    s.facts = {"lr_before": s.lrs[0], "lr_after": s.lrs[-1], "skips_after_onset": sum(s.skipped[250:]),
-               "grad_norm_before_median": sorted(before)[len(before) // 2],
-               "grad_norm_after_max": max((g for g in after if _finite(g)), default=math.inf)}
+    after = s.grad_norms[s.onset_step : s.onset_step + 30] if s.onset_step is not None else []
+    s.facts = {
+        "lr_before": s.lrs[0],
+        "lr_after": s.lrs[-1],
+        "skips_after_onset": sum(s.skipped[250:]),
+        "grad_norm_before_median": sorted(before)[len(before) // 2],
+        "grad_norm_after_max": max((g for g in after if _finite(g)), default=math.inf),
+    }
     _require(s.onset_step == 250, f"the lr jump is at step {s.onset_step}, expected 250")
-    _require(s.facts["grad_norm_after_max"] > 10 * s.facts["grad_norm_before_median"] or
-             s.facts["skips_after_onset"] > 5, f"no divergence after the lr jump: {s.facts}")
+    _require(
+        s.facts["grad_norm_after_max"] > 10 * s.facts["grad_norm_before_median"]
+        or s.facts["skips_after_onset"] > 5,
+        f"no divergence after the lr jump: {s.facts}",
+    )
     return s
 
 
@@ -291,9 +331,13 @@ def clip_before_unscale(new_run: RunFactory | None = None) -> Scenario:
             trace.add(loss, norm, lr, skipped=after < scale, scale=after)
             fired.append(bool(torch.isfinite(scaled_norm)) and float(scaled_norm) > 1.0 and after >= scale)
     s.onset_step = _first(fired)
-    s.facts = {"clip_fired_fraction": sum(fired) / len(fired),
-               "median_true_norm": sorted(g for g in s.grad_norms if _finite(g))[len(s.grad_norms) // 2]}
-    _require(s.onset_step is not None and s.facts["clip_fired_fraction"] > 0.9, f"clip did not fire: {s.facts}")
+    s.facts = {
+        "clip_fired_fraction": sum(fired) / len(fired),
+        "median_true_norm": sorted(g for g in s.grad_norms if _finite(g))[len(s.grad_norms) // 2],
+    }
+    _require(
+        s.onset_step is not None and s.facts["clip_fired_fraction"] > 0.9, f"clip did not fire: {s.facts}"
+    )
     return s
 
 
@@ -323,7 +367,9 @@ class _Adapted(nn.Module):
 
 
 def _adapter_zero_fractions(model: nn.Module) -> dict[str, float]:
-    return {n: (p.grad == 0).double().mean().item() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad == 0).double().mean().item() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @_timed
@@ -386,11 +432,15 @@ def adapter_underflow(new_run: RunFactory | None = None) -> Scenario:
     s.onset_step = _first([overall(f) > 0.5 for f in zero_fractions])
     at_onset = zero_fractions[s.onset_step] if s.onset_step is not None else {}
     s.layers = sorted(n for n, f in at_onset.items() if f > 0.5)
-    s.facts = {"zero_fraction_fp16": round(sum(overall(f) for f in zero_fractions) / len(zero_fractions), 3),
-               "zero_fraction_fp32": round(max(overall(f) for f in reference_zeros), 3),
-               "per_layer_fp16": {n: round(f, 3) for n, f in at_onset.items()}}
-    _require(s.facts["zero_fraction_fp16"] > 0.5 and s.facts["zero_fraction_fp32"] < 0.01,
-             f"adapter gradients do not underflow in fp16 only: {s.facts}")
+    s.facts = {
+        "zero_fraction_fp16": round(sum(overall(f) for f in zero_fractions) / len(zero_fractions), 3),
+        "zero_fraction_fp32": round(max(overall(f) for f in reference_zeros), 3),
+        "per_layer_fp16": {n: round(f, 3) for n, f in at_onset.items()},
+    }
+    _require(
+        s.facts["zero_fraction_fp16"] > 0.5 and s.facts["zero_fraction_fp32"] < 0.01,
+        f"adapter gradients do not underflow in fp16 only: {s.facts}",
+    )
     return s
 
 
@@ -443,8 +493,11 @@ def nan_loss_bad_sample(new_run: RunFactory | None = None) -> Scenario:
             _log(run, loss)
             _fp32_step(model, optimizer, loss, trace)
     s.onset_step = _first([not _finite(loss) for loss in s.losses])
-    s.facts = {"corrupt_sample": corrupt, "corrupt_sample_step": batch_steps.get(corrupt),
-               "non_finite_losses": sum(not _finite(loss) for loss in s.losses)}
+    s.facts = {
+        "corrupt_sample": corrupt,
+        "corrupt_sample_step": batch_steps.get(corrupt),
+        "non_finite_losses": sum(not _finite(loss) for loss in s.losses),
+    }
     _require(s.onset_step == bad_step == s.facts["corrupt_sample_step"], f"NaN onset is off: {s.facts}")
     return s
 
@@ -510,8 +563,10 @@ def stray_detach(new_run: RunFactory | None = None) -> Scenario:
             trace.add(loss, norm, lr)
     s.onset_step = _first([bool(names) for names in no_grad])
     s.layers = no_grad[0]
-    _require(s.onset_step == 0 and all(n.startswith("encoder.") for n in s.layers) and len(s.layers) == 4,
-             f"unexpected layers without gradient: {s.layers}")
+    _require(
+        s.onset_step == 0 and all(n.startswith("encoder.") for n in s.layers) and len(s.layers) == 4,
+        f"unexpected layers without gradient: {s.layers}",
+    )
     return s
 
 
@@ -546,10 +601,16 @@ def grad_accum_no_divide(new_run: RunFactory | None = None) -> Scenario:
     clipped = [_finite(g) and g > max_norm for g in s.grad_norms]
     s.onset_step = _first(clipped)
     finite = [g for g in s.grad_norms if _finite(g)]
-    s.facts = {"clipped_fraction": round(sum(clipped) / len(clipped), 3),
-               "clipped_fraction_if_divided": round(sum(g / accumulation > max_norm for g in finite) / len(finite), 3)}
-    _require(s.facts["clipped_fraction"] > 0.9 and s.facts["clipped_fraction_if_divided"] < 0.5,
-             f"the clip does not saturate only because of the missing division: {s.facts}")
+    s.facts = {
+        "clipped_fraction": round(sum(clipped) / len(clipped), 3),
+        "clipped_fraction_if_divided": round(
+            sum(g / accumulation > max_norm for g in finite) / len(finite), 3
+        ),
+    }
+    _require(
+        s.facts["clipped_fraction"] > 0.9 and s.facts["clipped_fraction_if_divided"] < 0.5,
+        f"the clip does not saturate only because of the missing division: {s.facts}",
+    )
     return s
 
 
@@ -594,6 +655,7 @@ def overflow_layer(new_run: RunFactory | None = None) -> Scenario:
         def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
             if name not in non_finite_modules and not torch.isfinite(output).all():
                 non_finite_modules.append(name)
+
         return hook
 
     handles = [m.register_forward_hook(spot(n)) for n, m in model.named_children()]
@@ -612,10 +674,16 @@ def overflow_layer(new_run: RunFactory | None = None) -> Scenario:
     s.onset_step = _first([skipped and not _finite(loss) for skipped, loss in zip(s.skipped, s.losses)])
     first = non_finite_modules[0] if non_finite_modules else ""
     s.layers = [n for n, _ in model.named_parameters() if n.startswith(f"{first}.")]
-    s.facts = {"skipped_fraction": sum(s.skipped) / len(s.skipped), "final_scale": s.scales[-1],
-               "first_overflowing_module": first, "fp32_loss": fp32_loss}
-    _require(s.onset_step == 0 and all(s.skipped) and first == "block" and _finite(fp32_loss),
-             f"the overflow is not the block's in fp16 only: {s.facts}")
+    s.facts = {
+        "skipped_fraction": sum(s.skipped) / len(s.skipped),
+        "final_scale": s.scales[-1],
+        "first_overflowing_module": first,
+        "fp32_loss": fp32_loss,
+    }
+    _require(
+        s.onset_step == 0 and all(s.skipped) and first == "block" and _finite(fp32_loss),
+        f"the overflow is not the block's in fp16 only: {s.facts}",
+    )
     return s
 
 
@@ -633,7 +701,8 @@ def lr_zero_scheduler(new_run: RunFactory | None = None) -> Scenario:
     epochs, steps_per_epoch = 3, 100
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: decay_to_zero(step, steps_per_epoch))  # the mistake: not epochs * steps_per_epoch
+        optimizer, lambda step: decay_to_zero(step, steps_per_epoch)
+    )  # the mistake: not epochs * steps_per_epoch
     meter = _ChangeMeter(model)
     unchanged: list[bool] = []
     with _gradwatch(new_run, s, model, optimizer) as run:
@@ -648,9 +717,10 @@ def lr_zero_scheduler(new_run: RunFactory | None = None) -> Scenario:
             scheduler.step()
     s.onset_step = _first(unchanged)
     s.layers = []
-    s.facts = {"first_zero_lr_step": _first([lr == 0.0 for lr in s.lrs]),
-               "unchanged_steps": sum(unchanged)}
-    _require(s.onset_step == s.facts["first_zero_lr_step"] == steps_per_epoch, f"stall onset is off: {s.facts}")
+    s.facts = {"first_zero_lr_step": _first([lr == 0.0 for lr in s.lrs]), "unchanged_steps": sum(unchanged)}
+    _require(
+        s.onset_step == s.facts["first_zero_lr_step"] == steps_per_epoch, f"stall onset is off: {s.facts}"
+    )
     return s
 
 
@@ -677,10 +747,15 @@ def lr_too_high_fp32(new_run: RunFactory | None = None) -> Scenario:
     s.onset_step = _divergence_onset(s.losses)
     onset = s.onset_step or 0
     baseline = sorted(s.grad_norms[:20])[10]
-    window = s.grad_norms[onset:onset + 100]
-    s.facts = {"baseline_grad_norm": round(baseline, 4), "lr_at_onset": s.lrs[onset],
-               "max_growth_in_100_steps": max((g for g in window if _finite(g)), default=math.inf) / baseline}
-    _require(s.onset_step is not None and s.facts["max_growth_in_100_steps"] > 1000, f"no explosion: {s.facts}")
+    window = s.grad_norms[onset : onset + 100]
+    s.facts = {
+        "baseline_grad_norm": round(baseline, 4),
+        "lr_at_onset": s.lrs[onset],
+        "max_growth_in_100_steps": max((g for g in window if _finite(g)), default=math.inf) / baseline,
+    }
+    _require(
+        s.onset_step is not None and s.facts["max_growth_in_100_steps"] > 1000, f"no explosion: {s.facts}"
+    )
     return s
 
 
@@ -688,7 +763,7 @@ def _divergence_onset(losses: list[float], before: int = 50, factor: float = 2.0
     """The first step from which the loss never again falls below `factor` x the median loss of the
     `before` steps preceding it (a non-finite loss counts as above): where a divergence starts."""
     for t in range(before, len(losses)):
-        previous = sorted(x for x in losses[t - before:t] if _finite(x))
+        previous = sorted(x for x in losses[t - before : t] if _finite(x))
         if previous and all(not _finite(x) or x > factor * previous[len(previous) // 2] for x in losses[t:]):
             return t
     return None
@@ -727,7 +802,10 @@ def fp16_calibration(new_run: RunFactory | None = None) -> Scenario:
     _healthy_fp16(s, new_run, 11, 300, init_scale=2.0**32)
     calibration = _calibration_length(s.skipped)
     s.facts = {"calibration_skips": calibration, "later_skips": sum(s.skipped[calibration:])}
-    _require(calibration >= 8 and s.facts["later_skips"] <= 2 and _learned(s), f"not a clean calibration: {s.facts}")
+    _require(
+        calibration >= 8 and s.facts["later_skips"] <= 2 and _learned(s),
+        f"not a clean calibration: {s.facts}",
+    )
     return s
 
 
@@ -769,10 +847,14 @@ def warmup_cosine_restart(new_run: RunFactory | None = None) -> Scenario:
     s = Scenario("warmup_cosine_restart", None, None)
     trace, task, model = _Trace(s), _Task(14), _mlp(14)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
-        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=50),
-        torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=150, eta_min=1e-5),
-    ], milestones=[50])
+    scheduler = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=50),
+            torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=150, eta_min=1e-5),
+        ],
+        milestones=[50],
+    )
     with _gradwatch(new_run, s, model, optimizer) as run:
         for step in range(400):
             x, y = task.batch(step)
@@ -814,9 +896,16 @@ def resumed(new_run: RunFactory | None = None) -> Scenario:
                 _log(run, loss)
                 _fp16_step(model, optimizer, scaler, loss, trace)
             if restore is None:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "scaler": scaler.state_dict(), "run_id": run.id if run else None, "step": stop},
-                           checkpoint)
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "run_id": run.id if run else None,
+                        "step": stop,
+                    },
+                    checkpoint,
+                )
 
     segment(0, 200, None)
     checkpoint.seek(0)
@@ -829,11 +918,23 @@ def resumed(new_run: RunFactory | None = None) -> Scenario:
 
 
 PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
-    lr_jump, clip_before_unscale, adapter_underflow, nan_loss_bad_sample, bf16_weights_stall, stray_detach,
-    grad_accum_no_divide, overflow_layer, lr_zero_scheduler, lr_too_high_fp32,
+    lr_jump,
+    clip_before_unscale,
+    adapter_underflow,
+    nan_loss_bad_sample,
+    bf16_weights_stall,
+    stray_detach,
+    grad_accum_no_divide,
+    overflow_layer,
+    lr_zero_scheduler,
+    lr_too_high_fp32,
 )
 HEALTHY: tuple[Callable[..., Scenario], ...] = (
-    fp16_calibration, fp16_default_sawtooth, bf16_autocast, warmup_cosine_restart, resumed,
+    fp16_calibration,
+    fp16_default_sawtooth,
+    bf16_autocast,
+    warmup_cosine_restart,
+    resumed,
 )
 SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}
 
@@ -872,14 +973,23 @@ def _layers_in(value: Any) -> list[str]:
 def as_notification(body: Any) -> Notification | None:
     """The firing notification in a generic JSON webhook body ({"event": "incident.firing", "incident":
     {"first_step", "cause_key", "rules", "layers", "findings": [...]}}); None for resolutions and tests."""
-    if not isinstance(body, dict) or body.get("event") not in FIRING_EVENTS or not isinstance(body.get("incident"), dict):
+    if (
+        not isinstance(body, dict)
+        or body.get("event") not in FIRING_EVENTS
+        or not isinstance(body.get("incident"), dict)
+    ):
         return None
     incident = body["incident"]
     step = incident.get("first_step")
     cause = incident.get("cause_key") or incident.get("cause")
     kind = cause if isinstance(cause, str) and cause else ",".join(map(str, incident.get("rules") or []))
-    return Notification(body["event"], int(step) if isinstance(step, (int, float)) else None, kind,
-                        tuple(_layers_in(incident)), body)
+    return Notification(
+        body["event"],
+        int(step) if isinstance(step, (int, float)) else None,
+        kind,
+        tuple(_layers_in(incident)),
+        body,
+    )
 
 
 def notifications(bodies: list[Any]) -> list[Notification]:
@@ -913,8 +1023,11 @@ def judge(scenario: Scenario, notified: list[tuple[int | None, tuple[str, ...]]]
     if scenario.onset_step is None:
         return Verdict(len(notified), first, False, None, None)
     onset = scenario.onset_step
-    hits = [(step, layers) for step, layers in notified
-            if step is not None and onset <= step <= onset + DETECTION_WINDOW]
+    hits = [
+        (step, layers)
+        for step, layers in notified
+        if step is not None and onset <= step <= onset + DETECTION_WINDOW
+    ]
     latency = min(step for step, _ in hits) - onset if hits else None
     layer_named = None
     if scenario.layers and hits:
@@ -922,8 +1035,15 @@ def judge(scenario: Scenario, notified: list[tuple[int | None, tuple[str, ...]]]
     return Verdict(len(notified), first, bool(hits), latency, layer_named)
 
 
-def settled_notifications(api: Any, project: str, bodies: Callable[[], list[Any]], timeout: float = 30.0,
-                          settle: float = 1.5, poll: float = 0.1, webhook_id: int | None = None) -> list[Notification]:
+def settled_notifications(
+    api: Any,
+    project: str,
+    bodies: Callable[[], list[Any]],
+    timeout: float = 30.0,
+    settle: float = 1.5,
+    poll: float = 0.1,
+    webhook_id: int | None = None,
+) -> list[Notification]:
     """Wait until the server has nothing left to deliver for `project` and `bodies()` (what the
     receiver got) has stayed the same for `settle` seconds; then its firing notifications.
 
@@ -947,6 +1067,8 @@ def settled_notifications(api: Any, project: str, bodies: Callable[[], list[Any]
         elif now - stable_since >= settle:
             return notifications(received)
         if now > deadline:
-            raise AssertionError(f"deliveries for {project!r} did not settle within {timeout:.0f} s: "
-                                 f"{len(waiting)} waiting, {delivered} delivered, {len(received)} received")
+            raise AssertionError(
+                f"deliveries for {project!r} did not settle within {timeout:.0f} s: "
+                f"{len(waiting)} waiting, {delivered} delivered, {len(received)} received"
+            )
         time.sleep(poll)

@@ -51,7 +51,11 @@ def train(
     torch.manual_seed(seed)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=20) if precision == "fp16" else None
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=20)
+        if precision == "fp16"
+        else None
+    )
     if run is not None:
         run.watch(model, optimizer, scaler=scaler, **(watch_options or {}))
     generator = torch.Generator().manual_seed(seed)
@@ -76,7 +80,10 @@ def train(
                     [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
                 )
                 reference.skipped.append(
-                    sum(v.item() for v in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+                    sum(
+                        v.item()
+                        for v in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+                    )
                     > 0
                 )
             if clip == "after_unscale":
@@ -172,7 +179,9 @@ class TrappedNet(TinyNet):
         return super().forward(x) + _Poison.apply(self.trap, self.poison)
 
 
-def global_batch(step: int, world_size: int, per_rank: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, world_size: int, per_rank: int = 8, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's whole batch; rank r trains on rows [r * per_rank, (r + 1) * per_rank)."""
     generator = torch.Generator().manual_seed(seed * 100_003 + step)
     x = torch.randn(per_rank * world_size, 16, generator=generator)
@@ -206,13 +215,15 @@ def reference_steps(steps: int, world_size: int, clip: float | None = 1.0) -> li
         names = [n for n, _ in model.named_parameters()]
         grads = [p.grad for p in model.parameters()]
         rows = log2_histograms(grads, grads[0]).tolist()
-        records.append(StepRecord(
-            global_norm=_global_norm(model),
-            layer_norms={n: g.norm().item() for n, g in zip(names, grads)},
-            # parameter norms are taken after the step, as the agent takes them
-            param_norms={},
-            histograms=dict(zip(names, rows)),
-        ))
+        records.append(
+            StepRecord(
+                global_norm=_global_norm(model),
+                layer_norms={n: g.norm().item() for n, g in zip(names, grads)},
+                # parameter norms are taken after the step, as the agent takes them
+                param_norms={},
+                histograms=dict(zip(names, rows)),
+            )
+        )
         if clip:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -295,8 +306,9 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict[str, Any]) -
     import os
     from pathlib import Path
 
-    import gradwatch
     import torch.distributed as dist
+
+    import gradwatch
 
     if rank < 0:  # launched by torchrun: everything comes from the environment
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -307,8 +319,13 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict[str, Any]) -
     result: dict[str, Any] = {"rank": rank}
     try:
         plain = _train_sharded_or_replicated(job, None) if job.get("compare_plain") else None
-        with gradwatch.init(project=job["project"], server=job["server"], spool_dir=job["spool_dir"],
-                            flush_interval=0.1, **job.get("init", {})) as run:
+        with gradwatch.init(
+            project=job["project"],
+            server=job["server"],
+            spool_dir=job["spool_dir"],
+            flush_interval=0.1,
+            **job.get("init", {}),
+        ) as run:
             watched = _train_sharded_or_replicated(job, run)
         result["run_id"] = run.id
         result["stats"] = {"sent": run.stats.sent, "dropped": run.stats.dropped, "spooled": run.stats.spooled}
@@ -320,7 +337,9 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict[str, Any]) -
         dist.destroy_process_group()
 
 
-def spawn_ranks(world_size: int, job: dict[str, Any], tmp_path: Any, timeout: float = 180.0) -> list[dict[str, Any]]:
+def spawn_ranks(
+    world_size: int, job: dict[str, Any], tmp_path: Any, timeout: float = 180.0
+) -> list[dict[str, Any]]:
     """Run rank_main in `world_size` fresh processes (spawn, gloo, a file rendezvous) and return what
     each rank wrote; a rank that fails or hangs past `timeout` s fails the caller."""
     import json
@@ -330,7 +349,10 @@ def spawn_ranks(world_size: int, job: dict[str, Any], tmp_path: Any, timeout: fl
 
     job = {**job, "out": str(tmp_path)}
     context = mp.start_processes(
-        rank_main, args=(world_size, str(tmp_path / "rendezvous"), job), nprocs=world_size, join=False,
+        rank_main,
+        args=(world_size, str(tmp_path / "rendezvous"), job),
+        nprocs=world_size,
+        join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout

@@ -58,7 +58,9 @@ class WebhookReceiver:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="webhook-receiver", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -88,5 +90,7 @@ class WebhookReceiver:
                 if len(self.received) >= count:
                     return list(self.received)
             if time.monotonic() > deadline:
-                raise AssertionError(f"expected {count} webhook requests within {timeout} s, got {len(self.received)}")
+                raise AssertionError(
+                    f"expected {count} webhook requests within {timeout} s, got {len(self.received)}"
+                )
             time.sleep(0.02)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
-import gradwatch
 import httpx
 from conftest import free_port, server_process
 from training import train
 from webhook_receiver import WebhookReceiver
+
+import gradwatch
 
 
 def _deliveries(url: str) -> list[dict]:
@@ -20,7 +21,9 @@ def _deliveries(url: str) -> list[dict]:
 def test_a_delivery_pending_at_shutdown_is_sent_after_restart_exactly_once(database_url, tmp_path):
     receiver = WebhookReceiver(port=free_port())  # not started yet: the receiver is down
     with server_process(database_url, tmp_path) as url:
-        httpx.post(f"{url}/api/v1/webhooks", json={"url": receiver.url, "project": "restart"}).raise_for_status()
+        httpx.post(
+            f"{url}/api/v1/webhooks", json={"url": receiver.url, "project": "restart"}
+        ).raise_for_status()
         with gradwatch.init(project="restart", server=url, flush_interval=0.05) as run:
             train(20, run=run, overflow_steps=(10, 11, 12))
         deadline = time.monotonic() + 10
@@ -41,8 +44,11 @@ def test_a_delivery_pending_at_shutdown_is_sent_after_restart_exactly_once(datab
 
 
 def test_two_servers_on_one_postgres_deliver_each_notification_once(postgres_url, tmp_path):
-    with WebhookReceiver() as receiver, server_process(postgres_url, tmp_path) as first, \
-            server_process(postgres_url, tmp_path) as second:
+    with (
+        WebhookReceiver() as receiver,
+        server_process(postgres_url, tmp_path) as first,
+        server_process(postgres_url, tmp_path) as second,
+    ):
         for name in ("a", "b", "c"):
             body = {"url": f"{receiver.url}/{name}", "project": "pair"}
             httpx.post(f"{first}/api/v1/webhooks", json=body).raise_for_status()

@@ -5,11 +5,12 @@ import os
 import subprocess
 import sys
 
-import gradwatch
 import httpx
 import pytest
 from conftest import free_port
 from training import Reference, train
+
+import gradwatch
 
 
 def test_training_run_is_stored_and_served(api_server, client):
@@ -49,7 +50,11 @@ def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
     env = os.environ | {"GRADWATCH_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "gradwatch.cli", "demo", "--steps", "220", "--exit", "--port", str(port)],
-        check=False, env=env, capture_output=True, text=True, timeout=600,
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     assert f"http://127.0.0.1:{port}/dashboard/" in done.stdout
@@ -59,7 +64,10 @@ def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
     from gradwatch.server.settings import Settings
 
     server = BackgroundServer(
-        Settings(database_url=f"sqlite:///{tmp_path / 'gradwatch.db'}"), "127.0.0.1", free_port(), with_dashboard=False
+        Settings(database_url=f"sqlite:///{tmp_path / 'gradwatch.db'}"),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
     ).start()
     try:
         with httpx.Client(base_url=server.url) as c:

@@ -17,33 +17,48 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import gradwatch
 import httpx
 import pathologies
 import pytest
 from conftest import free_port
-from gradwatch.server.serve import BackgroundServer
-from gradwatch.server.settings import Settings
 from pathologies import DETECTION_WINDOW, Notification, Scenario
 from webhook_receiver import WebhookReceiver
 
+import gradwatch
+from gradwatch.server.serve import BackgroundServer
+from gradwatch.server.settings import Settings
+
 # The mechanism's onset, pinned: a change here means the scenario no longer does what it says.
 EXPECTED_ONSETS = {
-    "lr_jump": 250, "clip_before_unscale": 0, "adapter_underflow": 0, "nan_loss_bad_sample": 150,
-    "bf16_weights_stall": 0, "stray_detach": 0, "grad_accum_no_divide": 0, "overflow_layer": 0,
-    "lr_zero_scheduler": 100, "lr_too_high_fp32": 148,
+    "lr_jump": 250,
+    "clip_before_unscale": 0,
+    "adapter_underflow": 0,
+    "nan_loss_bad_sample": 150,
+    "bf16_weights_stall": 0,
+    "stray_detach": 0,
+    "grad_accum_no_divide": 0,
+    "overflow_layer": 0,
+    "lr_zero_scheduler": 100,
+    "lr_too_high_fp32": 148,
 }
+
+
 def fast_outbox_settings(**overrides: object) -> Settings:
     """Settings for a test server whose outbox retries quickly."""
-    return Settings(outbox_poll_interval_s=0.1, outbox_backoff_base_s=0.2, outbox_backoff_max_s=1.0,
-                    **overrides)  # type: ignore[arg-type]
+    return Settings(
+        outbox_poll_interval_s=0.1, outbox_backoff_base_s=0.2, outbox_backoff_max_s=1.0, **overrides
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[BackgroundServer]:
     database = tmp_path_factory.mktemp("pathologies") / "gradwatch.db"
-    server = BackgroundServer(fast_outbox_settings(database_url=f"sqlite:///{database}"), "127.0.0.1",
-                              free_port(), with_dashboard=False).start()
+    server = BackgroundServer(
+        fast_outbox_settings(database_url=f"sqlite:///{database}"),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
+    ).start()
     yield server
     server.stop()
 
@@ -70,8 +85,10 @@ class Outcome:
 
     def describe(self) -> str:
         shown = [(n.event, n.kind, n.step, list(n.layers)[:4]) for n in self.notifications]
-        return (f"{self.scenario.name}: onset {self.scenario.onset_step}, layers {self.scenario.layers}; "
-                f"{len(shown)} notification(s) (event, kind, step, layers): {shown}")
+        return (
+            f"{self.scenario.name}: onset {self.scenario.onset_step}, layers {self.scenario.layers}; "
+            f"{len(shown)} notification(s) (event, kind, step, layers): {shown}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +96,21 @@ def outcomes(server, api, receiver) -> dict[str, Outcome]:
     return {}
 
 
-def run_scenario(name: str, outcomes: dict[str, Outcome], server: BackgroundServer, api: httpx.Client,
-                 receiver: WebhookReceiver) -> Outcome:
+def run_scenario(
+    name: str,
+    outcomes: dict[str, Outcome],
+    server: BackgroundServer,
+    api: httpx.Client,
+    receiver: WebhookReceiver,
+) -> Outcome:
     """Train `name` under gradwatch once per module, wait until its run is ingested and its
     notifications delivered, and keep what the receiver got for it."""
     if name in outcomes:
         return outcomes[name]
     project = f"pathology-{name}"
-    hook = api.post("/api/v1/webhooks", json={"url": f"{receiver.url}/{name}", "format": "json", "project": project})
+    hook = api.post(
+        "/api/v1/webhooks", json={"url": f"{receiver.url}/{name}", "format": "json", "project": project}
+    )
     assert hook.status_code == 201, hook.text
     new_run = functools.partial(gradwatch.init, project=project, server=server.url, flush_interval=0.05)
     scenario = pathologies.SCENARIOS[name](new_run)
@@ -101,10 +125,11 @@ def run_scenario(name: str, outcomes: dict[str, Outcome], server: BackgroundServ
     def bodies() -> list[object]:
         return [r.json for r in list(receiver.received) if r.path == f"/hook/{name}"]
 
-    notified = pathologies.settled_notifications(api, project, bodies, settle=2.0, webhook_id=hook.json()["id"])
+    notified = pathologies.settled_notifications(
+        api, project, bodies, settle=2.0, webhook_id=hook.json()["id"]
+    )
     run_ids = set(scenario.run_ids)
-    notified = [n for n in notified
-                if n.body["incident"].get("run_id") in run_ids]
+    notified = [n for n in notified if n.body["incident"].get("run_id") in run_ids]
     outcomes[name] = Outcome(scenario, notified)
     return outcomes[name]
 
@@ -128,7 +153,8 @@ def test_pathology_is_notified_within_the_window_after_its_onset(name, outcomes,
     assert verdict.notified, f"no notification: {outcome.describe()}"
     assert verdict.detected, (
         f"no notification at a step in [{scenario.onset_step}, {scenario.onset_step + DETECTION_WINDOW}]: "
-        f"{outcome.describe()}")
+        f"{outcome.describe()}"
+    )
 
 
 @pytest.mark.parametrize("name", WITH_LAYERS)
@@ -146,7 +172,8 @@ def test_pathology_is_one_incident(name, outcomes, server, api, receiver):
     assert outcome.notifications, f"no notification: {outcome.describe()}"
     repeated = [kind for kind, count in Counter(n.kind for n in outcome.notifications).items() if count > 1]
     assert len(outcome.notifications) == 1 or not repeated, (
-        f"{len(outcome.notifications)} notifications, {repeated} notified more than once: {outcome.describe()}")
+        f"{len(outcome.notifications)} notifications, {repeated} notified more than once: {outcome.describe()}"
+    )
 
 
 @pytest.mark.parametrize("name", HEALTHY_NAMES)
@@ -156,10 +183,19 @@ def test_healthy_control_sends_no_notification(name, outcomes, server, api, rece
 
 
 def test_notification_accessor_reads_incident_payloads():
-    incident = {"event": "incident.firing", "incident": {
-        "first_step": 40, "rules": ["grad_norm_spike", "loss_spike"], "cause_key": "lr_jump", "cause": "the lr jumped",
-        "findings": [{"rule": "grad_norm_spike", "evidence": {"layers": ["out.weight"]}}]}}
-    [i] = pathologies.notifications([incident, {"event": "incident.resolved", "incident": {}}, {"event": "test"}])
+    incident = {
+        "event": "incident.firing",
+        "incident": {
+            "first_step": 40,
+            "rules": ["grad_norm_spike", "loss_spike"],
+            "cause_key": "lr_jump",
+            "cause": "the lr jumped",
+            "findings": [{"rule": "grad_norm_spike", "evidence": {"layers": ["out.weight"]}}],
+        },
+    }
+    [i] = pathologies.notifications(
+        [incident, {"event": "incident.resolved", "incident": {}}, {"event": "test"}]
+    )
     assert (i.kind, i.step, i.layers) == ("lr_jump", 40, ("out.weight",))
     assert pathologies.names_layer(("encoder",), ["encoder.0.weight"])
     assert not pathologies.names_layer(("enc",), ["encoder.0.weight"])

@@ -182,7 +182,6 @@ def _power_of_two(value: float) -> str:
 LOSS_KEYS = ("loss", "amp/loss")
 
 
-
 def _loss_of(data: StepData) -> tuple[str, float] | None:
     """The step's loss: what the user logged as "loss", else what the agent took from scaler.scale()."""
     for key in LOSS_KEYS:

@@ -20,6 +20,7 @@ from .base import (
 
 __all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand"]
 
+
 class UpdateRatioBand(RuleType):
     name = "update_ratio"
     family = "divergence"
@@ -57,7 +58,6 @@ class UpdateRatioBand(RuleType):
             {"key": self.key, "steps": [data.step], "values": values, "layers": names},
             cause="update_ratio_high" if high else "update_ratio_low",
         )
-
 
 
 def _layer(layers: list[str], index: int) -> str:
@@ -136,7 +136,9 @@ class UnderflowFraction(_PersistentLayers):
             p = subnormal[i] if subnormal is not None and i < len(subnormal) else math.nan
             if math.isfinite(u) and u > self.threshold:
                 bad[i] = u
-            elif math.isfinite(z) and z >= self.zero_fraction and math.isfinite(p) and p >= self.precision_loss:
+            elif (
+                math.isfinite(z) and z >= self.zero_fraction and math.isfinite(p) and p >= self.precision_loss
+            ):
                 bad[i] = z
             elif self.all_zero and math.isnan(u) and (math.isnan(z) or z >= 1.0):
                 bad[i] = 1.0
@@ -149,8 +151,12 @@ class UnderflowFraction(_PersistentLayers):
             data.step,
             f"{bad[held[0]]:.0%} of {names[0]}'s gradients underflow to zero in fp16"
             + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
-            {"key": "grad/zero_frac" if zeros is not None else self.key, "steps": [data.step],
-             "values": [bad[i] for i in held], "layers": names},
+            {
+                "key": "grad/zero_frac" if zeros is not None else self.key,
+                "steps": [data.step],
+                "values": [bad[i] for i in held],
+                "layers": names,
+            },
         )
 
 
@@ -160,7 +166,9 @@ class DeadLayers(_PersistentLayers):
         "Trainable layers get no gradient (grad None or exactly zero: a stray .detach(), torch.no_grad(), an "
         "unused module) on `observations` gradient-norm samples in a row after the first applied step."
     )
-    params: ClassVar[dict[str, Param]] = {"observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True)}
+    params: ClassVar[dict[str, Param]] = {
+        "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True)
+    }
     scalar_keys = frozenset({"amp/skipped"})
     vector_keys = frozenset({"grad/norm"})
     event_kinds = frozenset({"no_gradient"})
@@ -184,8 +192,13 @@ class DeadLayers(_PersistentLayers):
             data.step,
             f"{len(names)} of {len(row)} trainable layers get {what}: {', '.join(names[:3])}"
             + ("…" if len(names) > 3 else ""),
-            {"key": "grad/norm", "steps": [data.step], "layers": names[:MAX_EVIDENCE_LAYERS], "count": len(names),
-             "grad_none": without[:MAX_EVIDENCE_LAYERS]},
+            {
+                "key": "grad/norm",
+                "steps": [data.step],
+                "layers": names[:MAX_EVIDENCE_LAYERS],
+                "count": len(names),
+                "grad_none": without[:MAX_EVIDENCE_LAYERS],
+            },
             cause="dead_layers_none" if without else "dead_layers_zero",
         )
 
@@ -230,6 +243,11 @@ class NotLearning(_PersistentLayers):
             data.step,
             f"weights of {len(held)} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
             "updates were rounded away (or the learning rate is 0)",
-            {"key": "update/rounded_away_frac" if rounded is not None else "update/ratio", "steps": [data.step],
-             "values": [bad[i] for i in held], "update_ratios": ratio_values, "layers": names},
+            {
+                "key": "update/rounded_away_frac" if rounded is not None else "update/ratio",
+                "steps": [data.step],
+                "values": [bad[i] for i in held],
+                "update_ratios": ratio_values,
+                "layers": names,
+            },
         )

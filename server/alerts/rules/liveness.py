@@ -9,6 +9,7 @@ from .base import CLEAR, MAX_WINDOW, Finding, Param, RuleType, StepData, Verdict
 
 __all__ = ["Heartbeat", "RankDisagreement"]
 
+
 class Heartbeat(RuleType):
     name = "heartbeat"
     severity = "critical"
@@ -29,7 +30,9 @@ class RankDisagreement(RuleType):
     name = "rank_disagreement"
     severity = "critical"
     description = "Some ranks skipped a step that others applied (their found-inf checks disagree)."
-    params: ClassVar[dict[str, Param]] = {"window": Param(200, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps remembered")}
+    params: ClassVar[dict[str, Param]] = {
+        "window": Param(200, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps remembered")
+    }
     scalar_keys = frozenset({"amp/skipped"})
     all_ranks = True
 

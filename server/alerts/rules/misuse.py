@@ -11,7 +11,6 @@ __all__ = ["MISUSE_EVENTS", "Misuse"]
 MISUSE_EVENTS = ("clip_before_unscale", "bf16_model_in_fp16", "weights_exceed_fp16", "scale_below_one")
 
 
-
 class Misuse(RuleType):
     name = "misuse"
     severity = "critical"
@@ -39,7 +38,10 @@ class Misuse(RuleType):
         return Finding(
             data.step,
             f"setup mistake: {names} (first at step {seen[0][0]})",
-            {"kinds": [kind for _, kind, _ in seen], "steps": [s for s, _, _ in seen],
-             "hints": [hint for _, _, hint in seen]},
+            {
+                "kinds": [kind for _, kind, _ in seen],
+                "steps": [s for s, _, _ in seen],
+                "hints": [hint for _, _, hint in seen],
+            },
             cause=seen[0][1],
         )

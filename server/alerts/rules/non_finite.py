@@ -26,6 +26,7 @@ from .scaler import ScalerPhase
 
 __all__ = ["LossNonFinite", "NonFinite"]
 
+
 class NonFinite(RuleType):
     name = "non_finite"
     severity = "critical"
@@ -33,7 +34,9 @@ class NonFinite(RuleType):
         "A non-finite gradient norm reached the weights (a step applied without a GradScaler to skip it), "
         "or, after the scaler's calibration and with a finite loss, `consecutive` steps in a row overflowed."
     )
-    params: ClassVar[dict[str, Param]] = {"consecutive": Param(3, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps in a row")}
+    params: ClassVar[dict[str, Param]] = {
+        "consecutive": Param(3, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps in a row")
+    }
     scalar_keys = frozenset({"grad/global_norm", "amp/skipped", "amp/scale", *LOSS_KEYS})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
@@ -87,7 +90,9 @@ class LossNonFinite(RuleType):
         "can cure. Names the step and, when the run logs batch ids (run.log_batch), the batch. Resolves "
         "after `clear_after` finite losses."
     )
-    params: ClassVar[dict[str, Param]] = {"clear_after": Param(100, minimum=1, maximum=MAX_STEPS, integer=True, doc="finite steps")}
+    params: ClassVar[dict[str, Param]] = {
+        "clear_after": Param(100, minimum=1, maximum=MAX_STEPS, integer=True, doc="finite steps")
+    }
     scalar_keys = frozenset(LOSS_KEYS)
     event_kinds = frozenset({"bad_batch"})
     cooldown_steps = 0
@@ -112,10 +117,12 @@ class LossNonFinite(RuleType):
             if kind == "bad_batch" and event.get("ids_logged"):
                 given = event.get("ids")
                 ids = list(given)[:MAX_EVIDENCE_LAYERS] if isinstance(given, list) else []
-        spelled = "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"  # as the wire spells them
+        spelled = (
+            "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+        )  # as the wire spells them
         bad = (state["bad"] + [[data.step, key, spelled, ids]])[-MAX_EVIDENCE_POINTS:]
         if len(state["bad"]) >= MAX_EVIDENCE_POINTS:
-            bad = [state["bad"][0]] + bad[-MAX_EVIDENCE_POINTS + 1:]  # keep the first one: where it started
+            bad = [state["bad"][0]] + bad[-MAX_EVIDENCE_POINTS + 1 :]  # keep the first one: where it started
         state["bad"] = bad
         first = bad[0]
         batch = f" (batch {', '.join(map(str, first[3]))})" if first[3] else ""

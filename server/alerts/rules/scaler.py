@@ -36,7 +36,6 @@ CALIBRATION_CLEAN_STEPS = 10  # consecutive applied steps that end a calibration
 SCALE_RESET_JUMP = 4.0  # the scale grew this much in one step: a restored or reset scaler state
 
 
-
 class ScalerPhase:
     """Where a run's GradScaler is, from amp/skipped, amp/scale and scaler_state_loaded events.
 
@@ -54,8 +53,16 @@ class ScalerPhase:
     @staticmethod
     def initial() -> dict[str, Any]:
         return {
-            "calibrating": True, "start": None, "first_applied": None, "clean": 0, "skips": 0,
-            "start_scale": None, "scale": None, "grown": False, "ended": None, "floor_skips": 0,
+            "calibrating": True,
+            "start": None,
+            "first_applied": None,
+            "clean": 0,
+            "skips": 0,
+            "start_scale": None,
+            "scale": None,
+            "grown": False,
+            "ended": None,
+            "floor_skips": 0,
         }
 
     @staticmethod
@@ -64,9 +71,17 @@ class ScalerPhase:
         skipped = data.scalars.get("amp/skipped")
         previous = phase["scale"]
         restored = any(kind == "scaler_state_loaded" for kind, _ in data.events)
-        jumped = _finite(scale) and _finite(previous) and previous > 0 and scale >= SCALE_RESET_JUMP * previous
+        jumped = (
+            _finite(scale) and _finite(previous) and previous > 0 and scale >= SCALE_RESET_JUMP * previous
+        )
         # The scaler lowers its scale only when it skips: a lower scale on an applied step was set from outside.
-        lowered = skipped is not None and skipped < 0.5 and _finite(scale) and _finite(previous) and scale < previous
+        lowered = (
+            skipped is not None
+            and skipped < 0.5
+            and _finite(scale)
+            and _finite(previous)
+            and scale < previous
+        )
         if phase["start"] is None or restored or jumped or lowered:
             before = next((e.get("scale_before") for k, e in data.events if k == "skip"), None)
             phase.update(ScalerPhase.initial())
@@ -78,7 +93,9 @@ class ScalerPhase:
         if skipped is None:
             return None
         if skipped >= 0.5:
-            phase["floor_skips"] = phase["floor_skips"] + 1 if previous is not None and scale == previous else 0
+            phase["floor_skips"] = (
+                phase["floor_skips"] + 1 if previous is not None and scale == previous else 0
+            )
         else:
             phase["floor_skips"] = 0
         if phase["calibrating"]:
@@ -102,7 +119,6 @@ class ScalerPhase:
         return "applied"
 
 
-
 class ScalerCalibration(RuleType):
     name = "scaler_calibration"
     severity = "critical"
@@ -113,8 +129,16 @@ class ScalerCalibration(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "floor": Param(1.0, minimum=0.0, exclusive_minimum=True, doc="a calibration below this scale failed"),
-        "settle_steps": Param(25, minimum=CALIBRATION_CLEAN_STEPS, maximum=MAX_WINDOW, integer=True, doc="steps after the first applied one"),
-        "floor_skips": Param(5, minimum=2, maximum=MAX_WINDOW, integer=True, doc="skips in a row at an unchanged scale"),
+        "settle_steps": Param(
+            25,
+            minimum=CALIBRATION_CLEAN_STEPS,
+            maximum=MAX_WINDOW,
+            integer=True,
+            doc="steps after the first applied one",
+        ),
+        "floor_skips": Param(
+            5, minimum=2, maximum=MAX_WINDOW, integer=True, doc="skips in a row at an unchanged scale"
+        ),
     }
     scalar_keys = frozenset({"amp/scale", "amp/skipped"})
     event_kinds = frozenset({"scaler_state_loaded", "skip"})
@@ -145,7 +169,9 @@ class ScalerCalibration(RuleType):
         elif below:
             reason = f"the scale fell to {_power_of_two(scale)}, below {self.floor:g}, while calibrating"
         elif phase["floor_skips"] >= self.floor_skips:
-            reason = f"{phase['floor_skips']} skips in a row at {_power_of_two(scale)}: the scaler is at a floor"
+            reason = (
+                f"{phase['floor_skips']} skips in a row at {_power_of_two(scale)}: the scaler is at a floor"
+            )
         elif phase["first_applied"] is not None and data.step - phase["first_applied"] >= self.settle_steps:
             reason = (
                 f"no {CALIBRATION_CLEAN_STEPS} clean steps in a row within {self.settle_steps} steps of the first "
@@ -157,7 +183,11 @@ class ScalerCalibration(RuleType):
         return Finding(
             data.step,
             f"the loss scale is not usable: {phase['skips']} of {steps} steps skipped since step {phase['start']}"
-            + (f", scale {_power_of_two(start_scale)} -> {_power_of_two(scale)}" if _finite(start_scale) and _finite(scale) else "")
+            + (
+                f", scale {_power_of_two(start_scale)} -> {_power_of_two(scale)}"
+                if _finite(start_scale) and _finite(scale)
+                else ""
+            )
             + f" ({reason})",
             {
                 "key": "amp/scale",
@@ -187,7 +217,11 @@ class ScaleDrop(RuleType):
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
     def initial_state(self) -> dict[str, Any]:
-        return {"maxima": [], "skips": [], "phase": ScalerPhase.initial()}  # maxima: [step, scale], decreasing
+        return {
+            "maxima": [],
+            "skips": [],
+            "phase": ScalerPhase.initial(),
+        }  # maxima: [step, scale], decreasing
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
@@ -237,7 +271,13 @@ class SkipStorm(RuleType):
     params: ClassVar[dict[str, Param]] = {
         "count": Param(4, minimum=1, maximum=MAX_WINDOW, integer=True, doc="skips"),
         "window": Param(50, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps"),
-        "ignore_first": Param(0, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps not judged at the start (besides calibration)"),
+        "ignore_first": Param(
+            0,
+            minimum=0,
+            maximum=MAX_STEPS,
+            integer=True,
+            doc="steps not judged at the start (besides calibration)",
+        ),
     }
     scalar_keys = frozenset({"amp/skipped", "amp/scale"})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
@@ -261,14 +301,15 @@ class SkipStorm(RuleType):
         skips = [s for s in state["skips"] if s[0] > data.step - self.window]
         if kind == "skip":
             skips.append([data.step, _skip_layers(data), data.scalars.get("amp/scale")])
-        state["skips"] = skips[-max(self.count, MAX_EVIDENCE_POINTS):]
+        state["skips"] = skips[-max(self.count, MAX_EVIDENCE_POINTS) :]
         if len(skips) < self.count:
             return CLEAR
         scales = [s[2] for s in skips if _finite(s[2])]
         return Finding(
             data.step,
             f"{len(skips)} skipped steps in the last {self.window} steps (steps {skips[0][0]}-{skips[-1][0]}"
-            + (f", scale now {_power_of_two(scales[-1])}" if scales else "") + ")",
+            + (f", scale now {_power_of_two(scales[-1])}" if scales else "")
+            + ")",
             {
                 "key": "amp/skipped",
                 "steps": [s[0] for s in skips][-MAX_EVIDENCE_POINTS:],
@@ -297,17 +338,23 @@ class ScaleFloor(RuleType):
         return Finding(
             data.step,
             f"loss scale {_power_of_two(scale)} is below the floor {self.floor:g}{below_one}",
-            {"key": "amp/scale", "steps": [data.step], "values": [scale], "floor": self.floor,
-             "layers": _skip_layers(data)},
+            {
+                "key": "amp/scale",
+                "steps": [data.step],
+                "values": [scale],
+                "floor": self.floor,
+                "layers": _skip_layers(data),
+            },
         )
-
 
 
 class NoScaleGrowth(RuleType):
     name = "no_scale_growth"
     description = "The loss scale has not grown for `intervals` growth intervals (recurring overflows)."
     params: ClassVar[dict[str, Param]] = {
-        "growth_interval": Param(2000, minimum=1, maximum=MAX_STEPS, integer=True, doc="the GradScaler's growth_interval"),
+        "growth_interval": Param(
+            2000, minimum=1, maximum=MAX_STEPS, integer=True, doc="the GradScaler's growth_interval"
+        ),
         "intervals": Param(5, minimum=1, maximum=MAX_STEPS, integer=True),
     }
     scalar_keys = frozenset({"amp/scale"})
@@ -327,5 +374,10 @@ class NoScaleGrowth(RuleType):
         return Finding(
             data.step,
             f"the loss scale has not grown for {steps} steps ({steps / self.growth_interval:.3g} growth intervals)",
-            {"key": "amp/scale", "steps": [state["since"], data.step], "values": [scale], "since_step": state["since"]},
+            {
+                "key": "amp/scale",
+                "steps": [state["since"], data.step],
+                "values": [scale],
+                "since_step": state["since"],
+            },
         )

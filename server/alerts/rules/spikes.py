@@ -23,6 +23,7 @@ from .base import (
 
 __all__ = ["ClipSaturation", "GradNormSpike", "LossSpike", "LrJump"]
 
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
@@ -52,7 +53,6 @@ def _baseline_stats(state: dict[str, Any], step: int, baseline: list[list[float]
     return cached[1], cached[2]
 
 
-
 class GradNormSpike(RuleType):
     name = "grad_norm_spike"
     family = "divergence"
@@ -63,7 +63,9 @@ class GradNormSpike(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(100, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
-        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
+        "warmup": Param(
+            20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"
+        ),
         "z": Param(6.0, minimum=0.0, exclusive_minimum=True),
         "min_ratio": Param(10.0, minimum=1.0),
         "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
@@ -98,7 +100,7 @@ class GradNormSpike(RuleType):
             if hit and len(hits) >= self.sustain:
                 verdict = Finding(
                     data.step,
-                    f"gradient norm {norm:.3g} is {_times(ratio)} its running median {10 ** median:.3g} "
+                    f"gradient norm {norm:.3g} is {_times(ratio)} its running median {10**median:.3g} "
                     f"(z={z:.1f}; {len(hits)} of the last {len(recent)} steps)",
                     {
                         "key": "grad/global_norm",
@@ -129,11 +131,15 @@ class LossSpike(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(100, minimum=10, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
-        "warmup": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"),
+        "warmup": Param(
+            20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps needed before judging"
+        ),
         "z": Param(8.0, minimum=0.0, exclusive_minimum=True),
         "min_ratio": Param(2.0, minimum=1.0, doc="loss / baseline median (for a positive loss)"),
         "sustain": Param(3, minimum=1, maximum=RECENT, integer=True, doc=f"of the last {RECENT} steps"),
-        "restart_grace": Param(200, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps after a scheduled lr restart"),
+        "restart_grace": Param(
+            200, minimum=0, maximum=MAX_STEPS, integer=True, doc="steps after a scheduled lr restart"
+        ),
     }
     scalar_keys = frozenset({*LOSS_KEYS, "lr"})
 
@@ -142,7 +148,14 @@ class LossSpike(RuleType):
             raise ValueError(f"loss_spike: warmup ({self.warmup}) cannot exceed window ({self.window})")
 
     def initial_state(self) -> dict[str, Any]:
-        return {"baseline": [], "recent": [], "start_loss": None, "lr": None, "lr_max": None, "grace_until": -1}
+        return {
+            "baseline": [],
+            "recent": [],
+            "start_loss": None,
+            "lr": None,
+            "lr_max": None,
+            "grace_until": -1,
+        }
 
     def _track_lr(self, state: dict[str, Any], data: StepData) -> None:
         lr = data.scalars.get("lr")
@@ -177,7 +190,11 @@ class LossSpike(RuleType):
             hits = [r for r in recent if r[1]]
             if hit and len(hits) >= self.sustain:
                 ratio = value / median if median > 0 else None
-                size = f"{_times(ratio)} its running median" if ratio is not None else f"{z:.3g} deviations above its median"
+                size = (
+                    f"{_times(ratio)} its running median"
+                    if ratio is not None
+                    else f"{z:.3g} deviations above its median"
+                )
                 verdict = Finding(
                     data.step,
                     f"{key} {value:.4g} is {size} {median:.4g} ({len(hits)} of the last {len(recent)} steps)",
@@ -239,8 +256,13 @@ class LrJump(RuleType):
             data.step,
             f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> {lr:.3g}; "
             f"the run's highest before was {peak:.3g})",
-            {"key": "lr", "steps": [data.step - 1, data.step], "values": [previous, lr], "ratio": lr / previous,
-             "previous_peak": peak},
+            {
+                "key": "lr",
+                "steps": [data.step - 1, data.step],
+                "values": [previous, lr],
+                "ratio": lr / previous,
+                "previous_peak": peak,
+            },
         )
 
 
@@ -255,7 +277,9 @@ class ClipSaturation(RuleType):
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, accumulating"),
-        "plain_window": Param(200, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, otherwise"),
+        "plain_window": Param(
+            200, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, otherwise"
+        ),
         "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         "min_ratio": Param(3.0, minimum=1.0),
         "min_ratio_accumulating": Param(1.25, minimum=1.0),
@@ -270,7 +294,10 @@ class ClipSaturation(RuleType):
         if _finite(micro):
             state["micro_batches"] = micro
         norm, max_norm = data.scalars.get("grad/global_norm"), data.scalars.get("grad/clip_max_norm")
-        if not (_finite(norm) and _finite(max_norm) and max_norm > 0) or data.scalars.get("amp/skipped", 0) >= 0.5:
+        if (
+            not (_finite(norm) and _finite(max_norm) and max_norm > 0)
+            or data.scalars.get("amp/skipped", 0) >= 0.5
+        ):
             return None
         accumulating = state["micro_batches"] > 1
         window = self.window if accumulating else self.plain_window
