@@ -76,6 +76,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from _common import server_command
+
 REPO = Path(__file__).resolve().parent.parent
 
 CONFIGS: dict[str, str] = {
@@ -687,18 +689,7 @@ def start_server_process(workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradwatch.cli",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--database-url",
-            f"sqlite:///{workdir / 'gw.db'}",
-        ],
+        server_command(port, f"sqlite:///{workdir / 'gw.db'}"),
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=str(workdir),

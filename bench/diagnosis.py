@@ -3,7 +3,7 @@ with trainpulse 0.4.0 fed the very same per-step values.
 
     .venv/bin/python bench/diagnosis.py [--markdown] [--scenarios lr_jump,resumed,...]
 
-Every scenario of tests/support/pathologies.py (realistic CPU training runs that go wrong through a scheduler,
+Every scenario of tests/support/pathologies/ (realistic CPU training runs that go wrong through a scheduler,
 a data pipeline, a loop-order or dtype mistake, plus healthy controls; each with ground truth
 measured by plain torch, not by gradwatch) trains once:
 
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from _common import CLI_MODULE, server_command, server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "support")]
@@ -63,20 +64,16 @@ def gradwatch_server(workdir: Path) -> Iterator[str]:
     """`gradwatch server` on a free loopback port with a fresh SQLite file; yields its URL."""
     port = free_port()
     executable = Path(sys.executable).with_name("gradwatch")
-    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "gradwatch.cli"]
-    command += [
-        "server",
-        "--port",
-        str(port),
-        "--database-url",
+    command = server_command(
+        port,
         f"sqlite:///{workdir / 'gradwatch.db'}",
-        "--webhook-allow-private",
-    ]  # the receiver is on 127.0.0.1, refused by default
+        "--webhook-allow-private",  # the receiver is on 127.0.0.1, refused by default
+        launcher=[str(executable)] if executable.exists() else CLI_MODULE,
+        host=None,
+    )
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"GRADWATCH_HOME": str(workdir)}
-        )
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env(workdir))
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60

@@ -13,17 +13,18 @@ the dashboard) with two ingest tokens, for projects "victim" and "hostile":
 - limits off: ingest_concurrency=0, ingest_points_per_s=0 (no concurrency or rate limit); the
   per-batch caps stay, so the hostile sends the same batches in both.
 
-The scenario is tests/server/test_ingest_limits.py's (run_scenario): the victim posts a 1-point batch 4 times
-a second through the agent's own HttpTransport, for --baseline-s alone and then for --attack-s while
-the hostile token, ignoring every Retry-After, posts batches at the caps back to back (scalars of the
-keys the alert rules read, and one thread of per-layer vectors of zeros at the numbers cap), oversized
-ones (past the points cap; a gzip body inflating past the byte limit), --swarm threads of concurrent
-2,000-point batches, and asks for a grad_norm_spike rule with the largest window (an ingest token is
-refused that: 403). Its values are a healthy run's (the rules read them, none fires); with --firing
-its rank-0 batches skip every step, so that rules fire on each step. All request bodies are built before
-the clock starts; the hostile runs in a process of its own. Reported per configuration:
-the victim's latency (p50, p95, worst), its errors (any non-200 answer or failure) and samples, the
-hostile's accepted points per second and answers, and the server's peak RSS (VmHWM).
+The scenario is tests/support/ingest_attack.py's (run_scenario, as the hostile-tenant test runs it):
+the victim posts a 1-point batch 4 times a second through the agent's own HttpTransport, for
+--baseline-s alone and then for --attack-s while the hostile token, ignoring every Retry-After,
+posts batches at the caps back to back (scalars of the keys the alert rules read, and one thread of
+per-layer vectors of zeros at the numbers cap), oversized ones (past the points cap; a gzip body
+inflating past the byte limit), --swarm threads of concurrent 2,000-point batches, and asks for a
+grad_norm_spike rule with the largest window (an ingest token is refused that: 403). Its values are
+a healthy run's (the rules read them, none fires); with --firing its rank-0 batches skip every step,
+so that rules fire on each step. All request bodies are built before the clock starts; the hostile
+runs in a process of its own. Reported per configuration: the victim's latency (p50, p95, worst),
+its errors (any non-200 answer or failure) and samples, the hostile's accepted points per second and
+answers, and the server's peak RSS (VmHWM).
 
 First (skip with --no-batches), the server's peak RSS for single batches, each sent gzip-compressed to
 a fresh server with the default limits (SQLite): one at the points cap and one at the numbers cap
@@ -53,9 +54,9 @@ from typing import Any
 from gradwatch.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "server"), str(ROOT / "tests" / "support"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "tests" / "support")]
 
-import test_ingest_limits as scenario  # noqa: E402 - tests/ is put on the path just above
+import ingest_attack as scenario  # noqa: E402 - tests/support is put on the path just above
 
 CONFIGS = {"off": {"ingest_concurrency": 0, "ingest_points_per_s": 0}, "on": {}}
 SERVE = """

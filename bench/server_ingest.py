@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from _common import server_command, server_env
+
 from gradwatch._transport import COMPRESS_ABOVE, COMPRESS_LEVEL
 from gradwatch._wire import HEALTH_PREFIX, dumps
 
@@ -345,21 +347,8 @@ def export_revision(revision: str, folder: Path) -> tuple[Path, str]:
 
 def start_gradwatch(database: Database, folder: Path, pythonpath: Path | None) -> Server:
     port = free_port()
-    env = dict(os.environ, GRADWATCH_HOME=str(folder / "gradwatch-home"))
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
-    command = [
-        sys.executable,
-        "-m",
-        "gradwatch.cli",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--database-url",
-        database.url("postgresql+psycopg"),
-    ]
+    env = server_env(folder / "gradwatch-home", pythonpath)
+    command = server_command(port, database.url("postgresql+psycopg"))
     return Server("gradwatch", command, port, "/healthz", folder / f"gradwatch-{database.kind}.log", env)
 
 

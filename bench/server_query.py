@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from _common import server_command
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_ADMIN = os.environ.get(
@@ -232,16 +233,7 @@ def measure(database_url: str, args: argparse.Namespace) -> dict:
     )
     port = free_port()
     server = subprocess.Popen(
-        [
-            str(ROOT / ".venv/bin/gradwatch"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--database-url",
-            database_url,
-        ],
+        server_command(port, database_url, launcher=[str(ROOT / ".venv/bin/gradwatch")]),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

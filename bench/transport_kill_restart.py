@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _common import server_command
+
 import gradwatch
 
 
@@ -50,16 +52,7 @@ class Server:
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gradwatch.cli",
-                    "server",
-                    "--port",
-                    str(self.port),
-                    "--database-url",
-                    f"sqlite:///{self.database}",
-                ],
+                server_command(self.port, f"sqlite:///{self.database}", host=None),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

@@ -164,8 +164,8 @@ class Tokens:
             if not self.required():
                 return Principal(open=True)
             raise Unauthenticated(
-                "this server requires a token: send 'Authorization: Bearer <token>' "
-                "(an operator creates one with `gradwatch token create --project NAME --scope ingest|read|admin`)"
+                "this server requires a token: send 'Authorization: Bearer <token>' (an operator creates one "
+                "with `gradwatch token create --project NAME --scope ingest|read|admin`)"
             )
         record = self._stored.find(hash_token(token))
         if record is None or record.revoked_at is not None:

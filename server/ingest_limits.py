@@ -36,6 +36,15 @@ dependency runs (a 5 MB batch: ~70 ms in which no other request moves):
 A tenant's next batch is admitted only once its own bucket can pay what its last batch cost, so one
 tenant's backlog is never paid for with another's time.
 
+A 429 is cheap to send but not free (~1 ms of the one event loop, with the HTTP around it): a client
+that ignores Retry-After and asks again at once, from a few threads, gets hundreds a second and slows
+every other tenant's requests several times over. So a tenant that comes back before its last
+Retry-After has passed is held: its next 429 is sent only when that time has come (at most
+HOLD_AT_MOST_S later), with the body left unread; at most HELD_PER_TENANT of its requests are held at
+once, any more are answered at once and their connections closed. An agent waits Retry-After and is
+never held; the ranks of a job sharing a token may be, by up to HOLD_AT_MOST_S, on an answer they would
+have had to wait for anyway.
+
 Defaults: the agent flushes every second or every 100 steps (gradwatch.init); a model with 1000
 parameter tensors at 30 steps/s sends ~130 points and ~130,000 histogram and vector numbers per
 flush on rank 0 (a cost of ~6,600/s) and ~350 on each other rank: an 8-rank job ~9,000 points/s.
@@ -95,6 +104,8 @@ FREE_CPU_S = 0.05
 # A second of the event loop (inflating and parsing bodies) holds up every request: worth 4x as much.
 POINTS_PER_LOOP_S = 4 * POINTS_PER_CPU_S
 DRAIN_AT_MOST = 1024 * 1024  # a request refused before its body is read keeps its connection up to this size
+HOLD_AT_MOST_S = 2.0  # longest a 429 to a tenant that came back before its Retry-After is held back
+HELD_PER_TENANT = 16  # requests of one tenant held at once; more are answered at once, connection closed
 
 
 class LimitedOut(BaseModel):
@@ -173,6 +184,8 @@ class _Tenant:
     expected: float = 0.0  # what this tenant's last batch cost: its next one must be affordable
     in_flight: int = 0
     waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    retry_at: float = 0.0  # when the tenant's last Retry-After ends (clock time)
+    held: int = 0  # its 429s being held back right now (IngestLimits.hold)
 
 
 def _per(key: str) -> str:
@@ -279,7 +292,7 @@ class IngestLimits:
     def _forget_idle(self) -> None:
         for key in list(self._tenants)[: len(self._tenants) - MAX_TENANTS]:
             tenant = self._tenants[key]
-            if not tenant.in_flight and not tenant.waiters:
+            if not tenant.in_flight and not tenant.waiters and not tenant.held:
                 del self._tenants[key]
 
     def _rate_refusal(self, key: str, tenant: _Tenant, cost: float, what: str) -> IngestLimited | None:
@@ -293,8 +306,8 @@ class IngestLimits:
         return IngestLimited(
             429,
             "rate",
-            f"ingest rate limit: {self.points_per_s:,.0f} points/s {_per(key)} (bursts of {self.burst_points:,.0f}); "
-            f"{what}; retry in {wait} s",
+            f"ingest rate limit: {self.points_per_s:,.0f} points/s {_per(key)} (bursts of "
+            f"{self.burst_points:,.0f}); {what}; retry in {wait} s",
             wait,
         )
 
@@ -318,7 +331,8 @@ class IngestLimits:
             raise IngestLimited(
                 429,
                 "concurrency",
-                f"ingest concurrency limit: {self.concurrency} batch requests in flight {_per(key)}; retry in 1 s",
+                f"ingest concurrency limit: {self.concurrency} batch requests in flight {_per(key)}; retry "
+                "in 1 s",
                 1,
             )
 
@@ -395,6 +409,23 @@ class IngestLimits:
         tenant.balance -= worth - cost
         tenant.expected = max(tenant.expected, worth)
 
+    async def hold(self, key: str, retry_after: int) -> bool:
+        """Before a 429 with `retry_after` goes to `key`: wait while the tenant is early (it was told
+        to come back later than now), up to HOLD_AT_MOST_S; then note when this Retry-After ends.
+        False when the tenant has HELD_PER_TENANT answers held already: answer at once and close."""
+        tenant = self._tenant(key)
+        early_by = tenant.retry_at - self._clock()
+        if early_by > 0:
+            if tenant.held >= HELD_PER_TENANT:
+                return False
+            tenant.held += 1
+            try:
+                await asyncio.sleep(min(early_by, HOLD_AT_MOST_S))
+            finally:
+                tenant.held -= 1
+        tenant.retry_at = max(tenant.retry_at, self._clock() + retry_after)
+        return True
+
     def penalize(self, key: str, seconds: float) -> None:
         """A body refused before it could be counted (a gzip body inflating past the byte limit, not
         UTF-8, not JSON...) costs the time the event loop spent on it, at POINTS_PER_LOOP_S."""
@@ -460,7 +491,8 @@ class IngestLimitMiddleware:
         except IngestLimited as refused:
             response = refused.response()
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
-            if declared.isdigit() and int(declared) > DRAIN_AT_MOST:
+            held_back = refused.retry_after is None or await self.limits.hold(key, refused.retry_after)
+            if not held_back or (declared.isdigit() and int(declared) > DRAIN_AT_MOST):
                 # The body is left unread; reading a large one only to discard it would cost the server
                 # ~1 ms per MB of every refused request: close the connection instead.
                 response.headers["Connection"] = "close"
@@ -474,6 +506,9 @@ class IngestLimitMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 429:  # charge_ingest's refusal, after the body: held back the same way
+                    retry_after = next((v for k, v in message["headers"] if k == b"retry-after"), b"1")
+                    await self.limits.hold(key if ticket.key is None else ticket.key, int(retry_after))
             await send(message)
 
         try:

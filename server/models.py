@@ -7,6 +7,7 @@ Non-finite floats are stored as value NULL plus an explicit flag (SQLite cannot 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, ClassVar
 
 from sqlalchemy import (
     BigInteger,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -44,6 +46,11 @@ class Flag(enum.IntEnum):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+    if TYPE_CHECKING:
+        # Every model here is mapped to a Table (__tablename__, no custom selectable): SQLAlchemy types
+        # __table__ as any FromClause, which has no .name or .insert() (storage.bulk reads both).
+        __table__: ClassVar[Table]
 
 
 class Run(Base):
@@ -370,8 +377,9 @@ class Delivery(Base):
 
 
 class ApiToken(Base):
-    """A bearer token for one project ("*": every project) with scopes (ingest, read, admin; "*": all). Only the SHA-256
-    of the token is stored; prefix (its first characters) lets people tell tokens apart in listings."""
+    """A bearer token for one project ("*": every project) with scopes (ingest, read, admin; "*": all).
+    Only the SHA-256 of the token is stored; prefix (its first characters) lets people tell tokens apart
+    in listings."""
 
     __tablename__ = "api_tokens"
 

@@ -6,9 +6,9 @@ can make it send requests there; a signed-in dashboard's cookie goes with every 
 
 - Host allow-list on a server listening on loopback (DNS rebinding: a page on evil.example whose name
   is re-pointed at 127.0.0.1 can read the answers, since to the browser they are same-origin; its
-  requests say `Host: evil.example`). Answered: loopback names, IP addresses (never a rebinding: no name is resolved), the host of
-  Settings.public_url, the host the server listens on, Settings.allowed_hosts ("*": any). Else 400,
-  WebSocket handshakes too.
+  requests say `Host: evil.example`). Answered: loopback names, IP addresses (never a rebinding: no
+  name is resolved), the host of Settings.public_url, the host the server listens on,
+  Settings.allowed_hosts ("*": any). Else 400, WebSocket handshakes too.
 - Origin check (cross-site forms and fetches, login CSRF, reading a live stream from another site):
   POST, PUT, PATCH and DELETE requests and WebSocket handshakes that carry an Origin must come from
   the request's own origin (the scope's scheme, which uvicorn takes from X-Forwarded-Proto of a
@@ -113,7 +113,8 @@ class WebSecurityPolicy:
     allowed_hosts entry is a ValueError then); the composition root calls listening_on() before serving."""
 
     def __init__(self, settings: Settings) -> None:
-        entries = settings.allowed_hosts or ()
+        # A str: a caller without a type checker gave one host name; iterating it would allow its letters.
+        entries: tuple[str, ...] | str = settings.allowed_hosts or ()
         if isinstance(entries, str):
             raise TypeError(f"allowed_hosts must be a tuple of host names, not the string {entries!r}")
         self.any_host = "*" in entries
@@ -132,7 +133,8 @@ class WebSecurityPolicy:
         self.insecure = False
 
     def listening_on(self, host: str, insecure: bool) -> None:
-        """The address the server binds (a name counts as an allowed host) and whether --insecure was given."""
+        """The address the server binds (a name counts as an allowed host) and whether --insecure was
+        given."""
         self.listening_host = host.strip().strip("[]").lower()
         self.insecure = insecure
 

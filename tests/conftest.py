@@ -84,9 +84,7 @@ def database_url(request, tmp_path) -> Iterator[str]:
         yield from _postgres_database()
 
 
-@pytest.fixture
-def api_server(database_url) -> Iterator:
-    """A real uvicorn server with the API only, on a free loopback port."""
+def _api_only_server(database_url: str) -> Iterator:
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
@@ -96,6 +94,18 @@ def api_server(database_url) -> Iterator:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def api_server(database_url) -> Iterator:
+    """A real uvicorn server with the API only, on a free loopback port."""
+    yield from _api_only_server(database_url)
+
+
+@pytest.fixture
+def sqlite_server(sqlite_url) -> Iterator:
+    """The same on a SQLite file only: for tests of the agent against a real server, not of the storage."""
+    yield from _api_only_server(sqlite_url)
 
 
 @pytest.fixture

@@ -30,9 +30,10 @@ from .alerts_views import (
     alerts_table,
     delivery_outcome,
     param_inputs,
-    parse_param,
     rule_params,
+    rule_settings,
     rules_table,
+    text_input,
     webhooks_table,
 )
 
@@ -122,7 +123,8 @@ def alerts_layout(
             html.Datalist([html.Option(value=project) for project in projects], id="known-projects"),
             dcc.Interval(id="alerts-refresh", interval=ALERTS_REFRESH_MS),
             dcc.Interval(id="webhook-test-poll", interval=TEST_POLL_MS, disabled=True),
-            html.Div(
+            _card(
+                "alerts",
                 [
                     html.Div(
                         [
@@ -145,144 +147,118 @@ def alerts_layout(
                         ],
                         className="toolbar",
                     ),
-                    html.Div(id="alerts-message"),
-                    html.Div(html.P("Loading alerts…", className="muted"), id="alerts-table"),
                 ],
-                className="card",
-                id="alerts-card",
             ),
-            html.Div(
-                [
-                    html.H2("Rules"),
-                    html.P(
-                        "Rules are checked on every batch a run sends. New projects get the default "
-                        "rules; a changed rule starts over and resolves its open alerts.",
-                        className="muted hint",
+            _card(
+                "rules",
+                _heading(
+                    "Rules",
+                    "Rules are checked on every batch a run sends. New projects get the default "
+                    "rules; a changed rule starts over and resolves its open alerts.",
+                ),
+                _rule_editor(),
+                html.H3("New rule"),
+                _form_row(
+                    _project_field("rule-project"),
+                    _field(
+                        "Type",
+                        dcc.Dropdown(
+                            id="rule-type",
+                            options=type_options,
+                            value=None,
+                            placeholder="rule type",
+                            className="type-pick",
+                        ),
                     ),
-                    html.Div(id="rules-message"),
-                    html.Div(html.P("Loading rules…", className="muted"), id="rules-table"),
-                    _rule_editor(),
-                    html.H3("New rule"),
-                    html.Div(
-                        [
-                            _field(
-                                "Project",
-                                dcc.Input(
-                                    id="rule-project",
-                                    type="text",
-                                    list="known-projects",
-                                    placeholder="project",
-                                    className="text-input",
-                                ),
-                            ),
-                            _field(
-                                "Type",
-                                dcc.Dropdown(
-                                    id="rule-type",
-                                    options=type_options,
-                                    value=None,
-                                    placeholder="rule type",
-                                    className="type-pick",
-                                ),
-                            ),
-                            _field(
-                                "Name",
-                                dcc.Input(
-                                    id="rule-name",
-                                    type="text",
-                                    placeholder="optional",
-                                    className="text-input",
-                                ),
-                            ),
-                            _field(
-                                "Cooldown steps",
-                                dcc.Input(
-                                    id="rule-cooldown",
-                                    type="text",
-                                    placeholder="default",
-                                    className="text-input short",
-                                ),
-                            ),
-                        ],
-                        className="form-row",
-                    ),
-                    html.Div(id="rule-type-doc", className="type-doc"),
-                    html.Div(id="rule-params", className="params"),
-                    html.Button("Create rule", id="rule-create", className="button primary", n_clicks=0),
-                    html.Div(id="rule-form-message"),
-                ],
-                className="card",
-                id="rules-card",
+                    _text_field("Name", "rule-name", placeholder="optional"),
+                    _text_field("Cooldown steps", "rule-cooldown", "text-input short", placeholder="default"),
+                ),
+                html.Div(id="rule-type-doc", className="type-doc"),
+                html.Div(id="rule-params", className="params"),
+                _primary_button("Create rule", "rule-create"),
+                html.Div(id="rule-form-message"),
             ),
-            html.Div(
-                [
-                    html.H2("Webhooks"),
-                    html.P(
-                        "A project's alerts are POSTed to its webhooks when they fire and when they "
-                        "resolve; with a secret, each request is signed (HMAC-SHA256).",
-                        className="muted hint",
+            _card(
+                "webhooks",
+                _heading(
+                    "Webhooks",
+                    "A project's alerts are POSTed to its webhooks when they fire and when they "
+                    "resolve; with a secret, each request is signed (HMAC-SHA256).",
+                ),
+                html.H3("New webhook"),
+                _form_row(
+                    _project_field("webhook-project"),
+                    _text_field(
+                        "URL",
+                        "webhook-url",
+                        "text-input wide",
+                        placeholder="https://hooks.slack.com/services/…",
                     ),
-                    html.Div(id="webhooks-message"),
-                    html.Div(html.P("Loading webhooks…", className="muted"), id="webhooks-table"),
-                    html.H3("New webhook"),
-                    html.Div(
-                        [
-                            _field(
-                                "Project",
-                                dcc.Input(
-                                    id="webhook-project",
-                                    type="text",
-                                    list="known-projects",
-                                    placeholder="project",
-                                    className="text-input",
-                                ),
-                            ),
-                            _field(
-                                "URL",
-                                dcc.Input(
-                                    id="webhook-url",
-                                    type="text",
-                                    placeholder="https://hooks.slack.com/services/…",
-                                    className="text-input wide",
-                                ),
-                            ),
-                            _field(
-                                "Format",
-                                dcc.RadioItems(
-                                    id="webhook-format",
-                                    options=[
-                                        {"label": f" {label}", "value": value}
-                                        for value, label in WEBHOOK_FORMATS.items()
-                                    ],
-                                    value="json",
-                                    inline=True,
-                                    className="format-pick",
-                                ),
-                            ),
-                            _field(
-                                "Secret",
-                                dcc.Input(
-                                    id="webhook-secret",
-                                    type="password",
-                                    placeholder="optional, signs requests",
-                                    className="text-input",
-                                ),
-                            ),
-                        ],
-                        className="form-row",
+                    _field(
+                        "Format",
+                        dcc.RadioItems(
+                            id="webhook-format",
+                            options=[
+                                {"label": f" {label}", "value": value}
+                                for value, label in WEBHOOK_FORMATS.items()
+                            ],
+                            value="json",
+                            inline=True,
+                            className="format-pick",
+                        ),
                     ),
-                    html.Button("Add webhook", id="webhook-create", className="button primary", n_clicks=0),
-                    html.Div(id="webhook-form-message"),
-                ],
-                className="card",
-                id="webhooks-card",
+                    _text_field(
+                        "Secret",
+                        "webhook-secret",
+                        input_type="password",
+                        placeholder="optional, signs requests",
+                    ),
+                ),
+                _primary_button("Add webhook", "webhook-create"),
+                html.Div(id="webhook-form-message"),
             ),
         ]
     )
 
 
+# -- the page's building blocks: each card, form row and field is made by one of these -------------
+
+
+def _card(name: str, top: list[Any], *rest: Any) -> html.Div:
+    """Card `{name}-card`: `top`, then `{name}-message` and `{name}-table` (filled by the callbacks,
+    "Loading {name}…" until then), then `rest` (the card's form)."""
+    loading = html.P(f"Loading {name}…", className="muted")
+    return html.Div(
+        [*top, html.Div(id=f"{name}-message"), html.Div(loading, id=f"{name}-table"), *rest],
+        className="card",
+        id=f"{name}-card",
+    )
+
+
+def _heading(title: str, hint: str) -> list[Any]:
+    return [html.H2(title), html.P(hint, className="muted hint")]
+
+
+def _form_row(*fields: Any) -> html.Div:
+    return html.Div(list(fields), className="form-row")
+
+
 def _field(label: str, control: Any) -> html.Label:
     return html.Label([html.Span(label, className="field-label"), control], className="field")
+
+
+def _text_field(label: str, component_id: str, class_name: str = "text-input", **props: Any) -> html.Label:
+    """A labelled text_input; `props` as text_input's (input_type, placeholder, list)."""
+    return _field(label, text_input(component_id, class_name, **props))
+
+
+def _project_field(component_id: str) -> html.Label:
+    """The project a new rule or webhook is for: typed, with the known projects suggested."""
+    return _text_field("Project", component_id, list="known-projects", placeholder="project")
+
+
+def _primary_button(label: str, component_id: str) -> html.Button:
+    return html.Button(label, id=component_id, className="button primary", n_clicks=0)
 
 
 def _rule_editor() -> html.Div:
@@ -290,19 +266,13 @@ def _rule_editor() -> html.Div:
         [
             html.H3(id="rule-edit-title"),
             html.Div(id="rule-edit-params", className="params"),
-            html.Div(
-                [
-                    _field("Name", dcc.Input(id="rule-edit-name", type="text", className="text-input")),
-                    _field(
-                        "Cooldown steps",
-                        dcc.Input(id="rule-edit-cooldown", type="text", className="text-input short"),
-                    ),
-                ],
-                className="form-row",
+            _form_row(
+                _text_field("Name", "rule-edit-name"),
+                _text_field("Cooldown steps", "rule-edit-cooldown", "text-input short"),
             ),
             html.Div(
                 [
-                    html.Button("Save", id="rule-edit-save", className="button primary", n_clicks=0),
+                    _primary_button("Save", "rule-edit-save"),
                     html.Button("Cancel", id="rule-edit-cancel", className="button", n_clicks=0),
                 ],
                 className="buttons",
@@ -427,12 +397,8 @@ def register(app: dash.Dash, api: ApiClient, run_href: RunHref) -> None:
             "project": project_name,
             "type": rule_type,
             "params": rule_params(spec.get("params") or {}, texts, only_changed=True),
+            **rule_settings(name, cooldown),
         }
-        rule_name = (name or "").strip()
-        if rule_name:
-            rule["name"] = rule_name
-        if str(cooldown or "").strip():
-            rule["cooldown_steps"] = parse_param(str(cooldown), 0)
         try:
             created = api.create_alert_rule(rule)
         except ApiError as exc:
@@ -527,12 +493,10 @@ def register(app: dash.Dash, api: ApiClient, run_href: RunHref) -> None:
         try:
             rule = api.alert_rule(rule_id)
             spec = _type_spec(types, rule.get("type")) or {"params": {}}
-            changes: dict[str, Any] = {"params": rule_params(spec.get("params") or {}, texts)}
-            rule_name = (name or "").strip()
-            if rule_name:
-                changes["name"] = rule_name
-            if str(cooldown or "").strip():
-                changes["cooldown_steps"] = parse_param(str(cooldown), 0)
+            changes: dict[str, Any] = {
+                "params": rule_params(spec.get("params") or {}, texts),
+                **rule_settings(name, cooldown),
+            }
             saved = api.update_alert_rule(rule_id, changes)
         except ApiError as exc:
             return form_message(exc), False, dash.no_update, dash.no_update

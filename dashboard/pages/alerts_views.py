@@ -4,6 +4,8 @@
                                                 apart by pattern-matching ids
     param_inputs, rule_params, parse_param      a rule's parameters as form fields, and the fields'
                                                 texts back as the JSON the API takes
+    rule_settings                               a rule form's name and cooldown fields as that JSON
+    text_input                                  a one-line text field, as every form of the page has
     delivery_outcome                            a test delivery's state for people
 
 Every user- or server-supplied string is passed as a component's children or a title attribute, which
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Literal
 
 from dash import dcc, html
 
@@ -38,7 +40,9 @@ __all__ = [
     "param_text",
     "parse_param",
     "rule_params",
+    "rule_settings",
     "rules_table",
+    "text_input",
     "webhooks_table",
 ]
 
@@ -285,6 +289,18 @@ def rule_params(
     return params
 
 
+def rule_settings(name: str | None, cooldown: str | None) -> dict[str, Any]:
+    """A rule form's Name and Cooldown steps fields as the API's "name" and "cooldown_steps", each
+    left out while empty (a new rule gets the server's default, an edited one keeps its value)."""
+    settings: dict[str, Any] = {}
+    rule_name = (name or "").strip()
+    if rule_name:
+        settings["name"] = rule_name
+    if str(cooldown or "").strip():
+        settings["cooldown_steps"] = parse_param(str(cooldown), 0)
+    return settings
+
+
 def _same(value: object, default: object) -> bool:
     if isinstance(value, bool) or isinstance(default, bool):
         return value == default
@@ -304,12 +320,8 @@ def param_inputs(kind: str, specs: dict[str, Any], values: dict[str, Any] | None
             html.Label(
                 [
                     html.Span(name, className="param-name"),
-                    dcc.Input(
-                        id={"type": kind, "param": name},
-                        type="text",
-                        value=param_text(value),
-                        debounce=False,
-                        className="param-input",
+                    text_input(
+                        {"type": kind, "param": name}, "param-input", value=param_text(value), debounce=False
                     ),
                     html.Span(_param_help(spec), className="muted param-help"),
                 ],
@@ -319,6 +331,17 @@ def param_inputs(kind: str, specs: dict[str, Any], values: dict[str, Any] | None
     if not fields:
         fields.append(html.P("This rule type has no parameters.", className="muted"))
     return fields
+
+
+def text_input(
+    component_id: str | dict[str, Any],
+    class_name: str = "text-input",
+    input_type: Literal["text", "password"] = "text",
+    **props: Any,
+) -> dcc.Input:
+    """A one-line text field (`input_type` "password" hides what is typed); `props` are further
+    dcc.Input properties (placeholder, value, list, debounce), only those given."""
+    return dcc.Input(id=component_id, type=input_type, className=class_name, **props)
 
 
 def _param_help(spec: dict[str, Any]) -> str:

@@ -122,8 +122,8 @@ def scaler_settings(band: tuple[float, float] | None, prefer: str = "middle") ->
     exponent = max(low_exp, high_exp - 1) if prefer == "high" else (low_exp + high_exp) // 2
     growth = 100 if prefer == "high" else 2000
     return (
-        f"GradScaler(init_scale=2**{exponent}, growth_interval={growth}): the gradients fit fp16 for loss scales "
-        f"between 2^{low_exp} and 2^{high_exp}"
+        f"GradScaler(init_scale=2**{exponent}, growth_interval={growth}): the gradients fit fp16 for loss "
+        f"scales between 2^{low_exp} and 2^{high_exp}"
     )
 
 
@@ -138,13 +138,14 @@ def diagnose(findings: list[dict[str, Any]], context: RunContext) -> Diagnosis:
     misuse = dict(context.misuse)
     if "misuse" in by_rule:
         evidence = by_rule["misuse"]["evidence"]
-        for kind, hint in zip(evidence.get("kinds") or [], evidence.get("hints") or []):
+        # Stored evidence: a document without hints (or a shorter list) names no hints, not an error.
+        for kind, hint in zip(evidence.get("kinds") or [], evidence.get("hints") or [], strict=False):
             misuse.setdefault(kind, {"hint": hint})
     for diagnose_one in _CAUSES:
         result = diagnose_one(by_rule, findings, context, misuse, first_step)
         if result is not None:
             cause_key, title, cause, steps = result[:4]
-            layers = result[4] if len(result) > 4 else _layers(findings)  # type: ignore[misc]
+            layers = result[4] if len(result) > 4 else _layers(findings)
             return Diagnosis(cause_key, title, cause, steps, severity, layers)
     first = findings[0]
     return Diagnosis(first["rule"], first["title"], first["title"], [], severity, _layers(findings))
@@ -152,6 +153,11 @@ def diagnose(findings: list[dict[str, Any]], context: RunContext) -> Diagnosis:
 
 # (cause_key, title, cause, next steps[, layers named]) or None when the cause does not apply.
 Result = tuple[str, str, str, list[str]] | tuple[str, str, str, list[str], list[str]] | None
+# What a cause is tried on: the findings (JSON documents) and the first one of each rule, the misuse
+# events' data by kind (see diagnose).
+Findings = list[dict[str, Any]]
+ByRule = dict[str, dict[str, Any]]
+Misuse = dict[str, dict[str, Any]]
 
 
 def _suspect_weights(context: RunContext) -> list[tuple[str, float]]:
@@ -165,7 +171,7 @@ def _suspect_weights(context: RunContext) -> list[tuple[str, float]]:
 
 
 def _clip_before_unscale(
-    by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
 ) -> Result:
     if "clip_before_unscale" not in misuse:
         return None
@@ -173,13 +179,17 @@ def _clip_before_unscale(
     scale = context.scale
     cut = ""
     if isinstance(max_norm, (int, float)) and scale:
-        cut = f" (max_norm={max_norm:g} against S·‖g‖ with S={_power(scale)}: the true gradient is cut to ≈{max_norm / scale:.2g})"
+        cut = (
+            f" (max_norm={max_norm:g} against S·‖g‖ with S={_power(scale)}: the true gradient is cut to "
+            f"≈{max_norm / scale:.2g})"
+        )
     return (
         "clip_before_unscale",
         "clip_grad_norm_ runs before scaler.unscale_: every step is clipped to almost nothing",
         (
-            "clip_grad_norm_ is called on the SCALED gradients, before scaler.unscale_(optimizer): it clips on nearly "
-            f"every step and shrinks the true gradient by the loss scale{cut}, so the model barely learns."
+            "clip_grad_norm_ is called on the SCALED gradients, before scaler.unscale_(optimizer): it clips "
+            f"on nearly every step and shrinks the true gradient by the loss scale{cut}, so the model barely "
+            "learns."
         ),
         [
             (
@@ -191,7 +201,9 @@ def _clip_before_unscale(
     )
 
 
-def _fp16_range(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _fp16_range(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
     kind = next((k for k in ("bf16_model_in_fp16", "weights_exceed_fp16") if k in misuse), None)
     if kind is None:
         return None
@@ -216,7 +228,7 @@ def _fp16_range(by_rule: dict, findings: list, context: RunContext, misuse: dict
     )
 
 
-def _divergence_trigger(by_rule: dict, context: RunContext, step: int) -> tuple[int, float, float] | None:
+def _divergence_trigger(by_rule: ByRule, context: RunContext, step: int) -> tuple[int, float, float] | None:
     if "lr_jump" in by_rule:
         evidence = by_rule["lr_jump"]["evidence"]
         values = evidence.get("values") or []
@@ -227,7 +239,7 @@ def _divergence_trigger(by_rule: dict, context: RunContext, step: int) -> tuple[
     )
 
 
-def _onset(by_rule: dict, rules: tuple[str, ...]) -> int | None:
+def _onset(by_rule: ByRule, rules: tuple[str, ...]) -> int | None:
     steps = [by_rule[r]["evidence"].get("onset_step", by_rule[r]["step"]) for r in rules if r in by_rule]
     return min(steps) if steps else None
 
@@ -237,7 +249,9 @@ def _lr_at(context: RunContext, step: int) -> float | None:
     return before[-1] if before else None
 
 
-def _forward_overflow(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _forward_overflow(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
     """A loss non-finite on (nearly) every step under fp16 autocast: the forward pass overflows fp16."""
     finding = by_rule.get("loss_non_finite")
     if finding is None or not context.fp16_scaler:
@@ -258,9 +272,10 @@ def _forward_overflow(by_rule: dict, findings: list, context: RunContext, misuse
         "fp16_forward_overflow",
         "the forward pass overflows fp16 on every step" + (f" (likely {named[0]})" if named else ""),
         (
-            f"The loss is non-finite on {len(bad)} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under fp16 autocast: "
-            f"activations exceed fp16's 65504 in the forward pass{where}, as a model trained in bf16 (outlier features) "
-            "does in fp16; no loss scale helps, and the GradScaler skips every step (or every batch is corrupt)."
+            f"The loss is non-finite on {len(bad)} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under "
+            f"fp16 autocast: activations exceed fp16's 65504 in the forward pass{where}, as a model trained "
+            "in bf16 (outlier features) does in fp16; no loss scale helps, and the GradScaler skips every "
+            "step (or every batch is corrupt)."
         ),
         [
             "Train in bf16: torch.autocast(device_type, dtype=torch.bfloat16) and no GradScaler.",
@@ -272,7 +287,7 @@ def _forward_overflow(by_rule: dict, findings: list, context: RunContext, misuse
     )
 
 
-def _bad_loss(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _bad_loss(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     finding = by_rule.get("loss_non_finite")
     if finding is None:
         return None
@@ -292,8 +307,8 @@ def _bad_loss(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
         if ids
         else "Log each batch's sample ids with run.log_batch(ids): the next NaN loss will name its batch.",
         (
-            "Look for log(0), division by zero, sqrt of a negative or an empty mask in the loss on that batch; "
-            "torch.autograd.set_detect_anomaly(True) on it names the operation."
+            "Look for log(0), division by zero, sqrt of a negative or an empty mask in the loss on that "
+            "batch; torch.autograd.set_detect_anomaly(True) on it names the operation."
         ),
     ]
     if applied:
@@ -310,14 +325,16 @@ def _bad_loss(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
         "loss_non_finite",
         f"the loss is {value} at step {nan_step}{batch}",
         (
-            f"The loss itself was {value} at step {nan_step}{batch}: the forward pass or the data produced it, not "
-            "an overflow of the gradients that the GradScaler could cure."
+            f"The loss itself was {value} at step {nan_step}{batch}: the forward pass or the data produced "
+            "it, not an overflow of the gradients that the GradScaler could cure."
         ),
         steps,
     )
 
 
-def _divergence(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _divergence(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
     spikes = _onset(by_rule, ("grad_norm_spike", "loss_spike"))
     trigger = _divergence_trigger(by_rule, context, step if spikes is None else max(step, spikes))
     if trigger is None and spikes is None:
@@ -336,17 +353,20 @@ def _divergence(by_rule: dict, findings: list, context: RunContext, misuse: dict
     if trigger is not None:
         at, before, after = trigger
         rewind = at
-        good_lr = before
+        good_lr: float | None = before
         cause = (
-            f"The learning rate jumped {_x(after / before)}x at step {at} ({before:.3g} -> {after:.3g}): a scheduler "
-            f"or config bug, and the run diverges since{since}."
+            f"The learning rate jumped {_x(after / before)}x at step {at} ({before:.3g} -> {after:.3g}): a "
+            f"scheduler or config bug, and the run diverges since{since}."
         )
         title = f"the learning rate jumped {_x(after / before)}x at step {at}; the run diverges"
         first_step = [f"Fix the schedule: the lr at step {at} is {_x(after / before)}x the step before."]
     else:
         rewind = spikes if spikes is not None else step
         good_lr = _lr_at(context, rewind)
-        cause = f"Training is diverging from step {rewind}{since}; the learning rate is likely too high for this point."
+        cause = (
+            f"Training is diverging from step {rewind}{since}; the learning rate is likely too high for this "
+            "point."
+        )
         title = f"training diverges from step {rewind}"
         first_step = []
     lr_text = f" (to {good_lr / 2:.3g})" if good_lr else ""
@@ -354,15 +374,15 @@ def _divergence(by_rule: dict, findings: list, context: RunContext, misuse: dict
         "divergence" if trigger is None else "lr_jump",
         title,
         cause,
-        first_step
-        + [
+        [
+            *first_step,
             f"Lower the learning rate by half{lr_text} and rewind to the checkpoint before step {rewind}.",
             "Clip gradients at max_norm=0.5 (after scaler.unscale_ with fp16) for the next 1,000 steps.",
         ],
     )
 
 
-def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     rules = ("scaler_calibration", "scale_floor", "skip_storm", "scale_drop", "non_finite", "no_scale_growth")
     present = [r for r in rules if r in by_rule]
     if not present:
@@ -375,11 +395,15 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
             "non_finite_applied",
             f"non-finite gradients reached the weights at step {by_rule['non_finite']['step']}",
             (
-                f"A non-finite gradient{where} was applied by the optimizer at step {by_rule['non_finite']['step']}: "
-                "no GradScaler skipped it, so the weights are probably NaN from here on."
+                f"A non-finite gradient{where} was applied by the optimizer at step "
+                f"{by_rule['non_finite']['step']}: no GradScaler skipped it, so the weights are probably NaN "
+                "from here on."
             ),
             [
-                f"Restart from the checkpoint before step {by_rule['non_finite']['step']} with half the learning rate.",
+                (
+                    f"Restart from the checkpoint before step {by_rule['non_finite']['step']} with half the "
+                    "learning rate."
+                ),
                 "Train in bf16, or use torch.amp.GradScaler with fp16 so overflowing steps are skipped.",
             ],
         )
@@ -393,8 +417,8 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
         return (
             "scale_set_below_one",
             f"the loss scale is {_power(scale)} without any overflow: init_scale below 1",
-            f"The loss scale is {_power(scale)}, below 1, although nothing overflowed: the GradScaler was created "
-            "(or restored) with init_scale below 1, so small gradients underflow to zero in fp16"
+            f"The loss scale is {_power(scale)}, below 1, although nothing overflowed: the GradScaler was "
+            "created (or restored) with init_scale below 1, so small gradients underflow to zero in fp16"
             + (f" ({_named(_layers(findings, 'underflow'))})" if "underflow" in by_rule else "")
             + ".",
             [
@@ -409,8 +433,9 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
         evidence = (by_rule.get("scaler_calibration") or by_rule["scale_floor"])["evidence"]
         values = evidence.get("values") or [None]
         cause = (
-            f"Gradients overflow fp16 on (nearly) every step{where}: the GradScaler keeps halving the loss scale "
-            f"(now {_power(values[-1])}) and never finds one that works, so no optimizer step is applied."
+            f"Gradients overflow fp16 on (nearly) every step{where}: the GradScaler keeps halving the loss "
+            f"scale (now {_power(values[-1])}) and never finds one that works, so no optimizer step is "
+            "applied."
         )
         title = "the loss scale never settles: gradients overflow at any scale" + where
     else:
@@ -445,7 +470,7 @@ def _scaler(by_rule: dict, findings: list, context: RunContext, misuse: dict, st
     return ("scale_collapse" if "scaler_calibration" in by_rule else "overflow", title, cause, steps)
 
 
-def _underflow(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _underflow(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     finding = by_rule.get("underflow")
     if finding is None:
         return None
@@ -458,8 +483,9 @@ def _underflow(by_rule: dict, findings: list, context: RunContext, misuse: dict,
         "underflow",
         f"gradients of {_named(layers)} underflow in fp16",
         (
-            f"Gradients of {_named(layers)} underflow in fp16: {share}their elements are exactly zero{at_scale}, so "
-            "those weights barely learn (tiny adapter gradients, as LoRA/QLoRA has, are the usual case)."
+            f"Gradients of {_named(layers)} underflow in fp16: {share}their elements are exactly "
+            f"zero{at_scale}, so those weights barely learn (tiny adapter gradients, as LoRA/QLoRA has, are "
+            "the usual case)."
         ),
         (
             [settings + "."]
@@ -472,12 +498,15 @@ def _underflow(by_rule: dict, findings: list, context: RunContext, misuse: dict,
             ]
         )
         + [
-            "Or train in bf16 (fp32's exponent range: nothing underflows), or keep the adapters' matmuls in fp32."
+            (
+                "Or train in bf16 (fp32's exponent range: nothing underflows), or keep the adapters' "
+                "matmuls in fp32."
+            )
         ],
     )
 
 
-def _clipping(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _clipping(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     finding = by_rule.get("clip_saturation")
     if finding is None:
         return None
@@ -490,9 +519,10 @@ def _clipping(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
             "clip_saturation_accumulation",
             f"clipping fires on every step: the loss is summed over {k} micro-batches",
             (
-                f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps, the pre-clip norm "
-                f"{median:.3g}x max_norm={max_norm:g}, with {k} micro-batches per optimizer step: the loss is probably "
-                f"not divided by {k}, so gradients are {k}x too large and the clip, not the lr, sets every step."
+                f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps, the "
+                f"pre-clip norm {median:.3g}x max_norm={max_norm:g}, with {k} micro-batches per optimizer "
+                f"step: the loss is probably not divided by {k}, so gradients are {k}x too large and the "
+                "clip, not the lr, sets every step."
             ),
             [
                 (
@@ -506,20 +536,21 @@ def _clipping(by_rule: dict, findings: list, context: RunContext, misuse: dict, 
         "clip_saturation",
         "clipping fires on nearly every step",
         (
-            f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps (pre-clip norm {median:.3g}x "
-            f"max_norm={max_norm:g}): the clip, not the learning rate, sets the step size; with gradient accumulation "
-            "an undivided loss does this."
+            f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps (pre-clip "
+            f"norm {median:.3g}x max_norm={max_norm:g}): the clip, not the learning rate, sets the step "
+            "size; with gradient accumulation an undivided loss does this."
         ),
         [
             (
-                f"If you accumulate gradients, divide the loss by the number of micro-batches; otherwise raise max_norm "
-                f"to about {median * max_norm:.2g} (the median pre-clip norm) or lower the learning rate."
+                "If you accumulate gradients, divide the loss by the number of micro-batches; otherwise "
+                f"raise max_norm to about {median * max_norm:.2g} (the median pre-clip norm) or lower the "
+                "learning rate."
             )
         ],
     )
 
 
-def _dead(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _dead(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     finding = by_rule.get("dead_layers")
     if finding is None:
         return None
@@ -528,13 +559,13 @@ def _dead(by_rule: dict, findings: list, context: RunContext, misuse: dict, step
     none = evidence.get("grad_none") or []
     if none:
         cause = (
-            f"{len(layers)} trainable layers get no gradient at all (grad is None): a .detach(), torch.no_grad() or "
-            f"an unused branch cuts {_named(layers)} off the loss, so they never train."
+            f"{len(layers)} trainable layers get no gradient at all (grad is None): a .detach(), "
+            f"torch.no_grad() or an unused branch cuts {_named(layers)} off the loss, so they never train."
         )
     else:
         cause = (
-            f"{len(layers)} trainable layers get a gradient of exactly zero on every step ({_named(layers)}): a "
-            "multiplication by zero, dead ReLUs or a zero-initialised layer after them"
+            f"{len(layers)} trainable layers get a gradient of exactly zero on every step "
+            f"({_named(layers)}): a multiplication by zero, dead ReLUs or a zero-initialised layer after them"
             + (", or gradients underflowing in fp16" if context.fp16_scaler else "")
             + "."
         )
@@ -544,15 +575,19 @@ def _dead(by_rule: dict, findings: list, context: RunContext, misuse: dict, step
         cause,
         [
             (
-                f"Find the .detach() / .data / torch.no_grad() between {layers[0] if layers else 'those layers'} and the "
-                "loss (print the grad_fn of the activations along the forward)."
+                "Find the .detach() / .data / torch.no_grad() between "
+                f"{layers[0] if layers else 'those layers'} and the loss (print the grad_fn of the "
+                "activations along the forward)."
             ),
-            "If they are frozen on purpose, call requires_grad_(False) on them and leave them out of the optimizer.",
+            (
+                "If they are frozen on purpose, call requires_grad_(False) on them and leave them out of the "
+                "optimizer."
+            ),
         ],
     )
 
 
-def _stalled(by_rule: dict, findings: list, context: RunContext, misuse: dict, step: int) -> Result:
+def _stalled(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
     finding = by_rule.get("not_learning")
     if finding is None:
         return None
@@ -563,11 +598,14 @@ def _stalled(by_rule: dict, findings: list, context: RunContext, misuse: dict, s
             "lr_zero",
             "the learning rate is 0: no weight changes",
             (
-                f"The learning rate is 0 at step {finding['step']}, so the optimizer changes no weight (a scheduler "
-                "that decays to 0 or starts there for too long)."
+                f"The learning rate is 0 at step {finding['step']}, so the optimizer changes no weight (a "
+                "scheduler that decays to 0 or starts there for too long)."
             ),
             [
-                "Check the scheduler: its value at this step should not be 0 (e.g. eta_min, warm-up start_factor)."
+                (
+                    "Check the scheduler: its value at this step should not be 0 (e.g. eta_min, warm-up "
+                    "start_factor)."
+                )
             ],
         )
     values = finding["evidence"].get("values") or []
@@ -575,15 +613,15 @@ def _stalled(by_rule: dict, findings: list, context: RunContext, misuse: dict, s
     return (
         "rounded_away",
         f"weights of {_named(layers)} stop changing: updates round away",
-        f"Weights of {_named(layers)} stop changing: {share}their updates are rounded away, as happens when weights "
-        "are stored in bf16/fp16 and an update is below half an ulp of the weight"
+        f"Weights of {_named(layers)} stop changing: {share}their updates are rounded away, as happens when "
+        "weights are stored in bf16/fp16 and an update is below half an ulp of the weight"
         + (f" (lr {lr:.3g})" if lr else "")
         + ".",
         [
             "Keep fp32 master weights: model.float() and torch.autocast(dtype=torch.bfloat16) for the speed.",
             (
-                "Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher learning "
-                "rate only hides it."
+                "Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher "
+                "learning rate only hides it."
             ),
         ],
     )

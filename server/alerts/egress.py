@@ -85,7 +85,8 @@ def refusal(address: Address) -> str | None:
 
 
 def _literal(host: str) -> Address | None:
-    """The address a host spells without DNS (as the resolver reads it: 127.1 is 127.0.0.1); None for a name."""
+    """The address a host spells without DNS (as the resolver reads it: 127.1 is 127.0.0.1); None for a
+    name."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except (OSError, UnicodeError):

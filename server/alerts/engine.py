@@ -13,9 +13,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import event, literal, or_, select, update
+from sqlalchemy import CursorResult, event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -24,57 +24,73 @@ from ..schemas import BatchIn
 from ..storage.codecs import dump_json, iso_time
 from ..storage.queries import events_of_kinds
 from .incidents import Incidents
-from .rules import CLEAR, DEFAULT_RULES, MISUSE_EVENTS, RULE_TYPES, Finding, RuleType, StepData, make_rule
+from .rules import (
+    CLEAR,
+    DEFAULT_RULES,
+    MISUSE_EVENTS,
+    RULE_TYPES,
+    Finding,
+    RuleType,
+    StepData,
+    Verdict,
+    make_rule,
+)
 
 __all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
 
 logger = logging.getLogger("gradwatch.alerts")
 
 HINTS = {
-    "scale_drop": "Gradients keep overflowing fp16. Look at the layers named in the evidence; lower the learning "
-    "rate or add warmup; if the model was pretrained in bf16, train it in bf16 (no GradScaler).",
-    "skip_storm": "Optimizer steps are being skipped because gradients overflow fp16: lower the learning rate, "
-    "check the named layers, or switch to bf16. A few skips at the start are the scaler calibrating.",
-    "scale_floor": "The loss scale collapsed: a layer produces inf/NaN whatever the scale (often a NaN in the "
-    "forward pass, not overflow). Check the layers in the skip events, lower the learning rate or switch to bf16; "
-    "if the scale reaches ~3e-39 the weights turn NaN.",
-    "non_finite": "NaN/Inf in the loss or gradients: check the named layer's inputs (log of 0, division, fp16 "
-    "overflow in attention/softmax), lower the learning rate, or switch to bf16.",
-    "non_finite_applied": "A non-finite value reached the optimizer and the weights may now be NaN: use a GradScaler "
-    "with fp16 (or train in bf16), lower the learning rate, and restart from the last good checkpoint.",
-    "grad_norm_spike": "The learning rate is likely too high (or a bad batch): lower it or add warmup, and clip "
-    "gradients after scaler.unscale_(optimizer).",
-    "no_scale_growth": "An overflow recurs within every growth interval, so the scale never grows back: a layer "
-    "sits at fp16's limit. If small gradients start to underflow, raise init_scale or switch to bf16.",
-    "update_ratio_high": "Updates above the band each step: the learning rate is too high for that layer; lower it "
-    "(or use a per-layer learning rate) and add warmup.",
-    "update_ratio_low": "Updates below the band: the layer barely learns: frozen by mistake, learning rate too low, "
-    "or gradients underflowing in fp16 (raise init_scale / switch to bf16).",
-    "underflow": "Gradients underflow to zero in fp16: raise the GradScaler's init_scale (or let it grow), or "
-    "switch to bf16; tiny LoRA/QLoRA adapter gradients are the usual case.",
-    "heartbeat": "The run stopped reporting: the process may have crashed, hung (NCCL timeout, data loader) or "
-    "exited (e.g. DeepSpeed's 'Current loss scale already at minimum'). Check its logs.",
-    "rank_disagreement": "Ranks disagree on skipping a step, so their weights diverge: their found-inf checks are "
-    "not synchronised. With FSDP use ShardedGradScaler; every rank must unscale_/step the same optimizer.",
-    "scaler_calibration": "The GradScaler never finds a working scale: a layer overflows fp16 whatever the scale "
-    "(often a model trained in bf16, or activations beyond 65504). Train in bf16 or keep that layer in fp32.",
-    "loss_non_finite": "The loss is NaN/Inf before any scaling: a bad sample or an unstable op in the forward pass "
-    "(log of 0, division by 0). Drop the batch named in the evidence (log ids with run.log_batch) and check the loss.",
+    "scale_drop": "Gradients keep overflowing fp16. Look at the layers named in the evidence; lower the "
+    "learning rate or add warmup; if the model was pretrained in bf16, train it in bf16 (no GradScaler).",
+    "skip_storm": "Optimizer steps are being skipped because gradients overflow fp16: lower the learning "
+    "rate, check the named layers, or switch to bf16. A few skips at the start are the scaler calibrating.",
+    "scale_floor": "The loss scale collapsed: a layer produces inf/NaN whatever the scale (often a NaN in "
+    "the forward pass, not overflow). Check the layers in the skip events, lower the learning rate or switch "
+    "to bf16; if the scale reaches ~3e-39 the weights turn NaN.",
+    "non_finite": "NaN/Inf in the loss or gradients: check the named layer's inputs (log of 0, division, "
+    "fp16 overflow in attention/softmax), lower the learning rate, or switch to bf16.",
+    "non_finite_applied": "A non-finite value reached the optimizer and the weights may now be NaN: use a "
+    "GradScaler with fp16 (or train in bf16), lower the learning rate, and restart from the last good "
+    "checkpoint.",
+    "grad_norm_spike": "The learning rate is likely too high (or a bad batch): lower it or add warmup, and "
+    "clip gradients after scaler.unscale_(optimizer).",
+    "no_scale_growth": "An overflow recurs within every growth interval, so the scale never grows back: a "
+    "layer sits at fp16's limit. If small gradients start to underflow, raise init_scale or switch to bf16.",
+    "update_ratio_high": "Updates above the band each step: the learning rate is too high for that layer; "
+    "lower it (or use a per-layer learning rate) and add warmup.",
+    "update_ratio_low": "Updates below the band: the layer barely learns: frozen by mistake, learning rate "
+    "too low, or gradients underflowing in fp16 (raise init_scale / switch to bf16).",
+    "underflow": "Gradients underflow to zero in fp16: raise the GradScaler's init_scale (or let it grow), "
+    "or switch to bf16; tiny LoRA/QLoRA adapter gradients are the usual case.",
+    "heartbeat": "The run stopped reporting: the process may have crashed, hung (NCCL timeout, data loader) "
+    "or exited (e.g. DeepSpeed's 'Current loss scale already at minimum'). Check its logs.",
+    "rank_disagreement": "Ranks disagree on skipping a step, so their weights diverge: their found-inf "
+    "checks are not synchronised. With FSDP use ShardedGradScaler; every rank must unscale_/step the same "
+    "optimizer.",
+    "scaler_calibration": "The GradScaler never finds a working scale: a layer overflows fp16 whatever the "
+    "scale (often a model trained in bf16, or activations beyond 65504). Train in bf16 or keep that layer in "
+    "fp32.",
+    "loss_non_finite": "The loss is NaN/Inf before any scaling: a bad sample or an unstable op in the "
+    "forward pass (log of 0, division by 0). Drop the batch named in the evidence (log ids with "
+    "run.log_batch) and check the loss.",
     "misuse": "A setup mistake: follow the fix named in the evidence.",
-    "loss_spike": "The loss jumped and stays up: lower the learning rate by half and rewind to the checkpoint before "
-    "the spike; look for an lr change just before it.",
-    "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the config.",
-    "clip_saturation": "The clip fires on every step, so it sets the step size: with gradient accumulation divide "
-    "the loss by the number of micro-batches; otherwise raise max_norm or lower the learning rate.",
-    "clip_saturation_accumulation": "Each step accumulates several micro-batches and the clip fires every time: "
-    "divide the loss by the number of micro-batches before backward.",
-    "dead_layers": "Layers get no gradient: a .detach(), torch.no_grad() or unused branch cuts them off the loss.",
-    "dead_layers_none": "These layers' .grad stays None: a .detach(), torch.no_grad() or an unused branch cuts them "
-    "off the loss. Freeze them on purpose with requires_grad_(False), or find the detach.",
-    "dead_layers_zero": "These layers' gradients are exactly zero: a multiplication by zero, dead ReLUs, or fp16 "
-    "underflow (with a GradScaler).",
-    "not_learning": "Weights stop changing: updates are rounded away (weights stored in bf16/fp16; keep fp32 master "
-    "weights) or the learning rate is 0.",
+    "loss_spike": "The loss jumped and stays up: lower the learning rate by half and rewind to the "
+    "checkpoint before the spike; look for an lr change just before it.",
+    "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the "
+    "config.",
+    "clip_saturation": "The clip fires on every step, so it sets the step size: with gradient accumulation "
+    "divide the loss by the number of micro-batches; otherwise raise max_norm or lower the learning rate.",
+    "clip_saturation_accumulation": "Each step accumulates several micro-batches and the clip fires every "
+    "time: divide the loss by the number of micro-batches before backward.",
+    "dead_layers": "Layers get no gradient: a .detach(), torch.no_grad() or unused branch cuts them off the "
+    "loss.",
+    "dead_layers_none": "These layers' .grad stays None: a .detach(), torch.no_grad() or an unused branch "
+    "cuts them off the loss. Freeze them on purpose with requires_grad_(False), or find the detach.",
+    "dead_layers_zero": "These layers' gradients are exactly zero: a multiplication by zero, dead ReLUs, or "
+    "fp16 underflow (with a GradScaler).",
+    "not_learning": "Weights stop changing: updates are rounded away (weights stored in bf16/fp16; keep fp32 "
+    "master weights) or the learning rate is 0.",
 }
 # When a run has a misuse event, its hint comes first in the rules it explains.
 _EXPLAINED_BY_MISUSE = {
@@ -129,11 +145,11 @@ def step_data(batch: BatchIn, scalar_keys: set[str], vector_keys: set[str]) -> l
 
     for series in batch.scalars:
         if series.key in scalar_keys:
-            for step, value in zip(series.steps, series.values):
+            for step, value in zip(series.steps, series.values, strict=True):  # validated to pair up
                 at(step).scalars[series.key] = value
     for vector in batch.vectors:
         if vector.key in vector_keys:
-            for step, row in zip(vector.steps, vector.values):
+            for step, row in zip(vector.steps, vector.values, strict=True):
                 at(step).vectors[vector.key] = row
     for item in batch.events:
         at(item.step).events.append((item.kind, item.data))
@@ -321,7 +337,7 @@ class AlertEngine:
             state = self._load_state(session, row, rule, run.id)
         document = json.loads(state.state_json)
         last = document["last"]
-        verdicts = []
+        verdicts: list[tuple[int, Verdict]] = []
         observe, evaluation = rule.observe, document["eval"]
         try:  # pure: a failing rule is logged and skipped, it never blocks ingest
             for data in fed:
@@ -339,11 +355,20 @@ class AlertEngine:
                 "gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id
             )
             return
+        # Findings while the rule's alert is open only count on it: one UPDATE for a run of them, not
+        # one per step (a batch on which a rule fires at every step would hold the write lock for each).
+        repeats: list[Finding] = []
         for step, verdict in verdicts:
+            if isinstance(verdict, Finding) and document["alert"] is not None:
+                repeats.append(verdict)
+                continue
+            self._count_repeats(session, run, document, repeats, touched)
+            repeats = []
             if isinstance(verdict, Finding):
                 self._fire(session, run, row, rule, document, verdict, touched)
             elif verdict is CLEAR and document["alert"] is not None:
                 self._resolve(session, document, step, touched)
+        self._count_repeats(session, run, document, repeats, touched)
         state.state_json = json.dumps(document)
         state.updated_at = time.time()
 
@@ -359,28 +384,15 @@ class AlertEngine:
         finding: Finding,
         touched: set[int],
     ) -> None:
-        evidence = dump_json(finding.evidence | {"link": self.link(run.id, finding.step)})
-        if (
-            document["alert"] is not None
-        ):  # de-duplicated: the open alert counts it and shows the latest finding
-            session.execute(
-                update(Alert)
-                .where(Alert.id == document["alert"])
-                .values(
-                    occurrences=Alert.occurrences + 1,
-                    last_step=finding.step,
-                    title=finding.title[:500],
-                    evidence_json=evidence,
-                )
-            )
-            if document.get("incident") is not None:
-                touched.add(document["incident"])
+        if document["alert"] is not None:
+            self._count_repeats(session, run, document, [finding], touched)
             return
+        evidence = dump_json(finding.evidence | {"link": self.link(run.id, finding.step)})
         previous = document.get("last_alert")
         fired = document.get("fired_step")
         if previous is not None and fired is not None and finding.step < fired + row.cooldown_steps:
             # Within the cooldown: the previous alert opens again, without a new notification.
-            reopened = session.execute(
+            result = session.execute(
                 update(Alert)
                 .where(Alert.id == previous, Alert.status == "resolved")
                 .values(
@@ -391,7 +403,8 @@ class AlertEngine:
                     occurrences=Alert.occurrences + 1,
                     last_step=finding.step,
                 )
-            ).rowcount
+            )
+            reopened = cast("CursorResult[Any]", result).rowcount  # an UPDATE's result is a CursorResult
             if reopened:
                 document["alert"] = previous
                 self.incidents.reopen(session, document.get("incident"))
@@ -423,6 +436,26 @@ class AlertEngine:
         document["incident"] = incident.id
         document["fired_step"] = finding.step
         touched.add(incident.id)
+
+    def _count_repeats(
+        self, session: Session, run: Run, document: dict[str, Any], repeats: list[Finding], touched: set[int]
+    ) -> None:
+        """De-duplicated findings: the open alert counts them and shows the latest one."""
+        if not repeats:
+            return
+        latest = repeats[-1]
+        session.execute(
+            update(Alert)
+            .where(Alert.id == document["alert"])
+            .values(
+                occurrences=Alert.occurrences + len(repeats),
+                last_step=latest.step,
+                title=latest.title[:500],
+                evidence_json=dump_json(latest.evidence | {"link": self.link(run.id, latest.step)}),
+            )
+        )
+        if document.get("incident") is not None:
+            touched.add(document["incident"])
 
     def _resolve(
         self, session: Session, document: dict[str, Any], step: int | None, touched: set[int]

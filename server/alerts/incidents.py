@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -30,7 +30,7 @@ from .diagnosis import SEVERITY_ORDER, RunContext, diagnose
 from .rules import MISUSE_EVENTS, RULE_TYPES
 from .webhooks import render
 
-__all__ = ["GROUP_WINDOW_STEPS", "Incidents", "incident_document", "verdict"]
+__all__ = ["GROUP_WINDOW_STEPS", "Incidents", "RunVerdict", "incident_document", "verdict"]
 
 GROUP_WINDOW_STEPS = 50
 MAX_FINDINGS = 30
@@ -66,14 +66,18 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
 
 def _onset(finding: dict[str, Any]) -> int:
     evidence = finding["evidence"]
+    step: int = finding["step"]
     onset = evidence.get("onset_step", evidence.get("first_step")) if finding["rule"] in ONSET_RULES else None
-    return min(finding["step"], onset) if isinstance(onset, int) else finding["step"]
+    return min(step, onset) if isinstance(onset, int) else step
 
 
 ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_non_finite")
 
 
-def verdict(incidents: Iterable[dict[str, Any]]) -> str:
+RunVerdict = Literal["healthy", "warning", "critical"]
+
+
+def verdict(incidents: Iterable[dict[str, Any]]) -> RunVerdict:
     """A run's health from its incidents: the worst severity of the open ones, else healthy."""
     severities = {i["severity"] for i in incidents if i["status"] == "open"}
     return "critical" if "critical" in severities else "warning" if severities else "healthy"
@@ -337,7 +341,8 @@ class Incidents:
                 .limit(1)
             ).scalar()
             if row is not None:
-                max_abs = list(zip(json.loads(run.layers_json), unpack(row, "d")))
+                # The run's layer list may have changed since: pair what both name.
+                max_abs = list(zip(json.loads(run.layers_json), unpack(row, "d"), strict=False))
         return RunContext(
             fp16_scaler="amp/scale" in series,
             misuse=misuse,

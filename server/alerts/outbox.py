@@ -38,7 +38,16 @@ _PHRASES = {status.value: status.phrase for status in http.HTTPStatus}
 
 def backoff_delay(attempts: int, base_s: float, max_s: float) -> float:
     """Seconds before retry number `attempts` (1, 2, …): base, 2·base, 4·base, … capped at max_s."""
-    return min(max_s, base_s * 2 ** max(0, attempts - 1))
+    return min(max_s, base_s * 2.0 ** max(0, attempts - 1))
+
+
+@dataclass
+class _Periodic:
+    """A task run every `interval` seconds on the worker's thread; `last`: when it last ran."""
+
+    interval: float
+    task: Callable[[Session, float], object]
+    last: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class OutboxWorker:
         self._transaction = Transactions(engine)  # commit on success, roll back on any error
         self._client = client
         self._own_client = client is None
-        self._periodic = [[interval, task, 0.0] for interval, task in periodic]
+        self._periodic = [_Periodic(interval, task) for interval, task in periodic]
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -116,11 +125,10 @@ class OutboxWorker:
     def _run_periodic(self) -> None:
         now = time.time()
         for entry in self._periodic:
-            interval, task, last = entry
-            if now - last >= interval:
-                entry[2] = now
+            if now - entry.last >= entry.interval:
+                entry.last = now
                 with self._transaction() as session:
-                    task(session, now)
+                    entry.task(session, now)
 
     # -- one pass ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from ..settings import Settings
 from ..storage.codecs import iso_time
 from ..storage.queries import require_run
 from .engine import AlertEngine, alert_document
-from .incidents import incident_document, verdict
+from .incidents import RunVerdict, incident_document, verdict
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
 from .webhooks import render, validate_url
 
@@ -218,7 +218,7 @@ class AlertService:
             rows = session.execute(query.order_by(Incident.id.desc()).limit(limit).offset(offset)).all()
             return [incident_document(incident, name) for incident, name in rows], total
 
-    def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, str]:
+    def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, RunVerdict]:
         """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
         with self._transaction() as session:
             run = require_run(session, run_id)

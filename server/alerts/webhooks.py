@@ -46,7 +46,10 @@ def _headline(event: str, incident: dict[str, Any]) -> str:
     if event == "test":
         return "gradwatch test notification: this webhook works"
     state = "RESOLVED" if event == "incident.resolved" else str(incident["severity"]).upper()
-    return f"[{state}] {incident['project']}/{incident['run_name']}: {incident['title']} ({_step_text(incident)})"
+    return (
+        f"[{state}] {incident['project']}/{incident['run_name']}: {incident['title']} "
+        f"({_step_text(incident)})"
+    )
 
 
 def render(fmt: str, event: str, incident: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Response, status
@@ -66,7 +66,7 @@ def create_rule(rule: AlertRuleIn, alerts: AlertsDep, principal: PrincipalDep) -
     return AlertRuleOut(**alerts.create_rule(rule))
 
 
-def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: Scope) -> dict:
+def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: Scope) -> dict[str, Any]:
     rule = alerts.get_rule(rule_id)
     authorize_project(principal, rule["project"], scope, f"alert rule {rule_id}")
     return rule
@@ -165,7 +165,9 @@ def run_incidents(
     return RunHealth(verdict=verdict, data=[IncidentOut(**i) for i in records], count=total)
 
 
-def _webhook(alerts: AlertService, principal: PrincipalDep, webhook_id: RowId, scope: Scope) -> dict:
+def _webhook(
+    alerts: AlertService, principal: PrincipalDep, webhook_id: RowId, scope: Scope
+) -> dict[str, Any]:
     hook = alerts.get_webhook(webhook_id)
     authorize_project(principal, hook["project"], scope, f"webhook {webhook_id}")
     return hook
@@ -191,7 +193,7 @@ def get_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -
     return WebhookOut(**_shown(_webhook(alerts, principal, webhook_id, "read"), principal))
 
 
-def _shown(hook: dict, principal: PrincipalDep) -> dict:
+def _shown(hook: dict[str, Any], principal: PrincipalDep) -> dict[str, Any]:
     if principal.allows(hook["project"], "admin"):
         return hook
     parts = urlsplit(hook["url"])

@@ -92,7 +92,8 @@ def combined_histograms(
     combine: Annotated[
         Literal["auto", "sum", "first"],
         Query(
-            description="sum: add the ranks' counts (sharded); first: the lowest rank's (replicated); auto: by layout"
+            description="sum: add the ranks' counts (sharded); first: the lowest rank's (replicated); auto: "
+            "by layout"
         ),
     ] = "auto",
     max_steps: Annotated[int, Query(ge=1, le=10_000)] = 200,

@@ -18,17 +18,28 @@ from typing import Any
 
 from sqlalchemy import Connection, Float, Integer, Table
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine.interfaces import DBAPICursor
 from sqlalchemy.orm import Session
 
 
 @cache
 def _array_types(table: Table, columns: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
     """(PostgreSQL array type, numeric?) of each column, e.g. ("INTEGER[]", True), ("BYTEA[]", False)."""
-    dialect = postgresql.dialect()
+    # SQLAlchemy leaves the dialect's __init__ unannotated (no-untyped-call is meant for our own code).
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
     return tuple(
         (f"{table.c[name].type.compile(dialect=dialect)}[]", isinstance(table.c[name].type, (Integer, Float)))
         for name in columns
     )
+
+
+def driver_cursor(connection: Connection) -> DBAPICursor:
+    """A cursor of the driver's own connection (sqlite3, psycopg) under `connection`, in its transaction."""
+    driver = connection.connection.driver_connection
+    if driver is None:  # only a closed or invalidated connection has none
+        raise RuntimeError("the database connection is closed")
+    cursor: DBAPICursor = driver.cursor()  # the driver is untyped
+    return cursor
 
 
 def _numeric_array(values: Sequence[Any]) -> str:
@@ -83,9 +94,10 @@ def _insert(
     types = _array_types(table, tuple(columns))
     arrays = ", ".join(f"%s::{array_type}" for array_type, _ in types)
     parameters = [
-        _numeric_array(column) if numeric else list(column) for column, (_, numeric) in zip(zip(*rows), types)
+        _numeric_array(column) if numeric else list(column)
+        for column, (_, numeric) in zip(zip(*rows, strict=True), types, strict=True)
     ]
-    cursor = connection.connection.driver_connection.cursor()
+    cursor = driver_cursor(connection)
     try:
         cursor.execute(
             f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters

@@ -170,15 +170,17 @@ def _open_cursor(
                 )
             )
         ).one()
-        cursor.points.update({pair: step for pair, step in zip(chunk, newest) if step is not None})
-    newest_event = (
+        cursor.points.update(
+            {pair: step for pair, step in zip(chunk, newest, strict=True) if step is not None}
+        )
+    newest_events = (
         select(Event.rank, func.max(Event.step).label("step"))
         .where(Event.run_id == run_id)
         .group_by(Event.rank)
     )
     if rank is not None:
-        newest_event = newest_event.where(Event.rank == rank)
-    newest_event = newest_event.subquery()
+        newest_events = newest_events.where(Event.rank == rank)
+    newest_event = newest_events.subquery()
     rows = session.execute(
         select(Event.rank, Event.step, func.max(Event.id))
         .join(newest_event, and_(Event.rank == newest_event.c.rank, Event.step == newest_event.c.step))

@@ -413,7 +413,7 @@ def _min_max_buckets(
 def _combine_rows(mode: str, rows: list[list[float]]) -> list[float]:
     """Combine the ranks' rows of one step, layer by layer (NaN anywhere gives NaN)."""
     out = []
-    for column in zip(*rows):
+    for column in zip(*rows, strict=False):  # rows of different widths: the layers they all have
         if any(math.isnan(v) for v in column):
             out.append(math.nan)
             continue
@@ -487,7 +487,7 @@ def _combined_vectors(
         lo, hi = b * n // max_steps, (b + 1) * n // max_steps
         if lo < hi:
             merged_steps.append(steps[lo])
-            merged.append([_worst(column) for column in zip(*matrix[lo:hi])])
+            merged.append([_worst(column) for column in zip(*matrix[lo:hi], strict=False)])
     return CombinedVectors(key, mode, ranks, layers, merged_steps, merged, downsampled=True)
 
 
@@ -549,7 +549,7 @@ def _combined_histograms(
                     f"step {step}: ranks used different histogram bins; they cannot be added"
                 )
             row = unpack(point.counts, "q")[index * width : (index + 1) * width]
-            total = [a + b for a, b in zip(total, row)]
+            total = [a + b for a, b in zip(total, row, strict=False)]
         counts.append(total[:-2])
         zeros.append(total[-2])
         non_finite.append(total[-1])

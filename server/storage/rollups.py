@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from sqlalchemy import Connection, select
@@ -52,7 +52,7 @@ _VECTOR_ROLLUP_COLUMNS = (*_ROLLUP_KEY, "count", "first_step", "data")
 
 
 def width(level: int) -> int:
-    return BASE**level
+    return int(BASE**level)  # int ** int is typed Any (a negative exponent gives a float)
 
 
 def _intervals(buckets: Iterable[int]) -> list[tuple[int, int]]:
@@ -80,44 +80,52 @@ class Summary(NamedTuple):
     high_step: int
     high_value: float | None
     high_flag: int
-    count: int
+    point_count: int  # how many points the span holds (the rollup's `count` column)
 
     @classmethod
     def of_point(cls, step: int, value: float | None, flag: int) -> Summary:
         return cls(step, value, flag, step, value, flag, 1)
 
 
+# A Summary as a plain tuple: a database row of its columns, or what combine() builds.
+SummaryRow = tuple[int, float | None, int, int, float | None, int, int]
 # Field positions: summaries are also plain tuples read from the database in this order.
-LOW_STEP, LOW_VALUE, LOW_FLAG, HIGH_STEP, HIGH_VALUE, HIGH_FLAG, COUNT = range(7)
+LOW_STEP: Final = 0
+LOW_VALUE: Final = 1
+LOW_FLAG: Final = 2
+HIGH_STEP: Final = 3
+HIGH_VALUE: Final = 4
+HIGH_FLAG: Final = 5
+POINT_COUNT: Final = 6
 
 
-def _low_key(s: tuple[Any, ...]) -> tuple[Any, ...]:
+def _low_key(s: SummaryRow) -> tuple[int, float | None, float]:
     # Non-finite first (earliest step), then the smallest value (earliest step on ties).
     return (0, s[LOW_STEP], 0.0) if s[LOW_FLAG] else (1, s[LOW_VALUE], s[LOW_STEP])
 
 
-def combine(parts: list[tuple[Any, ...]]) -> tuple[Any, ...]:
-    """One summary (a Summary-shaped tuple) of adjacent spans' summaries."""
+def combine(parts: list[SummaryRow]) -> SummaryRow:
+    """One summary of adjacent spans' summaries."""
     if len(parts) == 1:
         return parts[0]
     low = min(parts, key=_low_key)
     finite_highs = [p for p in parts if not p[HIGH_FLAG]]
     if finite_highs:
         high = max(finite_highs, key=lambda p: (p[HIGH_VALUE], p[HIGH_STEP]))
-        high_fields = high[HIGH_STEP : HIGH_FLAG + 1]
+        high_fields = high[HIGH_STEP:POINT_COUNT]
     else:  # nothing finite anywhere: the "highest" point is the first non-finite one
-        high_fields = low[LOW_STEP : LOW_FLAG + 1]
-    return (*low[LOW_STEP : LOW_FLAG + 1], *high_fields, sum(p[COUNT] for p in parts))
+        high_fields = low[LOW_STEP:HIGH_STEP]
+    return (*low[LOW_STEP:HIGH_STEP], *high_fields, sum(p[POINT_COUNT] for p in parts))
 
 
-def _fetch(executor: Executor, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+def _fetch(executor: Executor, sql: str, params: list[Any]) -> Sequence[tuple[Any, ...]]:
     """Plain tuples straight from the driver, skipping SQLAlchemy's Row objects: queries read tens of
     thousands of rows and per-row wrapping cost more than the database's work. `sql` uses ?
     placeholders (rewritten for psycopg); it runs in the executor's transaction."""
     connection = executor.connection() if isinstance(executor, Session) else executor
     if connection.dialect.name != "sqlite":
         sql = sql.replace("?", "%s")
-    cursor = connection.connection.driver_connection.cursor()
+    cursor = bulk.driver_cursor(connection)
     try:
         cursor.execute(sql, params)
         return cursor.fetchall()
@@ -131,7 +139,7 @@ def _in(ids: list[int]) -> str:
 
 def _read_points(
     executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
-) -> list[tuple[Any, ...]]:
+) -> Sequence[tuple[Any, ...]]:
     """(series_id, step, value, flag) of the points with lo <= step < hi."""
     return _fetch(
         executor,
@@ -141,23 +149,25 @@ def _read_points(
     )
 
 
-_SUMMARY_COLUMNS = ", ".join(Summary._fields)
+# The point_rollups columns that hold a Summary's fields, in field order (point_count is `count`).
+_SUMMARY_COLUMNS = ", ".join((*Summary._fields[:POINT_COUNT], "count"))
 
 
 def _read_point_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
-) -> list[tuple[Any, ...]]:
+) -> Sequence[tuple[Any, ...]]:
     """(series_id, bucket, *Summary fields) rows of `level` whose bucket lies in [lo, hi)."""
     return _fetch(
         executor,
-        f"SELECT series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN ({_in(series_ids)})"
+        f"SELECT series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups"
+        f" WHERE series_id IN ({_in(series_ids)})"
         " AND rank = ? AND level = ? AND bucket >= ? AND bucket < ?",
         [*series_ids, rank, level, lo, hi],
     )
 
 
 def _group_points(
-    groups: dict[tuple[int, int], list[Summary]], rows: Iterable[Any], bucket_width: int
+    groups: dict[tuple[int, int], list[SummaryRow]], rows: Iterable[Any], bucket_width: int
 ) -> None:
     """Summaries per (series, bucket of steps) straight from raw rows: tuples compare as (value, step),
     so min() and max() give the lowest point (earliest on ties) and the highest (latest) at C speed."""
@@ -180,14 +190,14 @@ def _group_points(
 
 def point_summaries(
     executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
-) -> list[Summary]:
+) -> list[SummaryRow]:
     """Summaries covering exactly the steps [lo, hi), none straddling a multiple of bucket_width (a
     multiple of level's width): whole buckets of `level`, finer ones at the edges, and raw points
     summarised per bucket_width at level 0."""
     if hi <= lo:
         return []
     if level == 0:
-        groups: dict[tuple[int, int], list[Summary]] = defaultdict(list)
+        groups: dict[tuple[int, int], list[SummaryRow]] = defaultdict(list)
         _group_points(groups, _read_points(executor, [series_id], rank, lo, hi), bucket_width)
         return [parts[0] for parts in groups.values()]
     w = width(level)
@@ -218,20 +228,20 @@ def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
 
 
 def downsample(
-    summaries: list[Summary], bucket_width: int
+    summaries: list[SummaryRow], bucket_width: int
 ) -> tuple[list[tuple[int, float | None, int]], int]:
     """The lowest and highest point of each bucket of steps (at most two per bucket, in step order)
     and the number of points summarised."""
-    groups: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    groups: dict[int, list[SummaryRow]] = defaultdict(list)
     for s in summaries:
         groups[s[LOW_STEP] // bucket_width].append(s)
     kept: dict[int, tuple[int, float | None, int]] = {}
     total = 0
     for parts in groups.values():
         s = combine(parts)
-        total += s[COUNT]
-        kept[s[LOW_STEP]] = s[LOW_STEP : LOW_FLAG + 1]
-        kept.setdefault(s[HIGH_STEP], s[HIGH_STEP : HIGH_FLAG + 1])
+        total += s[POINT_COUNT]
+        kept[s[LOW_STEP]] = s[LOW_STEP:HIGH_STEP]
+        kept.setdefault(s[HIGH_STEP], s[HIGH_STEP:POINT_COUNT])
     return [kept[step] for step in sorted(kept)], total
 
 
@@ -254,7 +264,7 @@ def worst_per_bucket(matrix: np.ndarray, starts: np.ndarray) -> np.ndarray:
     merged = np.maximum.reduceat(np.where(bad, -np.inf, matrix), starts, axis=0)
     if bad.any():
         ends = np.append(starts[1:], len(matrix))
-        for group, column in zip(*np.nonzero(np.logical_or.reduceat(bad, starts, axis=0))):
+        for group, column in zip(*np.nonzero(np.logical_or.reduceat(bad, starts, axis=0)), strict=True):
             rows = starts[group] + np.flatnonzero(bad[starts[group] : ends[group], column])
             merged[group, column] = matrix[rows[0], column]
     return merged
@@ -269,7 +279,7 @@ class VectorSummary:
 
 def _read_vector_rows(
     executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
-) -> list[tuple[Any, ...]]:
+) -> Sequence[tuple[Any, ...]]:
     """(series_id, step, data) of the rows with lo <= step < hi."""
     return _fetch(
         executor,
@@ -281,7 +291,7 @@ def _read_vector_rows(
 
 def _read_vector_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
-) -> list[tuple[Any, ...]]:
+) -> Sequence[tuple[Any, ...]]:
     """(series_id, bucket, first_step, count, data) rows of `level` whose bucket lies in [lo, hi)."""
     return _fetch(
         executor,
@@ -319,7 +329,10 @@ def vector_summaries(
         starts = np.flatnonzero(np.diff(buckets, prepend=buckets[0] - 1))
         counts = np.diff(np.append(starts, len(rows)))
         merged = worst_per_bucket(np.vstack([to_array(data) for _, _, data in rows]), starts)
-        return [VectorSummary(rows[i][1], int(n), merged[k]) for k, (i, n) in enumerate(zip(starts, counts))]
+        return [
+            VectorSummary(rows[i][1], int(n), merged[k])
+            for k, (i, n) in enumerate(zip(starts, counts, strict=True))
+        ]
     w = width(level)
     first, last = -(-lo // w), hi // w
     if first >= last:
@@ -362,7 +375,9 @@ class _Kind:
     columns: tuple[str, ...]
 
 
-def _refresh(kind: _Kind, executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+def _refresh(
+    kind: _Kind, executor: Executor, rank: int, steps_by_series: Mapping[int, Iterable[int]]
+) -> None:
     """Recompute every rollup bucket (all levels) holding one of the given steps, from the level below."""
     touched = {sid: {step // BASE for step in steps} for sid, steps in steps_by_series.items()}
     touched = {sid: buckets for sid, buckets in touched.items() if buckets}
@@ -387,9 +402,9 @@ def _refresh(kind: _Kind, executor: Executor, rank: int, steps_by_series: dict[i
         touched = {sid: {b // BASE for b in buckets} for sid, buckets in touched.items()}
 
 
-def _point_columns(parts: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+def _point_columns(parts: list[SummaryRow]) -> tuple[Any, ...]:
     s = combine(parts)
-    return (s[COUNT], *s[LOW_STEP:COUNT])
+    return (s[POINT_COUNT], *s[LOW_STEP:POINT_COUNT])
 
 
 def _vector_columns(parts: list[VectorSummary]) -> tuple[Any, ...]:
@@ -398,14 +413,25 @@ def _vector_columns(parts: list[VectorSummary]) -> tuple[Any, ...]:
 
 
 def _group_vector_rows(
-    groups: dict, executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
+    groups: dict[tuple[int, int], list[VectorSummary]],
+    executor: Executor,
+    series_ids: list[int],
+    rank: int,
+    lo: int,
+    hi: int,
 ) -> None:
     for sid, step, data in _read_vector_rows(executor, series_ids, rank, lo, hi):
         groups[sid, step // BASE].append(VectorSummary(step, 1, to_array(data)))
 
 
 def _group_vector_rollups(
-    groups: dict, executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+    groups: dict[tuple[int, int], list[VectorSummary]],
+    executor: Executor,
+    series_ids: list[int],
+    rank: int,
+    level: int,
+    lo: int,
+    hi: int,
 ) -> None:
     for sid, bucket, first_step, count, data in _read_vector_rollups(
         executor, series_ids, rank, level, lo, hi
@@ -414,7 +440,13 @@ def _group_vector_rollups(
 
 
 def _group_point_rollups(
-    groups: dict, executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
+    groups: dict[tuple[int, int], list[SummaryRow]],
+    executor: Executor,
+    series_ids: list[int],
+    rank: int,
+    level: int,
+    lo: int,
+    hi: int,
 ) -> None:
     for row in _read_point_rollups(executor, series_ids, rank, level, lo, hi):
         groups[row[0], row[1] // BASE].append(row[2:])
@@ -438,12 +470,12 @@ _VECTORS = _Kind(
 )
 
 
-def refresh_points(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+def refresh_points(executor: Executor, rank: int, steps_by_series: Mapping[int, Iterable[int]]) -> None:
     """Recompute the scalar rollups holding the given steps (Store.ingest, after writing points)."""
     _refresh(_POINTS, executor, rank, steps_by_series)
 
 
-def refresh_vectors(executor: Executor, rank: int, steps_by_series: dict[int, Iterable[int]]) -> None:
+def refresh_vectors(executor: Executor, rank: int, steps_by_series: Mapping[int, Iterable[int]]) -> None:
     """Recompute the per-layer vector rollups holding the given steps."""
     _refresh(_VECTORS, executor, rank, steps_by_series)
 
@@ -456,8 +488,8 @@ def any_stored_points(executor: Executor, rank: int, series_ids: list[int], lo: 
     return bool(
         _fetch(
             executor,
-            f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)}) AND rank = ? AND step >= ? AND step <= ?"
-            " LIMIT 1",
+            f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)})"
+            " AND rank = ? AND step >= ? AND step <= ? LIMIT 1",
             [*series_ids, rank, lo, hi],
         )
     )
@@ -470,8 +502,8 @@ def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, A
     that holds only for new points, so a batch that rewrote steps goes through refresh_points.)"""
     if not rows:
         return
-    batch: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (level, series, bucket) -> summary
-    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    batch: dict[tuple[int, int, int], SummaryRow] = {}  # (level, series, bucket) -> summary
+    groups: dict[tuple[int, int], list[SummaryRow]] = defaultdict(list)
     _group_points(groups, rows, BASE)
     for level in range(1, LEVELS + 1):
         if level > 1:
@@ -493,17 +525,17 @@ def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, A
         )
         params += [*series_ids, rank, level, min(buckets), max(buckets)]
     stored = _fetch(executor, " UNION ALL ".join(selects), params)
-    for level, sid, bucket, *summary in stored:
+    for level, sid, bucket, *fields in stored:
         mine = batch.get((level, sid, bucket))
         if mine is not None:
-            batch[level, sid, bucket] = combine([tuple(summary), mine])
+            batch[level, sid, bucket] = combine([tuple(fields), mine])
     bulk.upsert(
         executor,
         PointRollup.__table__,
         _POINT_ROLLUP_COLUMNS,
         _ROLLUP_KEY,
         [
-            (sid, rank, level, bucket, s[COUNT], *s[LOW_STEP:COUNT])
+            (sid, rank, level, bucket, s[POINT_COUNT], *s[LOW_STEP:POINT_COUNT])
             for (level, sid, bucket), s in batch.items()
         ],
     )

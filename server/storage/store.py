@@ -130,7 +130,7 @@ def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, i
         else:
             rows.extend(
                 (series_id, batch.rank, step, *encode_float(value))
-                for step, value in zip(series.steps, series.values)
+                for step, value in zip(series.steps, series.values, strict=True)  # validated to pair up
             )
     if repeated:
         rows = list({(row[0], row[2]): row for row in rows}.values())
@@ -284,8 +284,8 @@ class Store:
             series_ids = select(Series.id).where(Series.run_id == run_id)
             for table in (Point, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
-            for table in (Series, Event, AgentBatch, RunTag):
-                session.execute(delete(table).where(table.run_id == run_id))
+            for model in (Series, Event, AgentBatch, RunTag):
+                session.execute(delete(model).where(model.run_id == run_id))
             session.execute(delete(Run).where(Run.id == run_id))
 
     # -- ingest -----------------------------------------------------------------------------------
@@ -397,11 +397,14 @@ class Store:
         for histogram in batch.histograms:
             if width and len(histogram.counts) != width:
                 raise InvalidRequest(
-                    f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} layers"
+                    f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} "
+                    "layers"
                 )
         vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
         vector_rows = {
-            (vector_ids[v.key], step): row for v in batch.vectors for step, row in zip(v.steps, v.values)
+            (vector_ids[v.key], step): row
+            for v in batch.vectors
+            for step, row in zip(v.steps, v.values, strict=True)  # validated to pair up
         }
         if vector_rows:
             bulk.upsert(
@@ -486,7 +489,7 @@ class Store:
             extent = (
                 None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
             )
-            if extent is None:
+            if series_id is None or extent is None:
                 return VectorsResult(layers, [], [], downsampled=False)
             first, last = extent
             if last - first + 1 > max_steps:
@@ -569,7 +572,7 @@ class Store:
             queries.require_run(session, run_id)
             series_id = queries.series_id(session, run_id, key)
             extent = None if series_id is None else self._extent(session, Point, series_id, rank, start, end)
-            if extent is None:
+            if series_id is None or extent is None:
                 return SeriesResult([], [], downsampled=False)
             first, last = extent
             if last - first + 1 > max_points:

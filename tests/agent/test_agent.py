@@ -1,12 +1,12 @@
 """The agent on real CPU training loops: what it records, and its hard rules (DESIGN.md)."""
 
 import math
-import threading
+import re
 import warnings
 
 import pytest
 import torch
-from training import RecordingTransport, Reference, train
+from training import HostSyncs, RecordingTransport, Reference, train
 
 import gradwatch
 from gradwatch import GradwatchWarning
@@ -21,7 +21,7 @@ def test_parameters_are_bit_identical_with_and_without_the_agent_fp16():
     transport = RecordingTransport()
     with _run(transport) as run:
         watched = train(30, run=run, overflow_steps=(5, 6, 17))
-    for (name, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
+    for (name, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert transport.batches, "the agent recorded nothing: the comparison would prove nothing"
 
@@ -30,7 +30,7 @@ def test_parameters_are_bit_identical_bf16_without_scaler():
     plain = train(20, precision="bf16")
     with _run() as run:
         watched = train(20, run=run, precision="bf16")
-    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -81,27 +81,15 @@ def test_learning_rate_and_step_time_are_recorded():
 
 def test_no_host_sync_is_added_inside_the_step(monkeypatch):
     """On CPU every op is synchronous, so count the calls that would force a sync on a GPU."""
-    counts = {"with": 0, "without": 0}
-    mode = {"current": "without"}
-    training_thread = threading.current_thread()
-    for method in ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__"):
-        original = getattr(torch.Tensor, method)
-
-        def counting(self, *args, _original=original, **kwargs):
-            if threading.current_thread() is training_thread:
-                counts[mode["current"]] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counting)
+    syncs = HostSyncs(monkeypatch, phase="without")
     train(15, overflow_steps=(3,))
-    mode["current"] = "with"
+    syncs.phase = "with"
     run = _run()
     train(15, run=run, overflow_steps=(3,))
-    mode["current"] = "finish"
-    counts["finish"] = 0
+    syncs.phase = "finish"
     run.finish()
-    assert counts["without"] > 0  # GradScaler itself syncs: the counter sees real calls
-    assert counts["with"] == counts["without"]
+    assert syncs.counts["without"] > 0  # GradScaler itself syncs: the counter sees real calls
+    assert syncs.counts["with"] == syncs.counts["without"]
 
 
 def test_errors_inside_the_agent_never_reach_the_loop(monkeypatch):
@@ -117,7 +105,7 @@ def test_errors_inside_the_agent_never_reach_the_loop(monkeypatch):
     assert len(caught) == 1  # one warning, not one per step
     run.finish()
     plain = train(10, overflow_steps=(2,))
-    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert transport.series("loss"), "log() keeps working when step observation is disabled"
 
@@ -163,7 +151,9 @@ def test_init_reads_environment_fallbacks(monkeypatch):
 
 
 def test_run_id_and_rank_are_checked_at_init():
-    with pytest.raises(ValueError, match="run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got 'a b'"):
+    with pytest.raises(
+        ValueError, match=re.escape("run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got 'a b'")
+    ):
         gradwatch.init(project="p", run_id="a b", transport=RecordingTransport())
     with pytest.raises(ValueError, match="rank must be a whole number >= 0, got -1"):
         gradwatch.init(project="p", rank=-1, transport=RecordingTransport())
@@ -173,7 +163,7 @@ def test_misuse_at_setup_is_a_value_error_naming_the_value():
     with pytest.raises(ValueError, match="mode must be one of"):
         gradwatch.init(project="p", mode="sometimes", transport=RecordingTransport())
     run = _run()
-    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer, got str"):
+    with pytest.raises(ValueError, match=re.escape("optimizer must be a torch.optim.Optimizer, got str")):
         run.watch(torch.nn.Linear(1, 1), "adam")
     run.finish()
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from training import RecordingTransport, TinyNet, train
+from training import HostSyncs, RecordingTransport, TinyNet, train
 
 import gradwatch
 from gradwatch import GradwatchWarning
@@ -55,7 +55,7 @@ def test_unchanged_counts_match_elementwise_comparison():
         params[1].sub_(torch.nan_to_num(grads[1]))
     counts = q.unchanged_counts(params, grads, before).tolist()
     originals = before.copies
-    for p, g, copy, (unchanged, stepped) in zip(params, grads, originals, counts):
+    for p, g, copy, (unchanged, stepped) in zip(params, grads, originals, counts, strict=True):
         if g is None:
             assert (unchanged, stepped) == (0, 0)
             continue
@@ -101,13 +101,13 @@ def test_rounded_away_fraction_matches_the_reference_for_bf16_weights():
     with _run(transport) as run:
         model, names, reference = _bf16_training(6, run, options={"update_ratio_every": 1})
     plain, _, _ = _bf16_training(6)
-    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), "observing rounded-away updates changed training"
     got = transport.vectors("update/rounded_away_frac")
     assert list(got) == list(range(6))
     assert transport.layers() == names
     for step, row in got.items():
-        for name, value, expected in zip(names, row, reference[step]):
+        for name, value, expected in zip(names, row, reference[step], strict=True):
             if math.isnan(expected):
                 assert value == "NaN", (step, name)  # side.* never had a gradient
             else:
@@ -158,7 +158,7 @@ def test_zero_fraction_matches_the_gradients_with_and_without_a_scaler():
             else:
                 optimizer.step()
         [row] = transport.vectors("grad/zero_frac").values()
-        for value, grad in zip(row, grads):
+        for value, grad in zip(row, grads, strict=True):
             if grad is None:
                 assert value == "NaN"
             else:
@@ -496,7 +496,7 @@ def test_everything_on_at_once_keeps_training_bit_identical_and_quiet():
         warnings.simplefilter("error")
         with _run(transport) as run:
             watched = train(12, run=run, overflow_steps=(4,), watch_options=options)
-    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert len(transport.vectors("grad/zero_frac")) == 12
     assert len(transport.vectors("update/rounded_away_frac")) == 11  # step 4 was skipped
@@ -506,26 +506,15 @@ def test_no_host_sync_with_every_new_signal_on_every_step(monkeypatch):
     """As test_agent's sync test, with every sampled quantity on every step (CPU ops are synchronous,
     so count the calls that would force a sync on a GPU)."""
     options = {"layer_norms_every": 1, "histograms_every": 1, "update_ratio_every": 1, "param_norms_every": 1}
-    counts = {"with": 0, "without": 0, "finish": 0}
-    mode = {"current": "without"}
-    training_thread = threading.current_thread()
-    for method in ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__"):
-        original = getattr(torch.Tensor, method)
-
-        def counting(self, *args, _original=original, **kwargs):
-            if threading.current_thread() is training_thread:
-                counts[mode["current"]] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counting)
+    syncs = HostSyncs(monkeypatch, phase="without")
     train(8, overflow_steps=(3,))
-    mode["current"] = "with"
+    syncs.phase = "with"
     run = _run(RecordingTransport())
     train(8, run=run, overflow_steps=(3,), watch_options=options)
-    mode["current"] = "finish"
+    syncs.phase = "finish"
     run.finish()
-    assert counts["without"] > 0
-    assert counts["with"] == counts["without"]
+    assert syncs.counts["without"] > 0
+    assert syncs.counts["with"] == syncs.counts["without"]
 
 
 def test_micro_batches_count_backward_passes_without_a_scaler():

@@ -14,31 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import free_port
 from training import RecordingTransport, reference_steps, spawn_ranks
 
 import gradwatch
 from gradwatch import GradwatchWarning
 from gradwatch._distributed import process_identity, shared_run_id
 from gradwatch.server.serve import BackgroundServer
-from gradwatch.server.settings import Settings
 
 TESTS = Path(__file__).resolve().parents[1] / "support"  # training.py, for spawned ranks
 
 
 @pytest.fixture
-def server(sqlite_url) -> Iterator[BackgroundServer]:
-    server = BackgroundServer(
-        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
-    )
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def api(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+def api(sqlite_server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=sqlite_server.url, timeout=30) as client:
         yield client
 
 
@@ -285,12 +273,12 @@ def test_rank_endpoints_need_a_read_token_of_the_project(api, sqlite_url):
 # -- real process groups -----------------------------------------------------------------------------
 
 
-def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_path):
+def test_fsdp2_combined_norms_equal_the_unsharded_reference(sqlite_server, api, tmp_path):
     """Three ranks so that one layer's shard is empty on a rank (out.bias has 4 rows: 2 + 2 + 0)."""
     world_size, steps = 3, 4
     watch = {"layer_norms_every": 1, "param_norms_every": 1, "histograms_every": 1, "update_ratio_every": 0}
     job = _job(
-        server,
+        sqlite_server,
         tmp_path,
         project="fsdp2",
         parallel="fsdp2",
@@ -315,7 +303,7 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
     errors = []
     combined = _get(api, f"/api/v1/runs/{run_id}/ranks/series", key="grad/global_norm")
     assert combined["combine"] == "l2" and combined["steps"] == list(range(steps))
-    for step, value in zip(combined["steps"], combined["values"]):
+    for step, value in zip(combined["steps"], combined["values"], strict=True):
         errors.append(_relative_error(value, reference[step].global_norm))
     per_rank = combined["per_rank"]
     assert all(0 < per_rank[str(r)][0] < combined["values"][0] for r in range(world_size)), (
@@ -325,9 +313,9 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
     for key, expected in (("grad/norm", "layer_norms"), ("param/norm", "param_norms")):
         vectors = _get(api, f"/api/v1/runs/{run_id}/ranks/vectors", key=key)
         assert vectors["steps"] == list(range(steps))
-        for step, row in zip(vectors["steps"], vectors["values"]):
+        for step, row in zip(vectors["steps"], vectors["values"], strict=True):
             wanted = getattr(reference[step], expected)
-            for layer, value in zip(vectors["layers"], row):
+            for layer, value in zip(vectors["layers"], row, strict=True):
                 errors.append(_relative_error(value, wanted[layer]))
     worst = max(errors)
     print(f"FSDP2 x{world_size}: max relative error of combined norms vs unsharded reference: {worst:.2e}")
@@ -338,19 +326,19 @@ def test_fsdp2_combined_norms_equal_the_unsharded_reference(server, api, tmp_pat
         hist = _get(api, f"/api/v1/runs/{run_id}/ranks/histograms", layer=layer)
         assert hist["combine"] == "sum" and hist["steps"] == list(range(steps))
         for step, counts, zeros, non_finite in zip(
-            hist["steps"], hist["counts"], hist["zeros"], hist["non_finite"]
+            hist["steps"], hist["counts"], hist["zeros"], hist["non_finite"], strict=True
         ):
             assert sum(counts) + zeros + non_finite == numel
             wanted = reference[step].histograms[layer]
-            assert (
-                sum(abs(a - b) for a, b in zip(counts, wanted)) <= 2
-            )  # rounding may move a value across 2^k
+            # The reference row ends with the zeros and non-finite columns, which the API returns apart
+            # (above): zip stops at the exponent bins. Rounding may move a value across 2^k.
+            assert sum(abs(a - b) for a, b in zip(counts, wanted, strict=False)) <= 2
 
 
-def test_ddp_under_torchrun_shares_one_run_with_equal_per_rank_norms(server, api, tmp_path):
+def test_ddp_under_torchrun_shares_one_run_with_equal_per_rank_norms(sqlite_server, api, tmp_path):
     """torchrun --standalone: no run id given; the ranks derive it from TORCHELASTIC_RUN_ID."""
     job = _job(
-        server,
+        sqlite_server,
         tmp_path,
         project="ddp-torchrun",
         parallel="ddp",
@@ -401,12 +389,12 @@ def test_ddp_under_torchrun_shares_one_run_with_equal_per_rank_norms(server, api
     assert hist["combine"] == "first" and hist["ranks"] == [0] and hist["steps"] == [0, 2, 4]
 
 
-def test_a_step_skipped_on_one_shard_is_a_rank_disagreement_alert(server, api, tmp_path):
+def test_a_step_skipped_on_one_shard_is_a_rank_disagreement_alert(sqlite_server, api, tmp_path):
     """FSDP1 with a plain GradScaler per rank: each rank checks only its own shard for inf. Rank 1's
     batch gives the trap parameter an inf gradient; the reduce-scatter puts it in rank 0's shard:
     rank 0 skips the step, rank 1 applies it."""
     job = _job(
-        server,
+        sqlite_server,
         tmp_path,
         project="fsdp1",
         parallel="fsdp1",

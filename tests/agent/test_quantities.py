@@ -92,7 +92,7 @@ def test_histograms_match_a_per_element_reference_and_count_every_value():
         None,
     ]
     rows = q.log2_histograms(tensors, torch.zeros(())).tolist()
-    for tensor, row in zip(tensors, rows):
+    for tensor, row in zip(tensors, rows, strict=True):
         expected = [0] * (q.N_BINS + 2)
         for value in [] if tensor is None else tensor.tolist():
             if not math.isfinite(value):
@@ -130,7 +130,7 @@ def test_histograms_and_fractions_travel_with_the_run():
     transport, seen = _one_step({"histograms_every": 1})
     histogram = transport.histograms()[0]
     assert len(histogram["counts"]) == len(seen["names"])
-    for name, counts in zip(seen["names"], histogram["counts"]):
+    for name, counts in zip(seen["names"], histogram["counts"], strict=True):
         assert sum(counts) == seen["grads"][name].numel()
     under = transport.vectors("grad/underflow_frac")[0]
     assert len(under) == len(seen["names"]) and all(0 <= f <= 1 for f in under)

@@ -68,7 +68,9 @@ def test_an_overflow_step_reports_the_skip_and_the_lowered_scale():
     assert view.found_inf(optimizer).item() == 1.0
     scaler.update()
     assert view.scale().item() == 2.0**15 and view.growth_tracker().item() == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the step was skipped"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), (
+        "the step was skipped"
+    )
 
 
 def test_a_fused_optimizer_s_skip_is_seen_on_the_device():

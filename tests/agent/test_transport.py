@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from conftest import free_port
 from training import RecordingTransport
 
 import gradwatch
@@ -345,19 +344,6 @@ def test_finish_spools_what_is_unsent_and_a_resumed_run_sends_it_first(tmp_path,
 # -- HTTP: gzip on the wire, dedupe on the server ----------------------------------------------
 
 
-@pytest.fixture
-def sqlite_server(sqlite_url) -> Iterator[Any]:
-    from gradwatch.server.serve import BackgroundServer
-    from gradwatch.server.settings import Settings
-
-    server = BackgroundServer(
-        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
-    )
-    server.start()
-    yield server
-    server.stop()
-
-
 class _Capture(BaseHTTPRequestHandler):
     seen: ClassVar[list[tuple[dict[str, str], bytes]]] = []
     answer = (200, b'{"duplicate": false, "points": 1, "events": 0}')
@@ -595,7 +581,7 @@ def _spooled(tmp_path: Path) -> tuple[dict[int, float], list[str]]:
             document = json.loads(read_batch_json(spool_file, record))
             for series in document["scalars"]:
                 if series["key"] == "x":
-                    points.update(zip(series["steps"], series["values"]))
+                    points.update(zip(series["steps"], series["values"], strict=True))
             if "status" in document:
                 statuses.append(document["status"])
     return points, statuses

@@ -287,7 +287,8 @@ class AgentClock:
     def summary(self) -> str:
         return (
             f"max {max(self.calls) * 1e3:.2f} ms wall, {max(self.busy) * 1e3:.2f} ms less CPU taken by "
-            f"other processes; median {statistics.median(self.calls) * 1e6:.0f} µs over {len(self.calls)} calls"
+            f"other processes; median {statistics.median(self.calls) * 1e6:.0f} µs over "
+            f"{len(self.calls)} calls"
         )
 
 

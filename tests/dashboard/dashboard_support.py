@@ -138,7 +138,11 @@ class FakeApi:
             key = request.url.params["key"]
             body = self.series.get(key, {"steps": [], "values": []})
             start = int(request.url.params.get("start", 0))
-            points = [(step, value) for step, value in zip(body["steps"], body["values"]) if step >= start]
+            points = [
+                (step, value)
+                for step, value in zip(body["steps"], body["values"], strict=True)
+                if step >= start
+            ]
             return httpx.Response(
                 200,
                 json={
@@ -225,7 +229,7 @@ def dash_call(client, outputs, inputs, state=()):
     outputs = callback_outputs(client, outputs)
     body = {
         "output": outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + "..",
-        "outputs": [dict(zip(("id", "property"), output.split("."))) for output in outputs],
+        "outputs": [dict(zip(("id", "property"), output.split("."), strict=True)) for output in outputs],
         "inputs": [{"id": i, "property": p, "value": v} for (i, p), v in inputs],
         "state": [{"id": i, "property": p, "value": v} for (i, p), v in state],
         "changedPropIds": [f"{i}.{p}" for (i, p), _ in inputs],

@@ -268,7 +268,7 @@ def click(client, outputs, clicked, state=(), other_patterns=0):
     outputs = callback_outputs(client, outputs)
     body = {
         "output": outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + "..",
-        "outputs": [dict(zip(("id", "property"), output.split("."))) for output in outputs],
+        "outputs": [dict(zip(("id", "property"), output.split("."), strict=True)) for output in outputs],
         "inputs": [[{"id": clicked, "property": "n_clicks", "value": 1}]] + [[]] * other_patterns,
         "state": [{"id": i, "property": p, "value": v} for (i, p), v in state],
         "changedPropIds": [prop_id],

@@ -63,7 +63,8 @@ def test_run_page_of_a_live_run_appends_new_points_and_keeps_the_zoom(full_serve
     _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.length >= 5)")
     # Zoom in the way a user would (a relayout, which dcc.Graph writes into its figure).
     page.evaluate(
-        "() => Plotly.relayout(document.querySelector('#loss-graph .js-plotly-plot'), {'xaxis.range': [0, 3]})"
+        "() => Plotly.relayout(document.querySelector('#loss-graph .js-plotly-plot'),"
+        " {'xaxis.range': [0, 3]})"
     )
     for step in range(5, 12):
         run.log({"loss": 1.0 / (step + 1)}, step=step)
@@ -122,12 +123,14 @@ def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(f
     page.locator("#hist-layer").click()
     page.get_by_role("option", name="hidden.weight", exact=True).click()
     page.wait_for_function(
-        "() => document.querySelector('#hist-graph .js-plotly-plot').layout.title.text.includes('hidden.weight')",
+        "() => document.querySelector('#hist-graph .js-plotly-plot')"
+        ".layout.title.text.includes('hidden.weight')",
         timeout=20_000,
     )
     _graph_has(page, "hist-time-graph", "data.some(t => t.type === 'heatmap' && t.x.length === 3)")
     bar, title = page.evaluate(
-        "() => { const g = document.querySelector('#hist-graph .js-plotly-plot'); return [g.data[0], g.layout.title.text]; }"
+        "() => { const g = document.querySelector('#hist-graph .js-plotly-plot');"
+        " return [g.data[0], g.layout.title.text]; }"
     )
     zeros = int(re.search(r"zeros ([\d,]+)", title).group(1).replace(",", ""))
     assert sum(bar["y"]) + zeros == 32 * 32  # every element of hidden.weight's gradient is counted once

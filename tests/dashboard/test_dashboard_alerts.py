@@ -41,7 +41,8 @@ def _create_rule(page, project: str, rule_type: str, params: dict[str, str], nam
 def _wait_for_marker(page, step: int) -> None:
     """Wait until the loss chart's step marker (a vertical line) stands at `step` alone."""
     page.wait_for_function(
-        "step => { const shapes = document.querySelector('#loss-graph .js-plotly-plot')?.layout?.shapes || [];"
+        "step => {"
+        " const shapes = document.querySelector('#loss-graph .js-plotly-plot')?.layout?.shapes || [];"
         " return shapes.length > 0 && shapes.every(s => s.x0 === step); }",
         arg=step,
         timeout=WAIT_MS,

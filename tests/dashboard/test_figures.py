@@ -21,7 +21,7 @@ def test_scale_figure_uses_a_log_axis_labelled_in_powers_of_two():
     assert figure.layout.title.text == "Loss scale"
     assert figure.layout.yaxis.type == "log"
     assert "2^16" in figure.layout.yaxis.ticktext
-    for value, text in zip(figure.layout.yaxis.tickvals, figure.layout.yaxis.ticktext):
+    for value, text in zip(figure.layout.yaxis.tickvals, figure.layout.yaxis.ticktext, strict=True):
         assert text == f"2^{round(math.log2(value))}"
         assert math.log2(value) == round(math.log2(value))
 

@@ -86,9 +86,11 @@ def test_histogram_at_a_step_draws_bins_and_the_fp16_limits():
 
     bars = figure.data[0]
     assert bars.type == "bar"
-    heights = dict(zip(bars.customdata, bars.y))
+    heights = dict(zip(bars.customdata, bars.y, strict=True))
     assert heights[-12] == 100 and sum(bars.y) == 100  # step 25 shows the snapshot of step 20
-    assert dict(zip(bars.customdata, bars.x))[-12] == -12.5  # bin -12 spans log2|g| in [-13, -12)
+    assert (
+        dict(zip(bars.customdata, bars.x, strict=True))[-12] == -12.5
+    )  # bin -12 spans log2|g| in [-13, -12)
     assert min(bars.customdata) == -36 and max(bars.customdata) <= 8  # from the underflow limit up
     assert "step 20" in figure.layout.title.text and "&lt;b&gt;x&lt;/b&gt;" in figure.layout.title.text
     assert "zeros 4" in figure.layout.title.text and "NaN/Inf 1" in figure.layout.title.text
@@ -109,7 +111,7 @@ def test_histogram_over_time_is_an_exponent_by_step_heatmap_with_the_limits():
 
     heatmap = figure.data[0]
     assert list(heatmap.x) == [0, 20]
-    rows = dict(zip([y + 0.5 for y in heatmap.y], heatmap.z))
+    rows = dict(zip([y + 0.5 for y in heatmap.y], heatmap.z, strict=True))
     assert rows[-10] == [2.0, None] and rows[-12] == [None, 2.0]  # log10 of the counts
     underflow = trace_named(figure, "fp16 underflow")
     assert list(underflow.y) == [-40.0, -39.0, None]

@@ -272,7 +272,7 @@ def show_histogram(client, layer, step=None, selected_step=None, trigger="hist-l
         "/_dash-update-component",
         json={
             "output": ".." + "...".join(HISTOGRAM_OUTPUTS) + "..",
-            "outputs": [dict(zip(("id", "property"), o.split("."))) for o in HISTOGRAM_OUTPUTS],
+            "outputs": [dict(zip(("id", "property"), o.split("."), strict=True)) for o in HISTOGRAM_OUTPUTS],
             "inputs": [{"id": i, "property": p, "value": v} for (i, p), v in inputs],
             "state": [{"id": "run-id", "property": "data", "value": "r1"}],
             "changedPropIds": [f"{i}.{p}" for (i, p), _ in body_inputs[:1]],

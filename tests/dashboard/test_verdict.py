@@ -96,7 +96,8 @@ def test_a_critical_run_names_the_lead_incidents_cause_and_counts_the_open_ones(
     assert banner_props(banner)["className"] == "verdict verdict-critical"
     summary = banner.children[1].children
     assert summary == (
-        "2 open incidents: the learning rate jumped 300× at step 1200 (steps 1,200–1,260; +1 more; 1 resolved)"
+        "2 open incidents: the learning rate jumped 300× at step 1200 "
+        "(steps 1,200–1,260; +1 more; 1 resolved)"
     )
     assert banner.children[0].children == "CRITICAL"
 

@@ -251,9 +251,9 @@ def _record(steps: int, **kwargs) -> tuple[list[str], dict]:
     vectors: dict[str, dict[int, list]] = {}
     for batch in transport.batches:
         for series in batch["scalars"]:
-            scalars.setdefault(series["key"], {}).update(zip(series["steps"], series["values"]))
+            scalars.setdefault(series["key"], {}).update(zip(series["steps"], series["values"], strict=True))
         for vector in batch.get("vectors", []):
-            vectors.setdefault(vector["key"], {}).update(zip(vector["steps"], vector["values"]))
+            vectors.setdefault(vector["key"], {}).update(zip(vector["steps"], vector["values"], strict=True))
     events = [e for b in transport.batches for e in b["events"]]
     return transport.layers(), {"scalars": scalars, "vectors": vectors, "events": events}
 

@@ -246,7 +246,7 @@ def test_downsampling_keeps_non_finite_points_and_bucket_extremes(client):
     client.post(f"/api/v1/runs/{run['id']}/batches", json=_batch(0, steps=range(n), values=values))
     sampled = client.get(f"/api/v1/runs/{run['id']}/series", params={"key": "loss", "max_points": 50}).json()
     assert sampled["downsampled"] is True and len(sampled["steps"]) <= 50
-    kept = dict(zip(sampled["steps"], sampled["values"]))
+    kept = dict(zip(sampled["steps"], sampled["values"], strict=True))
     assert kept[1_234] == "NaN" and kept[8_765] == "Infinity" and kept[5_000] == -50.0
     assert sampled["steps"] == sorted(sampled["steps"])
     assert 6.0 in sampled["values"]  # each bucket's maximum is kept

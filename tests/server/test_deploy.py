@@ -181,7 +181,7 @@ def proxy(replicas, tmp_path) -> Iterator[str]:
     if nginx is None:
         pytest.skip("nginx is not installed (apt-get install nginx-light)")
     site = NGINX_CONF.read_text()
-    for name, server in zip(SERVERS, replicas):
+    for name, server in zip(SERVERS, replicas, strict=True):
         site = site.replace(f"server {name}:8765", f"server {server.url.removeprefix('http://')}")
     port = free_port()
     site = site.replace("listen 8080;", f"listen 127.0.0.1:{port};")
@@ -192,7 +192,8 @@ def proxy(replicas, tmp_path) -> Iterator[str]:
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
     (tmp_path / "nginx.conf").write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {tmp_path / 'nginx.pid'};\nerror_log {tmp_path / 'error.log'} warn;\n"
+        f"{user}daemon off;\nworker_processes 1;\npid {tmp_path / 'nginx.pid'};\n"
+        f"error_log {tmp_path / 'error.log'} warn;\n"
         "events { worker_connections 64; }\n"
         f"http {{\naccess_log off;\n{temp_paths}include {tmp_path / 'site.conf'};\n}}\n"
     )

@@ -50,7 +50,9 @@ class Viewer:
         message = json.loads(self.ws.recv(timeout=timeout))
         if message["type"] == "points":
             assert len(message["steps"]) == len(message["values"]) > 0, message
-            self.points[(message["key"], message["rank"])].extend(zip(message["steps"], message["values"]))
+            self.points[(message["key"], message["rank"])].extend(
+                zip(message["steps"], message["values"], strict=True)
+            )
         elif message["type"] == "events":
             self.events.extend(message["data"])
         else:
@@ -171,7 +173,9 @@ def test_a_backlog_is_read_in_pieces_each_point_once_in_step_order(database_url)
             update = store.live.read_new(cursor, max_points=7, max_events=2)
             for chunk in update.points:
                 assert 0 < len(chunk.steps) <= 7
-                received[(chunk.key, chunk.rank)].extend(zip(chunk.steps, map(_wire, chunk.values)))
+                received[(chunk.key, chunk.rank)].extend(
+                    zip(chunk.steps, map(_wire, chunk.values), strict=True)
+                )
             events.extend((event.rank, event.step) for event in update.events)
             if not update.more:
                 break
@@ -543,7 +547,7 @@ def test_two_server_processes_stream_every_point_exactly_once(postgres_url, tmp_
                     series = client.get(
                         "/api/v1/runs/job/series", params={"key": key, "rank": rank, "max_points": 10_000}
                     ).json()
-                    assert list(zip(series["steps"], series["values"])) == expected[(key, rank)]
+                    assert list(zip(series["steps"], series["values"], strict=True)) == expected[(key, rank)]
             events = client.get("/api/v1/runs/job/events").json()
             assert Counter((e["rank"], e["step"]) for e in events["data"]) == expected_events
 

@@ -113,8 +113,8 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
         ):
             connection.execute(
                 text(
-                    "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps, created_at, "
-                    "updated_at) VALUES ('old', :type, :type, :params, true, 100, 0, 0)"
+                    "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps, "
+                    "created_at, updated_at) VALUES ('old', :type, :type, :params, true, 100, 0, 0)"
                 ),
                 {"type": rule_type, "params": json.dumps(params)},
             )

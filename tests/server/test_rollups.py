@@ -46,7 +46,9 @@ def reference_series(points: dict[int, float], start: int | None, end: int | Non
 
 
 def _same(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all((x == y) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        (x == y) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.fixture
@@ -80,12 +82,12 @@ def test_series_queries_equal_brute_force_downsampling(store):
             steps = list(range(lo, hi))
             values = [_random_value(rng) for _ in steps]
             scalars.append({"key": key, "steps": steps, "values": values})
-            truth[key, rank].update(zip(steps, values))
+            truth[key, rank].update(zip(steps, values, strict=True))
         sparse = [s for s in range(lo, hi) if s % 97 == 0]
         if sparse:
             values = [_random_value(rng) for _ in sparse]
             scalars.append({"key": "sparse", "steps": sparse, "values": values})
-            truth["sparse", rank].update(zip(sparse, values))
+            truth["sparse", rank].update(zip(sparse, values, strict=True))
         store.ingest(run.id, BatchIn.model_validate({"seq": seq, "rank": rank, "scalars": scalars}))
 
     cases = [
@@ -120,7 +122,7 @@ def test_vectors_equal_brute_force_merging(store):
     for seq, lo in enumerate(range(0, 20_000, 1_000)):
         steps = list(range(lo, lo + 1_000, 3))
         rows = [[_random_value(rng) for _ in layers] for _ in steps]
-        truth.update(zip(steps, rows))
+        truth.update(zip(steps, rows, strict=True))
         store.ingest(
             run.id,
             BatchIn.model_validate(
@@ -149,7 +151,7 @@ def test_vectors_equal_brute_force_merging(store):
             groups[s // bucket_width].append(s)
         expected_steps = [members[0] for _, members in sorted(groups.items())]
         assert got.downsampled and got.steps == expected_steps
-        for row, (_, members) in zip(got.values, sorted(groups.items())):
+        for row, (_, members) in zip(got.values, sorted(groups.items()), strict=True):
             for column in range(len(layers)):
                 cells = [truth[s][column] for s in members]
                 bad = [c for c in cells if not math.isfinite(c)]
@@ -179,8 +181,8 @@ def test_upgrade_rolls_up_data_stored_before_rollups_existed(database_url):
     with engine.begin() as connection:
         connection.execute(
             text(
-                "INSERT INTO runs (id, project, name, status, config_json, metadata_json, created_at, updated_at,"
-                " layers_json) VALUES ('r', 'p', 'r', 'finished', '{}', '{}', 0, 0, '[]')"
+                "INSERT INTO runs (id, project, name, status, config_json, metadata_json, created_at,"
+                " updated_at, layers_json) VALUES ('r', 'p', 'r', 'finished', '{}', '{}', 0, 0, '[]')"
             )
         )
         connection.execute(text("INSERT INTO series (run_id, key, kind) VALUES ('r', 'loss', 'scalar')"))
@@ -241,8 +243,9 @@ def test_rollups_folded_in_batch_by_batch_equal_ones_rebuilt_from_the_data(store
                 tuple(row)
                 for row in connection.execute(
                     text(
-                        "SELECT series_id, rank, level, bucket, count, low_step, low_value, low_flag, high_step,"
-                        " high_value, high_flag FROM point_rollups ORDER BY series_id, rank, level, bucket"
+                        "SELECT series_id, rank, level, bucket, count, low_step, low_value, low_flag,"
+                        " high_step, high_value, high_flag FROM point_rollups"
+                        " ORDER BY series_id, rank, level, bucket"
                     )
                 )
             ]

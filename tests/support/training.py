@@ -3,6 +3,8 @@ with a reference record of what gradwatch should observe, computed with plain au
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +130,7 @@ class RecordingTransport:
         for batch in self.batches:
             for series in batch["scalars"]:
                 if series["key"] == key:
-                    points.update(zip(series["steps"], series["values"]))
+                    points.update(zip(series["steps"], series["values"], strict=True))
         return dict(sorted(points.items()))
 
     def vectors(self, key: str) -> dict[int, list[Any]]:
@@ -136,7 +138,7 @@ class RecordingTransport:
         for batch in self.batches:
             for vector in batch.get("vectors", []):
                 if vector["key"] == key:
-                    rows.update(zip(vector["steps"], vector["values"]))
+                    rows.update(zip(vector["steps"], vector["values"], strict=True))
         return dict(sorted(rows.items()))
 
     def histograms(self, key: str = "grad/hist") -> dict[int, dict[str, Any]]:
@@ -147,6 +149,31 @@ class RecordingTransport:
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [e for b in self.batches for e in b["events"] if e["kind"] == kind]
+
+
+# Tensor methods that copy a value to the host: on a GPU each one waits for the device (a sync).
+HOST_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__")
+
+
+class HostSyncs:
+    """Counts the calls of HOST_SYNC_METHODS made by the thread that created it (not the agent's
+    sender thread), under the current `phase`: set it to name what runs next. On CPU every op is
+    synchronous, so the calls that would force a sync on a GPU are what can be counted.
+    `monkeypatch` (pytest's) puts the methods back after the test."""
+
+    def __init__(self, monkeypatch: Any, phase: str) -> None:
+        self.phase = phase
+        self.counts: Counter[str] = Counter()
+        thread = threading.current_thread()
+        for method in HOST_SYNC_METHODS:
+            original = getattr(torch.Tensor, method)
+
+            def counting(tensor: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                if threading.current_thread() is thread:
+                    self.counts[self.phase] += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, method, counting)
 
 
 # -- distributed training (gloo on CPU, one process per rank) ----------------------------------------
@@ -218,10 +245,10 @@ def reference_steps(steps: int, world_size: int, clip: float | None = 1.0) -> li
         records.append(
             StepRecord(
                 global_norm=_global_norm(model),
-                layer_norms={n: g.norm().item() for n, g in zip(names, grads)},
+                layer_norms={n: g.norm().item() for n, g in zip(names, grads, strict=True)},
                 # parameter norms are taken after the step, as the agent takes them
                 param_norms={},
-                histograms=dict(zip(names, rows)),
+                histograms=dict(zip(names, rows, strict=True)),
             )
         )
         if clip:

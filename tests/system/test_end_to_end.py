@@ -36,7 +36,7 @@ def test_training_run_is_stored_and_served(api_server, client):
     assert stored["summary"]["skips"] == len(skipped_steps)
 
     norms = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "grad/global_norm"}).json()
-    for step, value in zip(norms["steps"], norms["values"]):
+    for step, value in zip(norms["steps"], norms["values"], strict=True):
         expected = reference.global_norms[step]
         if math.isfinite(expected):
             assert value == pytest.approx(expected, rel=1e-5)

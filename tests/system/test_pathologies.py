@@ -1,7 +1,7 @@
 """Alerts people can trust (issue 13): realistic runs that go wrong, judged by the notifications a real
 server sends to a real webhook receiver, against ground truth measured without gradwatch.
 
-Every scenario of tests/pathologies.py trains once (cached for the module) under gradwatch against
+Every scenario of tests/support/pathologies/ trains once (cached for the module) under gradwatch against
 one real uvicorn server on 127.0.0.1 with a SQLite file and the project's DEFAULT rules (what a user
 gets), with a generic-JSON webhook subscribed for the scenario's own project. Done when:
 - each pathology notifies with a step within DETECTION_WINDOW steps after its onset, naming one of
@@ -172,7 +172,8 @@ def test_pathology_is_one_incident(name, outcomes, server, api, receiver):
     assert outcome.notifications, f"no notification: {outcome.describe()}"
     repeated = [kind for kind, count in Counter(n.kind for n in outcome.notifications).items() if count > 1]
     assert len(outcome.notifications) == 1 or not repeated, (
-        f"{len(outcome.notifications)} notifications, {repeated} notified more than once: {outcome.describe()}"
+        f"{len(outcome.notifications)} notifications, {repeated} notified more than once: "
+        f"{outcome.describe()}"
     )
 
 

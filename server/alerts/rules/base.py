@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 __all__ = ["CLEAR", "LOSS_KEYS", "Finding", "Param", "RuleType", "StepData", "Verdict"]
 
@@ -143,7 +143,7 @@ class RuleType:
         raise NotImplementedError
 
 
-def _finite(value: float | None) -> bool:
+def _finite(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 

@@ -81,7 +81,7 @@ class _PersistentLayers(RuleType):
 
     def count_applied(self, state: dict[str, Any], data: StepData) -> int:
         """Applied optimizer steps before this one (every step, without a GradScaler)."""
-        before = state["applied"]
+        before: int = state["applied"]
         skipped = data.scalars.get("amp/skipped")
         if skipped is not None:
             state["scaler"] = True
@@ -105,8 +105,8 @@ class UnderflowFraction(_PersistentLayers):
     name = "underflow"
     family = "precision"
     description = (
-        "A layer's gradients underflow in fp16: most of its elements are exactly zero while the survivors sit "
-        "in fp16's subnormal range (zero fraction >= `zero_fraction` and precision-loss fraction >= "
+        "A layer's gradients underflow in fp16: most of its elements are exactly zero while the survivors "
+        "sit in fp16's subnormal range (zero fraction >= `zero_fraction` and precision-loss fraction >= "
         "`precision_loss`), or more than `threshold` of its non-zero gradients are below 2^-24 once scaled; "
         "on `observations` histogram steps in a row."
     )

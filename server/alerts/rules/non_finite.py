@@ -122,7 +122,7 @@ class LossNonFinite(RuleType):
         )  # as the wire spells them
         bad = (state["bad"] + [[data.step, key, spelled, ids]])[-MAX_EVIDENCE_POINTS:]
         if len(state["bad"]) >= MAX_EVIDENCE_POINTS:
-            bad = [state["bad"][0]] + bad[-MAX_EVIDENCE_POINTS + 1 :]  # keep the first one: where it started
+            bad = [state["bad"][0], *bad[-MAX_EVIDENCE_POINTS + 1 :]]  # keep the first one: where it started
         state["bad"] = bad
         first = bad[0]
         batch = f" (batch {', '.join(map(str, first[3]))})" if first[3] else ""

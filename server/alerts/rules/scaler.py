@@ -74,7 +74,8 @@ class ScalerPhase:
         jumped = (
             _finite(scale) and _finite(previous) and previous > 0 and scale >= SCALE_RESET_JUMP * previous
         )
-        # The scaler lowers its scale only when it skips: a lower scale on an applied step was set from outside.
+        # The scaler lowers its scale only when it skips: a lower scale on an applied step was set from
+        # outside.
         lowered = (
             skipped is not None
             and skipped < 0.5
@@ -174,15 +175,16 @@ class ScalerCalibration(RuleType):
             )
         elif phase["first_applied"] is not None and data.step - phase["first_applied"] >= self.settle_steps:
             reason = (
-                f"no {CALIBRATION_CLEAN_STEPS} clean steps in a row within {self.settle_steps} steps of the first "
-                "applied one"
+                f"no {CALIBRATION_CLEAN_STEPS} clean steps in a row within {self.settle_steps} steps of the "
+                "first applied one"
             )
         if not reason:
             return None
         start_scale = phase["start_scale"]
         return Finding(
             data.step,
-            f"the loss scale is not usable: {phase['skips']} of {steps} steps skipped since step {phase['start']}"
+            f"the loss scale is not usable: {phase['skips']} of {steps} steps skipped since step "
+            f"{phase['start']}"
             + (
                 f", scale {_power_of_two(start_scale)} -> {_power_of_two(scale)}"
                 if _finite(start_scale) and _finite(scale)
@@ -249,7 +251,8 @@ class ScaleDrop(RuleType):
         ratio = peak / scale if scale > 0 else math.inf
         return Finding(
             step,
-            f"loss scale fell {ratio:.3g}x in {step - peak_step} steps ({_power_of_two(peak)} -> {_power_of_two(scale)})",
+            f"loss scale fell {ratio:.3g}x in {step - peak_step} steps ({_power_of_two(peak)} -> "
+            f"{_power_of_two(scale)})",
             {
                 "key": "amp/scale",
                 "steps": [peak_step, step],
@@ -373,7 +376,8 @@ class NoScaleGrowth(RuleType):
             return CLEAR
         return Finding(
             data.step,
-            f"the loss scale has not grown for {steps} steps ({steps / self.growth_interval:.3g} growth intervals)",
+            f"the loss scale has not grown for {steps} steps ({steps / self.growth_interval:.3g} growth "
+            "intervals)",
             {
                 "key": "amp/scale",
                 "steps": [state["since"], data.step],

@@ -4,6 +4,7 @@ clip that cuts the gradient on nearly every step (grad_norm_spike, loss_spike, l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from .base import (
@@ -24,13 +25,30 @@ from .base import (
 __all__ = ["ClipSaturation", "GradNormSpike", "LossSpike", "LrJump"]
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
+def _median_of_sorted(ordered: list[float]) -> float:
     n = len(ordered)
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
+def _median(values: list[float]) -> float:
+    return _median_of_sorted(sorted(values))
+
+
 RECENT = 5  # the sustained rules look at this many latest observations
+# A hit must also leave the run's own range: lie above the baseline's TAIL_QUANTILE quantile by
+# TAIL_MARGIN times that quantile's distance from the median. Median and MAD ignore a run's outlier
+# batches, as they should, but a run that has them (a near-converged classifier whose loss is 0.01
+# with one batch in ten at 0.3-0.6) then meets 3 of 5 such batches in a row every few hundred steps
+# by chance: no divergence. A diverging run goes past anything it showed before; on a run without
+# outliers the quantile is ~2 spreads above the median, far below the z threshold, and changes nothing.
+TAIL_QUANTILE = 0.98
+TAIL_MARGIN = 0.5
+
+
+def _beyond_tail(value: float, median: float, tail: float) -> bool:
+    return value > tail + TAIL_MARGIN * max(tail - median, 0.0)
+
+
 BASELINE_REFRESH = 10  # steps between recomputations of a baseline's median and spread (sorting is O(window))
 
 
@@ -41,25 +59,74 @@ def _append_bounded(items: list[Any], item: Any, most: int) -> None:
         del items[: len(items) - most]
 
 
-def _baseline_stats(state: dict[str, Any], step: int, baseline: list[list[float]]) -> tuple[float, float]:
-    """(median, MAD-based spread) of the baseline's values but its latest RECENT ones, cached in
-    state["stats"] for BASELINE_REFRESH steps: the baseline moves slowly, and ingest must stay cheap
-    per point however large the window."""
+def _baseline_stats(
+    state: dict[str, Any], step: int, baseline: list[list[float]]
+) -> tuple[float, float, float]:
+    """(median, MAD-based spread, TAIL_QUANTILE quantile) of the baseline's values but its latest
+    RECENT ones, cached in state["stats"] for BASELINE_REFRESH steps: the baseline moves slowly, and
+    ingest must stay cheap per point however large the window."""
     cached = state.get("stats")
-    if cached is None or step - cached[0] >= BASELINE_REFRESH or step < cached[0]:
-        values = [v for _, v in baseline[:-RECENT] or baseline]
-        median = _median(values)
-        cached = state["stats"] = [step, median, 1.4826 * _median([abs(v - median) for v in values])]
-    return cached[1], cached[2]
+    if cached is None or len(cached) < 4 or step - cached[0] >= BASELINE_REFRESH or step < cached[0]:
+        ordered = sorted(v for _, v in baseline[:-RECENT] or baseline)
+        median = _median_of_sorted(ordered)
+        tail = ordered[min(len(ordered) - 1, math.ceil(TAIL_QUANTILE * len(ordered)) - 1)]
+        spread = 1.4826 * _median([abs(v - median) for v in ordered])
+        cached = state["stats"] = [step, median, spread, tail]
+    return cached[1], cached[2], cached[3]
 
 
-class GradNormSpike(RuleType):
-    name = "grad_norm_spike"
+class _SustainedSpike(RuleType):
+    """A value far above a robust baseline on at least `sustain` of the latest RECENT observations
+    (grad_norm_spike, loss_spike): state["baseline"] holds [step, judged value] of the `window` steps
+    before, state["recent"] the latest [step, hit, value]."""
+
     family = "divergence"
+
+    def validate(self) -> None:
+        if self.warmup > self.window:
+            raise ValueError(f"{self.name}: warmup ({self.warmup}) cannot exceed window ({self.window})")
+
+    def _sustained(
+        self,
+        state: dict[str, Any],
+        step: int,
+        hit: bool,
+        value: float,
+        title: Callable[[str], str],
+        evidence: dict[str, Any],
+    ) -> Verdict:
+        """Record this observation among the recent ones: a Finding when it is a hit and at least
+        `sustain` of them are, CLEAR when none is, else None. title("N of the last M steps") names the
+        finding; evidence: its "key", then "baseline_median", "ratio" and "z"."""
+        recent = [*state.get("recent", []), [step, hit, value]][-RECENT:]
+        state["recent"] = recent
+        hits = [r for r in recent if r[1]]
+        if hit and len(hits) >= self.sustain:
+            baseline = state["baseline"]
+            return Finding(
+                step,
+                title(f"{len(hits)} of the last {len(recent)} steps"),
+                {
+                    "key": evidence["key"],
+                    "steps": [r[0] for r in hits],
+                    "values": [r[2] for r in hits],
+                    "onset_step": hits[0][0],
+                    "baseline_median": evidence["baseline_median"],
+                    "baseline_steps": [baseline[0][0], baseline[-1][0]],
+                    "ratio": evidence["ratio"],
+                    "z": evidence["z"],
+                },
+            )
+        return CLEAR if not hits else None
+
+
+class GradNormSpike(_SustainedSpike):
+    name = "grad_norm_spike"
     description = (
         "The global gradient norm jumped and stays up: on at least `sustain` of the last 5 applied steps the "
         "robust z-score of log10(norm) against the median/MAD of the `window` steps before was at least `z` "
-        "and the norm at least `min_ratio`x that median (a single odd batch is not a divergence)."
+        "and the norm at least `min_ratio`x that median and well clear of the window's 98th percentile (a "
+        "single odd batch is not a divergence, nor are outlier batches the run has had all along)."
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(100, minimum=5, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
@@ -73,10 +140,6 @@ class GradNormSpike(RuleType):
     scalar_keys = frozenset({"grad/global_norm"})
     MIN_SPREAD = 0.01  # log10 units (~2%): a perfectly flat baseline must not make every wiggle a spike
 
-    def validate(self) -> None:
-        if self.warmup > self.window:
-            raise ValueError(f"grad_norm_spike: warmup ({self.warmup}) cannot exceed window ({self.window})")
-
     def initial_state(self) -> dict[str, Any]:
         return {"baseline": [], "recent": []}  # baseline: [step, log10 norm]; recent: [step, hit, norm]
 
@@ -86,48 +149,36 @@ class GradNormSpike(RuleType):
             return None
         x = math.log10(norm)
         baseline = state["baseline"]
-        recent = state.setdefault("recent", [])
         verdict: Verdict = None
         if len(baseline) >= self.warmup:
             # The baseline excludes the latest RECENT steps, so a sustained rise does not hide itself.
-            median, spread = _baseline_stats(state, data.step, baseline)
+            median, spread, tail = _baseline_stats(state, data.step, baseline)
             spread = max(spread, self.MIN_SPREAD)
             z = (x - median) / spread
             ratio = 10 ** (x - median)
-            hit = z >= self.z and ratio >= self.min_ratio
-            recent = (recent + [[data.step, hit, norm]])[-RECENT:]
-            hits = [r for r in recent if r[1]]
-            if hit and len(hits) >= self.sustain:
-                verdict = Finding(
-                    data.step,
+            verdict = self._sustained(
+                state,
+                data.step,
+                z >= self.z and ratio >= self.min_ratio and _beyond_tail(x, median, tail),
+                norm,
+                lambda seen: (
                     f"gradient norm {norm:.3g} is {_times(ratio)} its running median {10**median:.3g} "
-                    f"(z={z:.1f}; {len(hits)} of the last {len(recent)} steps)",
-                    {
-                        "key": "grad/global_norm",
-                        "steps": [r[0] for r in hits],
-                        "values": [r[2] for r in hits],
-                        "onset_step": hits[0][0],
-                        "baseline_median": 10**median,
-                        "baseline_steps": [baseline[0][0], baseline[-1][0]],
-                        "ratio": ratio,
-                        "z": z,
-                    },
-                )
-            elif not hits:
-                verdict = CLEAR
-        state["recent"] = recent
+                    f"(z={z:.1f}; {seen})"
+                ),
+                {"key": "grad/global_norm", "baseline_median": 10**median, "ratio": ratio, "z": z},
+            )
         _append_bounded(baseline, [data.step, x], self.window)
         return verdict
 
 
-class LossSpike(RuleType):
+class LossSpike(_SustainedSpike):
     name = "loss_spike"
-    family = "divergence"
     description = (
-        "The loss rose and stays up: on at least `sustain` of the last 5 steps it was at least `min_ratio`x the "
-        "median of the `window` steps before and `z` robust deviations above it. Warm-up (a falling loss) is "
-        "never a spike; within `restart_grace` steps of the lr rising back to a level the run used before (a "
-        "scheduled restart) only a loss above the run's starting loss counts."
+        "The loss rose and stays up: on at least `sustain` of the last 5 steps it was at least `min_ratio`x "
+        "the median of the `window` steps before, `z` robust deviations above it and well clear of the "
+        "window's 98th percentile (outlier batches the run has had all along are not a divergence). Warm-up "
+        "(a falling loss) is never a spike; within `restart_grace` steps of the lr rising back to a level "
+        "the run used before (a scheduled restart) only a loss above the run's starting loss counts."
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(100, minimum=10, maximum=MAX_WINDOW, integer=True, doc="baseline steps"),
@@ -142,10 +193,6 @@ class LossSpike(RuleType):
         ),
     }
     scalar_keys = frozenset({*LOSS_KEYS, "lr"})
-
-    def validate(self) -> None:
-        if self.warmup > self.window:
-            raise ValueError(f"loss_spike: warmup ({self.warmup}) cannot exceed window ({self.window})")
 
     def initial_state(self) -> dict[str, Any]:
         return {
@@ -178,39 +225,31 @@ class LossSpike(RuleType):
             state["start_loss"] = value if state["start_loss"] is None else max(state["start_loss"], value)
         verdict: Verdict = None
         if len(baseline) >= self.warmup:
-            median, spread = _baseline_stats(state, data.step, baseline)
+            median, spread, tail = _baseline_stats(state, data.step, baseline)
             spread = max(spread, 0.01 * abs(median), 1e-8)
             z = (value - median) / spread
             ratio_ok = value >= self.min_ratio * median if median > 0 else z >= 2 * self.z
-            hit = z >= self.z and ratio_ok
+            hit = z >= self.z and ratio_ok and _beyond_tail(value, median, tail)
             if hit and data.step <= state["grace_until"]:
                 hit = state["start_loss"] is not None and value > state["start_loss"]
-            recent = (state["recent"] + [[data.step, hit, value]])[-RECENT:]
-            state["recent"] = recent
-            hits = [r for r in recent if r[1]]
-            if hit and len(hits) >= self.sustain:
-                ratio = value / median if median > 0 else None
+            ratio = value / median if median > 0 else None
+
+            def title(seen: str) -> str:
                 size = (
                     f"{_times(ratio)} its running median"
                     if ratio is not None
                     else f"{z:.3g} deviations above its median"
                 )
-                verdict = Finding(
-                    data.step,
-                    f"{key} {value:.4g} is {size} {median:.4g} ({len(hits)} of the last {len(recent)} steps)",
-                    {
-                        "key": key,
-                        "steps": [r[0] for r in hits],
-                        "values": [r[2] for r in hits],
-                        "onset_step": hits[0][0],
-                        "baseline_median": median,
-                        "baseline_steps": [baseline[0][0], baseline[-1][0]],
-                        "ratio": ratio,
-                        "z": z,
-                    },
-                )
-            elif not hits:
-                verdict = CLEAR
+                return f"{key} {value:.4g} is {size} {median:.4g} ({seen})"
+
+            verdict = self._sustained(
+                state,
+                data.step,
+                hit,
+                value,
+                title,
+                {"key": key, "baseline_median": median, "ratio": ratio, "z": z},
+            )
         _append_bounded(baseline, [data.step, value], self.window)
         return verdict
 
@@ -254,8 +293,8 @@ class LrJump(RuleType):
         state["jump"] = [data.step, previous, lr, peak]
         return Finding(
             data.step,
-            f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> {lr:.3g}; "
-            f"the run's highest before was {peak:.3g})",
+            f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> "
+            f"{lr:.3g}; the run's highest before was {peak:.3g})",
             {
                 "key": "lr",
                 "steps": [data.step - 1, data.step],
@@ -270,10 +309,11 @@ class ClipSaturation(RuleType):
     name = "clip_saturation"
     family = "stalled"
     description = (
-        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation (several backward "
-        "passes per optimizer step): of the last `window` applied steps at least `fraction` clipped, with a "
-        "median norm/max_norm of at least `min_ratio_accumulating` (an undivided loss). Without it, over "
-        "`plain_window` steps and a median of at least `min_ratio` (early training often clips for a while)."
+        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation (several "
+        "backward passes per optimizer step): of the last `window` applied steps at least `fraction` "
+        "clipped, with a median norm/max_norm of at least `min_ratio_accumulating` (an undivided loss). "
+        "Without it, over `plain_window` steps and a median of at least `min_ratio` (early training often "
+        "clips for a while)."
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, accumulating"),

@@ -1,257 +1,36 @@
-"""Seeded CPU training scenarios that go wrong the way real jobs do, with their ground truth.
-
-Each scenario is a function `scenario(new_run=None) -> Scenario`. It trains a tiny model for a few
-hundred optimizer steps through a real mechanism (a scheduler bug, a corrupt record, a loop-order or
-dtype mistake; never an inf written by hand) and measures with plain torch, independently of
-gradwatch, what went wrong and from which step: `Scenario.pathology` (None for a healthy control),
-`onset_step`, the affected parameter names, and per optimizer step the loss, the pre-clip global
-gradient norm (unscaled), the learning rate, the skipped flag and the loss scale, so another tool
-can be fed exactly the same values.
-
-`new_run(name=..., config=...)` starts a gradwatch run (e.g. functools.partial(gradwatch.init,
-project=..., server=url)); the scenario watches its model with it and logs the loss each step like a
-user would, and finishes it. Steps are numbered like gradwatch's: the first optimizer step is 0 and
-each optimizer step, skipped or not, advances by one.
-
-The second part of this module reads the notifications a gradwatch server sent about a run (the
-generic JSON webhook payload, per alert today or per incident) and judges them against a scenario;
-tests/test_pathologies.py and bench/diagnosis.py share it.
-"""
+"""The scenario catalogue: ten pathologies, each a seeded CPU training run that goes wrong through a
+real mechanism, and five healthy controls; each returns its `Scenario` with the ground truth it
+measured itself (see the package's docstring)."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import math
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-RunFactory = Callable[..., Any]  # (name=..., config=..., run_id=None) -> gradwatch Run
-
-# A notification must name a step at most this many steps after the onset to count as a detection.
-DETECTION_WINDOW = 30
-
-
-class ScenarioError(AssertionError):
-    """The mechanism did not produce what the scenario promises (e.g. another torch rounds otherwise)."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ScenarioError(message)
-
-
-@dataclass
-class Scenario:
-    """What one scenario did, measured by the scenario itself (no gradwatch involved)."""
-
-    name: str
-    pathology: str | None  # None: a healthy control
-    onset_step: int | None  # first optimizer step where the problem is present
-    layers: list[str] = field(default_factory=list)  # affected parameter names, if the cause has any
-    precision: str = "fp32"
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)  # unscaled, before clipping (inf/nan kept)
-    lrs: list[float] = field(default_factory=list)
-    skipped: list[bool] = field(default_factory=list)
-    scales: list[float | None] = field(default_factory=list)  # loss scale after update; None: no scaler
-    run_ids: list[str] = field(default_factory=list)  # gradwatch runs (one; two ids alike for a resume)
-    agent_stats: list[dict[str, Any]] = field(default_factory=list)  # each run's SenderStats at finish
-    facts: dict[str, Any] = field(default_factory=dict)  # the mechanism's own measurements
-    seconds: float = 0.0
-
-    @property
-    def steps(self) -> int:
-        return len(self.losses)
-
-    @property
-    def healthy(self) -> bool:
-        return self.pathology is None
-
-
-class _Trace:
-    """Per-step records of one scenario; `step` is the next optimizer step's number."""
-
-    def __init__(self, scenario: Scenario) -> None:
-        self.scenario = scenario
-
-    @property
-    def step(self) -> int:
-        return len(self.scenario.losses)
-
-    def add(
-        self,
-        loss: torch.Tensor | float,
-        grad_norm: float,
-        lr: float,
-        skipped: bool = False,
-        scale: float | None = None,
-    ) -> None:
-        s = self.scenario
-        s.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
-        s.grad_norms.append(float(grad_norm))
-        s.lrs.append(float(lr))
-        s.skipped.append(bool(skipped))
-        s.scales.append(scale)
-
-
-# -- building blocks -----------------------------------------------------------------------------------
-
-
-def _mlp(seed: int, sizes: tuple[int, ...] = (16, 32, 32, 4)) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(a, b))
-    return nn.Sequential(*layers)
-
-
-class _Task:
-    """A fixed random teacher labelling Gaussian inputs; batch(step) is the same for the same step."""
-
-    def __init__(self, seed: int, features: int = 16, classes: int = 4, batch: int = 32) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.teacher = torch.randn(features, classes, generator=generator)
-        self.seed, self.features, self.batch_size = seed, features, batch
-
-    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 64 + micro)
-        x = torch.randn(self.batch_size, self.features, generator=generator)
-        return x, (x @ self.teacher).argmax(dim=1)
-
-
-def _grad_norm(parameters: Any, divide_by: float = 1.0) -> float:
-    """L2 norm over every gradient (float64, on the host), divided by the loss scale if given."""
-    grads = [p.grad.detach().double() for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
-    return (torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) / divide_by).item()
-
-
-def _lr(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
-
-
-@contextlib.contextmanager
-def _gradwatch(
-    new_run: RunFactory | None,
-    scenario: Scenario,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: Any = None,
-    run_id: str | None = None,
-    start_step: int = 0,
-    **config: Any,
-) -> Iterator[Any]:
-    """A watching run for the block (None without new_run), finished at its end."""
-    if new_run is None:
-        yield None
-        return
-    options = {"run_id": run_id} if run_id else {}
-    run = new_run(name=scenario.name, config={"scenario": scenario.name, **config}, **options)
-    run.step = start_step
-    run.watch(model, optimizer, scaler=scaler)
-    scenario.run_ids.append(run.id)
-    try:
-        yield run
-    finally:
-        run.finish()
-        stats = run.stats
-        scenario.agent_stats.append(
-            {
-                "sent": stats.sent,
-                "queued": stats.queued,
-                "spooled": stats.spooled,
-                "dropped": stats.dropped,
-                "last_error": stats.last_error,
-            }
-        )
-
-
-def _log(run: Any, loss: torch.Tensor) -> None:
-    if run is not None:
-        run.log({"loss": loss.detach()})
-
-
-def _fp16_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    loss: torch.Tensor,
-    trace: _Trace,
-    clip: float | None = 1.0,
-) -> None:
-    """The textbook fp16 step (scale, backward, unscale_, clip, step, update), recorded."""
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    norm = _grad_norm(model.parameters())
-    if clip is not None:
-        nn.utils.clip_grad_norm_(model.parameters(), clip)
-    lr, before = _lr(optimizer), scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    after = scaler.get_scale()
-    trace.add(loss, norm, lr, skipped=after < before, scale=after)
-
-
-def _fp32_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss: torch.Tensor,
-    trace: _Trace,
-    clip: float | None = 1.0,
-) -> None:
-    loss.backward()
-    norm = _grad_norm(model.parameters())
-    if clip is not None:
-        nn.utils.clip_grad_norm_(model.parameters(), clip)
-    lr = _lr(optimizer)
-    optimizer.step()
-    trace.add(loss, norm, lr)
-
-
-class _ChangeMeter:
-    """Fraction of each parameter's elements an optimizer step left bit-identical."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.snapshot: list[torch.Tensor] = []
-
-    def before(self) -> None:
-        self.snapshot = [p.detach().clone() for _, p in self.params]
-
-    def after(self) -> dict[str, float]:
-        return {
-            n: (p.detach() == old).double().mean().item() for (n, p), old in zip(self.params, self.snapshot)
-        }
-
-
-def _first(flags: list[bool]) -> int | None:
-    return next((i for i, flag in enumerate(flags) if flag), None)
-
-
-def _finite(value: float) -> bool:
-    return math.isfinite(value)
-
-
-def _timed(function: Callable[..., Scenario]) -> Callable[..., Scenario]:
-    def timed(new_run: RunFactory | None = None) -> Scenario:
-        started = time.perf_counter()
-        scenario = function(new_run)
-        scenario.seconds = time.perf_counter() - started
-        return scenario
-
-    timed.__name__, timed.__doc__ = function.__name__, function.__doc__
-    return timed
-
+from .harness import (
+    RunFactory,
+    Scenario,
+    _ChangeMeter,
+    _finite,
+    _first,
+    _fp16_step,
+    _fp32_step,
+    _grad_norm,
+    _gradwatch,
+    _log,
+    _lr,
+    _mlp,
+    _require,
+    _Task,
+    _timed,
+    _Trace,
+)
 
 # -- pathologies ---------------------------------------------------------------------------------------
 
@@ -671,7 +450,9 @@ def overflow_layer(new_run: RunFactory | None = None) -> Scenario:
         handle.remove()
     with torch.no_grad():
         fp32_loss = nn.functional.cross_entropy(model(task.batch(0)[0]), task.batch(0)[1]).item()
-    s.onset_step = _first([skipped and not _finite(loss) for skipped, loss in zip(s.skipped, s.losses)])
+    s.onset_step = _first(
+        [skipped and not _finite(loss) for skipped, loss in zip(s.skipped, s.losses, strict=True)]
+    )
     first = non_finite_modules[0] if non_finite_modules else ""
     s.layers = [n for n, _ in model.named_parameters() if n.startswith(f"{first}.")]
     s.facts = {
@@ -937,138 +718,3 @@ HEALTHY: tuple[Callable[..., Scenario], ...] = (
     resumed,
 )
 SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}
-
-
-# -- judging what a server notified ------------------------------------------------------------------
-
-FIRING_EVENTS = ("incident.firing",)
-
-
-@dataclass(frozen=True)
-class Notification:
-    """One firing notification (one incident) from a generic JSON webhook body."""
-
-    event: str
-    step: int | None
-    kind: str  # the incident's cause key (else its cause, else its rules)
-    layers: tuple[str, ...]
-    body: dict[str, Any]
-
-
-def _layers_in(value: Any) -> list[str]:
-    """Every string listed under a "layers" key anywhere in `value` (evidence, findings…), in order."""
-    found: list[str] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key == "layers" and isinstance(item, list):
-                found.extend(x for x in item if isinstance(x, str))
-            else:
-                found.extend(_layers_in(item))
-    elif isinstance(value, list):
-        for item in value:
-            found.extend(_layers_in(item))
-    return list(dict.fromkeys(found))
-
-
-def as_notification(body: Any) -> Notification | None:
-    """The firing notification in a generic JSON webhook body ({"event": "incident.firing", "incident":
-    {"first_step", "cause_key", "rules", "layers", "findings": [...]}}); None for resolutions and tests."""
-    if (
-        not isinstance(body, dict)
-        or body.get("event") not in FIRING_EVENTS
-        or not isinstance(body.get("incident"), dict)
-    ):
-        return None
-    incident = body["incident"]
-    step = incident.get("first_step")
-    cause = incident.get("cause_key") or incident.get("cause")
-    kind = cause if isinstance(cause, str) and cause else ",".join(map(str, incident.get("rules") or []))
-    return Notification(
-        body["event"],
-        int(step) if isinstance(step, (int, float)) else None,
-        kind,
-        tuple(_layers_in(incident)),
-        body,
-    )
-
-
-def notifications(bodies: list[Any]) -> list[Notification]:
-    return [n for n in map(as_notification, bodies) if n is not None]
-
-
-def names_layer(notified: tuple[str, ...] | list[str], affected: list[str]) -> bool:
-    """Whether a notified layer is one of the affected parameters or a module holding one."""
-    return any(layer == name or name.startswith(f"{layer}.") for layer in notified for name in affected)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """How one tool's notifications about one scenario compare with its ground truth."""
-
-    count: int
-    first_step: int | None
-    detected: bool  # a pathology: some notification at onset <= step <= onset + DETECTION_WINDOW
-    latency: int | None  # first detecting step - onset
-    layer_named: bool | None  # None where the scenario names no layers or nothing was detected
-
-    @property
-    def notified(self) -> bool:
-        return self.count > 0
-
-
-def judge(scenario: Scenario, notified: list[tuple[int | None, tuple[str, ...]]]) -> Verdict:
-    """Compare (step, layers) notifications with the scenario's ground truth."""
-    steps = [step for step, _ in notified if step is not None]
-    first = min(steps) if steps else None
-    if scenario.onset_step is None:
-        return Verdict(len(notified), first, False, None, None)
-    onset = scenario.onset_step
-    hits = [
-        (step, layers)
-        for step, layers in notified
-        if step is not None and onset <= step <= onset + DETECTION_WINDOW
-    ]
-    latency = min(step for step, _ in hits) - onset if hits else None
-    layer_named = None
-    if scenario.layers and hits:
-        layer_named = any(names_layer(layers, scenario.layers) for _, layers in hits)
-    return Verdict(len(notified), first, bool(hits), latency, layer_named)
-
-
-def settled_notifications(
-    api: Any,
-    project: str,
-    bodies: Callable[[], list[Any]],
-    timeout: float = 30.0,
-    settle: float = 1.5,
-    poll: float = 0.1,
-    webhook_id: int | None = None,
-) -> list[Notification]:
-    """Wait until the server has nothing left to deliver for `project` and `bodies()` (what the
-    receiver got) has stayed the same for `settle` seconds; then its firing notifications.
-
-    `api` is an httpx.Client on the server; webhook_id narrows the deliveries watched to one webhook.
-    AssertionError at `timeout` with what was seen."""
-    deadline = time.monotonic() + timeout
-    last: tuple[int, int] | None = None
-    stable_since = time.monotonic()
-    while True:
-        params = {"project": project, "limit": 100, **({"webhook_id": webhook_id} if webhook_id else {})}
-        response = api.get("/api/v1/deliveries", params=params)
-        response.raise_for_status()
-        deliveries = response.json()["data"]
-        waiting = [d for d in deliveries if d["status"] in ("pending", "sending")]
-        received = bodies()
-        delivered = sum(d["status"] == "delivered" for d in deliveries)
-        state = (len(deliveries), len(received))
-        now = time.monotonic()
-        if state != last or waiting or len(received) < delivered:
-            last, stable_since = state, now
-        elif now - stable_since >= settle:
-            return notifications(received)
-        if now > deadline:
-            raise AssertionError(
-                f"deliveries for {project!r} did not settle within {timeout:.0f} s: "
-                f"{len(waiting)} waiting, {delivered} delivered, {len(received)} received"
-            )
-        time.sleep(poll)
