@@ -85,6 +85,7 @@ def layout(api: ApiClient, background: Background) -> html.Div:
                 "runs": lambda: api.list_runs(limit=RUNS_FOR_PROJECTS)[0],
                 "rules": api.alert_rules,
                 "webhooks": api.webhooks,
+                "identity": api.whoami,
             }
         )
     except ApiError as exc:
@@ -97,14 +98,27 @@ def layout(api: ApiClient, background: Background) -> html.Div:
             if item.get("project")
         }
     )
-    return alerts_layout(fetched.get("types", []), projects, problem)
+    return alerts_layout(fetched.get("types", []), projects, problem, can_change(fetched.get("identity")))
+
+
+def can_change(identity: Any) -> bool:
+    """Whether GET /auth/whoami's answer allows changing rules, webhooks and alerts (admin scope, or
+    an open server); unknown (not loaded): True, and the server's 403 says why if not."""
+    if not isinstance(identity, dict) or identity.get("open"):
+        return True
+    scopes = identity.get("scopes") or []
+    return "admin" in scopes or "*" in scopes
 
 
 def alerts_layout(
-    rule_types: list[dict[str, Any]], projects: list[str], problem: ApiError | None = None
+    rule_types: list[dict[str, Any]],
+    projects: list[str],
+    problem: ApiError | None = None,
+    changes_allowed: bool = True,
 ) -> html.Div:
     """The Alerts page: alerts, rules and webhooks. `rule_types` from GET /alert-rules/types,
-    `projects` offered in the pickers; `problem`: why either could not be loaded."""
+    `projects` offered in the pickers; `problem`: why either could not be loaded; without
+    `changes_allowed` (a read token) it says so up front and its create buttons are disabled."""
     type_options = [
         {"label": f"{spec.get('type')} ({spec.get('severity')})", "value": spec.get("type")}
         for spec in rule_types
@@ -114,6 +128,15 @@ def alerts_layout(
         [
             html.H1("Alerts"),
             error_banner(problem) if problem is not None else None,
+            None
+            if changes_allowed
+            else html.Div(
+                "Signed in with a read token: you see every alert, rule and webhook of your project; "
+                "creating, editing, acknowledging and deleting them needs a token with admin scope "
+                "(gradwatch token create --scope admin).",
+                className="banner banner-info",
+                id="alerts-read-only",
+            ),
             dcc.Store(id="rule-types", data=rule_types),
             dcc.Store(id="alerts-version", data=0),
             dcc.Store(id="rules-version", data=0),
@@ -175,7 +198,7 @@ def alerts_layout(
                 ),
                 html.Div(id="rule-type-doc", className="type-doc"),
                 html.Div(id="rule-params", className="params"),
-                _primary_button("Create rule", "rule-create"),
+                _primary_button("Create rule", "rule-create", disabled=not changes_allowed),
                 html.Div(id="rule-form-message"),
             ),
             _card(
@@ -214,7 +237,7 @@ def alerts_layout(
                         placeholder="optional, signs requests",
                     ),
                 ),
-                _primary_button("Add webhook", "webhook-create"),
+                _primary_button("Add webhook", "webhook-create", disabled=not changes_allowed),
                 html.Div(id="webhook-form-message"),
             ),
         ]
@@ -257,8 +280,8 @@ def _project_field(component_id: str) -> html.Label:
     return _text_field("Project", component_id, list="known-projects", placeholder="project")
 
 
-def _primary_button(label: str, component_id: str) -> html.Button:
-    return html.Button(label, id=component_id, className="button primary", n_clicks=0)
+def _primary_button(label: str, component_id: str, disabled: bool = False) -> html.Button:
+    return html.Button(label, id=component_id, className="button primary", n_clicks=0, disabled=disabled)
 
 
 def _rule_editor() -> html.Div:

@@ -10,7 +10,9 @@ their token (ApiClient's token_provider).
 Login CSRF (another site signing the browser in with the attacker's token): the server refuses a
 cross-site Origin (server.web_security); the form also carries a double-submit token, the value of a
 SameSite=Strict cookie that a cross-site page can neither read nor make the browser send, so a browser
-that sends no Origin cannot be signed in from elsewhere either.
+that sends no Origin cannot be signed in from elsewhere either. Signing out is a POST with the same
+double-submit token: deleting a cookie needs no cookie sent, so a GET would let any page (a link, an
+<img>) sign people out.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ def _safe_next(target: str | None, prefix: str) -> str:
 
 
 def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
-    """POST {prefix}signin (the sign-in form) and GET {prefix}signout on the dashboard's Flask server
-    (its routes are relative to the mount point)."""
+    """POST {prefix}signin (the sign-in form) and POST {prefix}signout on the dashboard's Flask server
+    (its routes are relative to the mount point); GET {prefix}signout shows the sign-in page, with its
+    sign-out button."""
     server: flask.Flask = app.server
 
     @server.post("/signin")
@@ -107,11 +110,18 @@ def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         )
         return response
 
-    @server.get("/signout")
+    @server.post("/signout")
     def signout() -> Response:
+        if not _csrf_matches():  # another site's form or link: nobody is signed out
+            message = "The sign-out form had expired or came from another site: sign out again."
+            return flask.redirect(prefix + "signin?" + urlencode({"error": message}))
         response = flask.redirect(prefix + "signin")
         response.delete_cookie(COOKIE, path=prefix)
         return response
+
+    @server.get("/signout")
+    def signout_page() -> Response:
+        return flask.redirect(prefix + "signin")
 
 
 def layout(prefix: str, next_path: str, error: str | None, signed_in: bool) -> html.Div:
@@ -153,7 +163,17 @@ def layout(prefix: str, next_path: str, error: str | None, signed_in: bool) -> h
                 ],
                 className="muted",
             ),
-            html.A("Sign out", href=prefix + "signout", id="signout") if signed_in else None,
+            html.Form(
+                [
+                    dcc.Input(type="hidden", name=CSRF_FIELD, value=csrf) if csrf else None,
+                    html.Button("Sign out", type="submit", id="signout", className="button"),
+                ],
+                action=prefix + "signout",
+                method="POST",
+                className="signout-form",
+            )
+            if signed_in
+            else None,
         ],
         className="card signin",
     )

@@ -212,6 +212,43 @@ def test_the_alerts_page_offers_the_servers_rule_types_and_known_projects():
     assert '"label": "skip_storm (critical)", "value": "skip_storm"' in page
 
 
+@pytest.mark.parametrize(
+    ("identity", "allowed"),
+    [
+        ({"open": True}, True),
+        ({"open": False, "project": "llm", "scopes": ["read"]}, False),
+        ({"open": False, "project": "llm", "scopes": ["admin", "read"]}, True),
+        ({"open": False, "project": "*", "scopes": ["*"]}, True),
+        (None, True),  # not loaded: the server's 403 says why, if it comes to that
+    ],
+)
+def test_a_read_token_is_told_up_front_that_changes_need_admin(identity, allowed):
+    from plotly.utils import PlotlyJSONEncoder
+
+    from gradwatch.dashboard.pages import alerts
+
+    assert alerts.can_change(identity) is allowed
+    page = json.dumps(alerts.alerts_layout([], ["llm"], changes_allowed=allowed), cls=PlotlyJSONEncoder)
+    assert ('"id": "alerts-read-only"' in page) is not allowed
+    for button in ("rule-create", "webhook-create"):
+        props = next(
+            c["props"] for c in _components(json.loads(page)) if c.get("props", {}).get("id") == button
+        )
+        assert props.get("disabled", False) is not allowed, button
+
+
+def _components(node):
+    """Every component of a layout as serialised to JSON."""
+    if isinstance(node, dict):
+        if "props" in node:
+            yield node
+        for value in node.values():
+            yield from _components(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _components(item)
+
+
 def test_creating_a_rule_posts_only_the_changed_parameters():
     api = AlertsApi(
         answers={

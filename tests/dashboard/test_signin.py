@@ -62,8 +62,12 @@ def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server
             page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)").count("gw_") == 0
         )
 
-        page.goto(f"{full_server.url}/dashboard/signout")
+        page.goto(f"{full_server.url}/dashboard/signout")  # a link to it signs nobody out
+        expect(page.locator("#signout")).to_be_visible(timeout=WAIT_MS)
+        assert [c for c in context.cookies() if c["name"] == "gradwatch_token"]
+        page.locator("#signout").click()  # the sign-out form (POST, with the CSRF token)
         expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
+        expect(page.locator("#signout")).to_have_count(0)
         page.goto(f"{full_server.url}/dashboard/")
         expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
         assert not [c for c in context.cookies() if c["name"] == "gradwatch_token"]
@@ -89,6 +93,30 @@ def test_signin_never_redirects_off_the_dashboard(full_server, sqlite_url):
         assert (
             "HttpOnly" in response.headers["set-cookie"]
             and "SameSite=Strict" in response.headers["set-cookie"]
+        )
+
+
+def test_signing_out_takes_the_forms_csrf_token(full_server, sqlite_url):
+    """Deleting the cookie needs no cookie sent: without the double-submit token (another site's form,
+    a GET from a link or an image) nobody is signed out."""
+    engine = make_engine(sqlite_url)
+    _, token = Tokens(engine).create("alpha", "read")
+    engine.dispose()
+    with httpx.Client(base_url=full_server.url, follow_redirects=False) as client:
+        client.cookies.set("gradwatch_token", token, path="/dashboard/")
+        for response in (
+            client.get("/dashboard/signout"),
+            client.post("/dashboard/signout"),
+            client.post("/dashboard/signout", data={"csrf": "forged" * 8}),
+        ):
+            assert response.status_code == 302, response.text
+            assert "gradwatch_token" not in response.headers.get("set-cookie", "")
+        client.cookies.set("gradwatch_csrf", "c" * 43, path="/dashboard/")
+        response = client.post("/dashboard/signout", data={"csrf": "c" * 43})
+        assert response.status_code == 302 and response.headers["location"] == "/dashboard/signin"
+        assert (
+            response.headers["set-cookie"].startswith("gradwatch_token=;")
+            and "Max-Age=0" in response.headers["set-cookie"]
         )
 
 
@@ -137,6 +165,9 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
         )
         page.goto(f"{full_server.url}/dashboard/alerts")
         expect(page.locator("#alerts-table")).to_contain_text("signed-in", timeout=WAIT_MS)
+        expect(page.locator("#alerts-read-only")).to_contain_text("admin scope")  # said up front
+        expect(page.locator("#rule-create")).to_be_disabled()
+        expect(page.locator("#webhook-create")).to_be_disabled()
         for url in ("/dashboard/", f"/dashboard/runs/{run.id}", f"/dashboard/compare?runs={run.id}"):
             page.goto(f"{full_server.url}{url}")
             page.wait_for_timeout(1500)  # the first refresh has run
