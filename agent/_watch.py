@@ -57,6 +57,7 @@ from ._derive import (  # the agent-internal keys this module records for _deriv
     WatchDerivation,
 )
 from ._errors import GradwatchWarning
+from ._names import user_layer_names
 from ._scaler import SCALE, ScalerView
 
 if TYPE_CHECKING:
@@ -164,7 +165,11 @@ class Watcher:
         self.scaler = scaler if self.scaler_view is not None else None
         # Fused/capturable optimizers take the scaler's found_inf and always run their step.
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        names = {id(p): name for name, p in model.named_parameters()}
+        named = list(model.named_parameters())
+        names = {
+            id(p): name
+            for (_, p), name in zip(named, user_layer_names(model, [n for n, _ in named]), strict=True)
+        }
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._param_ids = {id(p) for p in self.params}
         self.layer_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]

@@ -1,8 +1,11 @@
 """The dependency direction of DESIGN.md, checked in fresh interpreters."""
 
+import os
 import subprocess
 import sys
+import tarfile
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,40 @@ def test_every_source_package_is_in_the_wheel():
             rest = relative.relative_to(base).parts
             expected.add(".".join([folders[base], *rest]))
     assert expected - set(config["packages"]) == set()
+
+
+def test_sdist_and_wheel_build_clean_and_pass_twine_check(tmp_path):
+    """What a user who depends on gradwatch installs: `python -m build` makes an sdist and a wheel with
+    no warning, `twine check --strict` passes, the wheel is typed (py.typed) and carries its assets, and
+    the version is gradwatch.__version__ (its one place)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(root)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    output = built.stdout + built.stderr
+    assert built.returncode == 0, output[-3000:]
+    noisy = [line for line in output.splitlines() if "warn" in line.lower() or "deprecat" in line.lower()]
+    assert noisy == [], noisy
+    version = gradwatch.__version__
+    wheel = tmp_path / f"gradwatch-{version}-py3-none-any.whl"
+    sdist = tmp_path / f"gradwatch-{version}.tar.gz"
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"gradwatch/py.typed", "gradwatch/dashboard/assets/style.css", "gradwatch/cli.py"} <= names
+    assert f"gradwatch-{version}.dist-info/entry_points.txt" in names
+    with tarfile.open(sdist) as archive:
+        members = {m.name.split("/", 1)[1] for m in archive.getmembers() if "/" in m.name}
+    assert {"README.md", "pyproject.toml", "agent/py.typed", "migrations/script.py.mako"} <= members
