@@ -141,6 +141,12 @@ class ApiClient:
             params["start"] = start
         return self._request("GET", _run_path(run_id, "ranks", "series"), params, run_id=run_id)
 
+    def compare(self, run_ids: list[str], key: str, *, max_points: int = MAX_SERIES_POINTS) -> list[Json]:
+        """One key of several runs in one request, in the order given: [{"run_id", "name", "project",
+        "steps", "values", "downsampled"}] (GET /api/v1/compare); RunNotFound names a run that is gone."""
+        params: dict[str, Any] = {"run": list(run_ids), "key": key, "max_points": max_points}
+        return list(self._request("GET", "/api/v1/compare", params).get("data", []))
+
     def ranks(self, run_id: str) -> Json:
         """A distributed run's ranks: {"data": [{rank, host, gradients, status, batches, last_seen…}],
         "world_size", "gradients"} (GET /api/v1/runs/{id}/ranks)."""

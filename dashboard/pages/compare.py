@@ -112,19 +112,36 @@ def register(app: dash.Dash, api: ApiClient, run_href: RunHref) -> None:
         if not key:
             return figures.empty_figure("Compare", "pick runs with a common series")
         try:
-            labelled = []
-            for run_id in run_ids or []:
-                try:
-                    run = api.get_run(run_id)
-                except RunNotFound:
-                    continue
-                labelled.append((str(run.get("name") or run_id), api.series(run_id, key)))
+            labelled = [
+                (str(series.get("name") or series.get("run_id")), series)
+                for series in _compared(api, run_ids or [], key)
+            ]
         except ApiError as exc:
             return figures.empty_figure("Compare", str(exc))
         figure = figures.compare_figure(
             labelled, key, log_y="log" in (log_options or []), uirevision=",".join(run_ids or [])
         )
         return keep_view(figure)
+
+
+def _compared(api: ApiClient, run_ids: list[str], key: str) -> list[dict[str, Any]]:
+    """The key of every run in one request (GET /compare); runs deleted since the page loaded are left
+    out (the request names one that is gone: ask again without the missing ones)."""
+    if not run_ids:
+        return []
+    try:
+        return api.compare(run_ids, key)
+    except ApiError as exc:
+        if exc.status_code != 404:
+            raise
+        present = []
+        for run_id in run_ids:
+            try:
+                api.get_run(run_id)
+                present.append(run_id)
+            except RunNotFound:
+                continue
+        return api.compare(present, key) if present else []
 
 
 def _compare_run_list(runs: list[dict[str, Any]], missing: list[str], run_href: RunHref) -> list[Any]:

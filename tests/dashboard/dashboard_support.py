@@ -153,6 +153,21 @@ class FakeApi:
                     "values": [value for _, value in points],
                 },
             )
+        if path == "/api/v1/compare":
+            params = request.url.params
+            unknown = [run_id for run_id in params.get_list("run") if run_id != self.run["id"]]
+            if unknown:
+                return httpx.Response(404, json={"detail": f"run {unknown[0]!r} does not exist"})
+            body = self.series.get(params["key"], {"steps": [], "values": []})
+            series = {"run_id": self.run["id"], "name": self.run["name"], "project": self.run["project"]}
+            return httpx.Response(
+                200,
+                json={
+                    "key": params["key"],
+                    "rank": 0,
+                    "data": [{**series, "downsampled": False, **body}] if params.get_list("run") else [],
+                },
+            )
         if path == "/api/v1/alerts":
             params = request.url.params
             acknowledged = {None: None, "true": True, "false": False}[params.get("acknowledged")]

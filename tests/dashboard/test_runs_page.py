@@ -153,7 +153,7 @@ def test_runs_list_still_shows_runs_when_alerts_cannot_be_read():
 # -- compare page ----------------------------------------------------------------------------------
 
 
-def test_compare_page_overlays_the_chosen_key_of_each_run(dash_client):
+def test_compare_page_overlays_the_chosen_key_of_each_run(dash_client, fake_api):
     page = json.dumps(render(dash_client, "/dashboard/compare", "?runs=r1,missing"))
     assert '"id": "compare-graph"' in page and '"data": ["r1", "missing"]' in page
 
@@ -173,3 +173,7 @@ def test_compare_page_overlays_the_chosen_key_of_each_run(dash_client):
     )
     figure = apply_patch(graph["compare-graph"]["figure"])
     assert [trace["name"] for trace in figure["data"]] == ["&lt;b&gt;not bold&lt;/b&gt;"]
+    # One /compare request for all the runs (again without the one that is gone), none per run:
+    asked = [r.url for r in fake_api.requests if r.url.path == "/api/v1/compare"]
+    assert [url.params.get_list("run") for url in asked] == [["r1", "missing"], ["r1"]]
+    assert not [r for r in fake_api.requests if r.url.path.endswith("/series")]
