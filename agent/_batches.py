@@ -86,6 +86,12 @@ class BatchLog:
                     self._ids.popitem(last=False)
             kept.extend(ids[: MAX_IDS_PER_STEP - len(kept)])
 
+    def shift_steps(self, delta: int) -> None:
+        """Renumber the steps kept by `delta` (a resumed run learning its step, before any flush)."""
+        if delta:
+            with self._lock:
+                self._ids = OrderedDict((step + delta, ids) for step, ids in self._ids.items())
+
     def ids_at(self, step: int) -> list[BatchId] | None:
         """The ids logged for `step`, or None when none were (or they have left the ring)."""
         with self._lock:

@@ -137,6 +137,14 @@ class StepBuffer:
     def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
         self._events.append({"step": step, "kind": kind, "data": data})
 
+    def shift_steps(self, delta: int) -> None:
+        """Renumber everything buffered by `delta` steps (a resumed run learning its step)."""
+        if delta:
+            self._tensors = [(key, step + delta, tensor) for key, step, tensor in self._tensors]
+            self._host = [(key, step + delta, value) for key, step, value in self._host]
+            for event in self._events:
+                event["step"] += delta
+
     def take(self, derivers: list[Callable[[Resolved], None]], status: str | None = None) -> Packet:
         """Empty the buffer into a Packet, starting the single device→host copy."""
         slots: list[_Slot] = []

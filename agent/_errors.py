@@ -22,6 +22,26 @@ class GradwatchWarning(UserWarning):
     """Something inside gradwatch failed or was misused; training continues unchanged."""
 
 
+class ResumeError(RuntimeError):
+    """gradwatch.init(resume=...) asked for what the server says is not so: resume="must" for a run it
+    does not have, resume="never" for an id it has. Raised by init() only, never during training."""
+
+
+def crash_details(exc: BaseException | None) -> dict[str, Any]:
+    """What a `crash` event says about the exception that ended a run: its type, message (at most
+    500 characters) and where it was raised ("file.py:12 in train")."""
+    if exc is None:
+        return {}
+    details: dict[str, Any] = {"exception": type(exc).__name__, "message": str(exc)[:500]}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        code = tb.tb_frame.f_code
+        details["at"] = f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
+    return details
+
+
 class FeatureSwitch:
     """Tracks which agent features have been disabled after an internal error."""
 

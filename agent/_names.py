@@ -2,7 +2,8 @@
 
 torch.compile returns an OptimizedModule whose parameters are named `_orig_mod.<name>`; DDP and
 DataParallel put `module.` in front; FSDP1 and activation checkpointing insert
-`_fsdp_wrapped_module.` and `_checkpoint_wrapped_module.` at every wrapped level. The same layer
+`_fsdp_wrapped_module.` and `_checkpoint_wrapped_module.` at every wrapped level; a PEFT model
+(LoRA, ...) puts `base_model.model.` in front of the user's model. The same layer
 would carry a different name in a compiled run than in an eager one, and a name nobody typed on every
 chart. user_layer_names() drops those components (`module.` only at the root of a DDP/DataParallel
 model: a user's own submodule may be called `module`), keeping a name as it was when dropping would
@@ -19,11 +20,17 @@ __all__ = ["WRAPPER_COMPONENTS", "user_layer_names"]
 # Dotted-name components that only wrappers insert, wherever they occur.
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ROOT_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel"})  # prefix `module.`
+_PEFT_PREFIX = ("base_model", "model")  # PeftModel -> its tuner (LoraModel...) -> the user's model
 
 
-def _root_wrappers(model: Any) -> int:
+def _is_peft_model(model: Any) -> bool:
+    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__)
+
+
+def _root_wrappers(model: Any) -> tuple[int, bool]:
     """How many leading `module.` components the model's outer wrappers add (DDP around a compiled
-    model around DDP...: each DDP or DataParallel adds one, at its own depth)."""
+    model around DDP...: each DDP or DataParallel adds one, at its own depth), and whether a PEFT
+    model is inside them (its `base_model.model.` follows)."""
     depth, current = 0, model
     for _ in range(8):  # wrappers nest a few levels at most
         kind = type(current).__name__
@@ -34,12 +41,12 @@ def _root_wrappers(model: Any) -> int:
             current = getattr(current, "_orig_mod", None)
         else:
             break
-    return depth
+    return depth, _is_peft_model(current)
 
 
 def user_layer_names(model: Any, names: Sequence[str]) -> list[str]:
     """`names` (from model.named_parameters()) without wrapper components, in the same order."""
-    ddp_levels = _root_wrappers(model)
+    ddp_levels, peft = _root_wrappers(model)
     cleaned = []
     for name in names:
         parts = name.split(".")
@@ -52,6 +59,8 @@ def user_layer_names(model: Any, names: Sequence[str]) -> list[str]:
                 wrappers_left -= 1
                 continue
             kept.append(part)
+        if peft and tuple(kept[:2]) == _PEFT_PREFIX and len(kept) > 2:
+            del kept[:2]
         cleaned.append(".".join([*kept, parts[-1]]) if parts else name)
     if len(set(cleaned)) != len(cleaned):  # dropping made two layers alike: keep what torch says
         taken: dict[str, int] = {}

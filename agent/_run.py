@@ -18,13 +18,14 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _distributed, _resume
 from ._batches import BatchLog, normalize_ids
 from ._buffer import StepBuffer
 from ._distributed import ProcessIdentity, process_identity
-from ._errors import FeatureSwitch, GradwatchWarning
-from ._sender import Backoff, Sender
+from ._errors import FeatureSwitch, GradwatchWarning, crash_details
+from ._sender import DEFAULT_STALL_TIMEOUT, Sender
 from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
-from ._transport import HttpTransport, Transport
+from ._transport import Backoff, HttpTransport, Transport
 from ._wire import json_safe
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Run:
         tags: list[str] | tuple[str, ...] | None = None,
         mode: str = "online",
         run_id: str | None = None,
+        resume: str | None = None,
         rank: int | None = None,
         transport: Transport | None = None,
         flush_interval: float = 1.0,
@@ -100,7 +102,9 @@ class Run:
         spool_max_bytes: the spool file's cap; max_backoff: longest wait between retries (seconds).
         Offline mode writes GRADWATCH_HOME/offline/RUN-rankR.jsonl for `gradwatch sync`.
         rank: this process's rank in a distributed job (default: see gradwatch.init).
-        tags: labels to filter runs by (e.g. ["baseline", "lora-r16"]; 1-100 characters each)."""
+        tags: labels to filter runs by (e.g. ["baseline", "lora-r16"]; 1-100 characters each).
+        resume: "allow" | "must" | "never" continues run `run_id` from a checkpoint (see _resume:
+        init() raises ResumeError only on the server's definite answer against the mode)."""
         if not project or not isinstance(project, str):
             raise ValueError(f"project must be a non-empty string, got {project!r}")
         if mode not in MODES:
@@ -112,22 +116,39 @@ class Run:
             raise ValueError(f"tags must be at most 50 strings of 1-100 characters, got {tags!r}")
         if run_id is not None and not RUN_ID_PATTERN.fullmatch(run_id):
             raise ValueError(f"run_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {run_id!r}")
+        resume = _resume.validate(resume)
         identity = process_identity()
+        rank_given = rank is not None
         if rank is None:
             rank = identity.rank
         elif not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank must be a whole number >= 0, got {rank!r}")
         else:
             identity = dataclasses.replace(identity, rank=rank, world_size=max(identity.world_size, rank + 1))
-        self.id = run_id or uuid.uuid4().hex
+        # One job, one run (see _distributed): an id every rank derives alike, else rank 0's once
+        # torch.distributed is up; a rank that cannot know yet is on hold until watch() or finish().
+        self._occurrence = _distributed.next_occurrence(project, name)
+        self._id_key = _distributed.next_run_id_key(project)
+        self._name_argument = name
+        self._name_given = bool(name)
+        self._rank_given = rank_given
+        shared = run_id or _distributed.shared_run_id(project, name, occurrence=self._occurrence)
+        self._id_settled = shared is not None  # the job's id, whatever rank 0 says
+        self.id = shared or uuid.uuid4().hex
+        self.rank = rank
+        self._held = False
+        if _distributed.is_initialised():
+            self._agree_on_id()
+        elif _distributed.may_become_distributed():
+            self._held = not self._id_settled or (identity.source == "default" and not rank_given)
         self.project = project
         self.name = name or self.id[:8]
-        self.rank = rank
         self.identity = identity
         # A distributed run's ranks announce themselves ("rank" events: at watch() and at the end).
         self.reports_rank = identity.world_size > 1
         self.mode = mode
-        self.step = 0
+        self._step = 0  # run.step: a property (a resumed run learns its step from it)
+        self._resume: _resume.PendingResume | None = None
         self.features = FeatureSwitch()
         # Guarded once here, not per call: log() and the flush check run on every step.
         self._guarded_log = self.features.guarded("log")(self._log)
@@ -160,9 +181,14 @@ class Run:
             spool_path = None
         if transport is None and mode == "online":
             transport = HttpTransport(server, token)
+        # Before anything starts: the server's definite "no such run" (resume="must") raises here.
+        id_known = getattr(self, "_id_settled", run_id is not None)
+        self._resume = _resume.begin(resume, mode, transport, document, id_known, rank)
+        if self._resume is not None:
+            self._step = self._last_flush_step = self._resume.start
         spool = Spool(spool_path, document, rank, max_bytes=spool_max_bytes, keep_file=mode == "offline")
         backoff = Backoff(base=min(0.25, max_backoff), cap=max_backoff)
-        self._sender = Sender(transport, document, rank, spool, backoff=backoff)
+        self._sender = Sender(transport, document, rank, spool, backoff=backoff, hold=self._held)
         _track(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -188,6 +214,7 @@ class Run:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not hasattr(scaler, "is_enabled"):
             raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self._settle_id(agree=True)  # before the Watcher: it takes the rank
         self._watchers.append(Watcher(_RunSink(self), model, optimizer, scaler, watch_options))
         return self
 
@@ -208,23 +235,39 @@ class Run:
         """
         self._guarded_log_batch(ids, step)
 
-    def finish(self, timeout: float = 10.0, status: str = "finished") -> None:
-        """Flush, send what is queued (for at most `timeout` s) and close. Safe to call twice.
+    def finish(
+        self,
+        timeout: float | None = None,
+        status: str = "finished",
+        *,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
+        """Flush, send what is queued, and close. Safe to call twice.
 
-        What the server has not taken by then stays in the spool file, named in a warning; a run
-        resumed with the same id and rank sends it, or `gradwatch sync FILE` does.
+        It waits as long as the server makes progress: it returns once the server has stored
+        everything, or once the server has taken nothing for `stall_timeout` seconds (default 30:
+        it is down, refuses the token, or fails every batch), or after `timeout` seconds in all if
+        you give one (default: no cap). While a large backlog uploads, a progress line goes to
+        stderr every few seconds ("gradwatch: run R: uploading 457,668 points, 63%"); a quick
+        finish prints nothing. What the server has not taken then stays in the spool file, named
+        in a warning with the reason; a run resumed with the same id and rank sends it, or
+        `gradwatch sync FILE` does. Batches the server would not take at all are in the dead-letter
+        file beside it (run.stats.dead_lettered), which `gradwatch sync` retries. At exit or on
+        SIGTERM an unfinished run is finished with timeout=5.
         """
         if self._finished:
             return
         self._finished = True
+        self._settle_id(agree=False)
         _live_runs.discard(self)
         for watcher in self._watchers:
             watcher.remove()
         if self.reports_rank:  # how this rank ended: a crashed rank stands out in the run's rank list
             self.buffer.add_event(max(self.step - 1, 0), "rank", {"rank": self.rank, "status": status})
         self.features.guarded("flush")(self._flush)(status)
-        everything_sent = self._sender.close(timeout)
-        stats, path = self._sender.stats, self._sender.spool.path
+        sender = self._sender
+        everything_sent = sender.close(timeout, stall_timeout)
+        stats, path = sender.stats, sender.spool.path
         if self.mode == "offline":
             logger.info(
                 "gradwatch: run %s: %d points written to %s; upload them with `gradwatch sync %s`",
@@ -243,26 +286,45 @@ class Run:
                 else ""
             )
             lost = f"{stats.queued} points held in memory are lost" if stats.queued else ""
+            failing = sender.failing_reason
+            if sender.close_reason == "timeout":
+                why = f"finish(timeout={timeout:g}) ran out " + (
+                    f"while the server was failing ({failing})"
+                    if failing
+                    else "while the server was still taking data"
+                )
+            elif sender.close_reason == "stalled":
+                why = f"the server took nothing for {stall_timeout:g} s ({failing or 'no answer'})"
+            else:
+                why = "the server did not take everything" + (f" ({failing})" if failing else "")
+            left = "; ".join(x for x in (where, lost) if x) or "a last request was still in flight"
+            logger.warning("gradwatch: run %s: %s: %s", self.id, why, left)
+        if stats.dead_lettered_batches and sender.dead_letters is not None:
+            dead = sender.dead_letters.path
             logger.warning(
-                "gradwatch: run %s: the server did not take everything within %.0f s: %s (last error: %s)",
+                "gradwatch: run %s: %d batches (%d points) the server would not take are in %s "
+                "(last refusal: %s); `gradwatch sync %s` retries them",
                 self.id,
-                timeout,
-                "; ".join(x for x in (where, lost) if x),
-                stats.last_error,
+                stats.dead_lettered_batches,
+                stats.dead_lettered,
+                dead,
+                sender.last_refusal,
+                dead,
             )
         if stats.dropped:
             logger.warning(
-                "gradwatch: run %s: %d points were dropped (last error: %s)",
+                "gradwatch: run %s: %d points were dropped%s",
                 self.id,
                 stats.dropped,
-                stats.last_error,
+                f" (last error: {stats.last_error})" if stats.last_error else "",
             )
 
     @property
     def stats(self) -> Any:
-        """The agent's own health (SenderStats), in points: queued, sent, spooled, dropped, and
-        last_error. Each batch also carries them as agent/queued, agent/sent, agent/spooled and
-        agent/dropped at its last step."""
+        """The agent's own health (SenderStats), in points: queued, sent, spooled, dropped,
+        dead_lettered (and dead_lettered_batches), and last_error. Each batch also carries them as
+        agent/queued, agent/sent, agent/spooled, agent/dropped (and, once any, agent/dead_lettered)
+        at its last step."""
         return self._sender.stats
 
     @property
@@ -270,13 +332,109 @@ class Run:
         """The run's dashboard page."""
         return f"{self.server.rstrip('/')}/dashboard/runs/{self.id}"
 
+    @property
+    def step(self) -> int:
+        """The current optimizer step: what is recorded now belongs to it (the first step is 0)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        """Set the step counter, e.g. from a checkpoint after gradwatch.init(resume=...): the resumed
+        run continues at this step (see _resume), what was recorded since init() moving with it."""
+        if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < 0:
+            raise ValueError(f"run.step must be a whole number >= 0, got {value!r}")
+        if self._resume is not None:
+            self._resumed_at(value.__index__(), "run.step")
+        else:
+            self._step = value.__index__()
+
     def __enter__(self) -> Run:  # noqa: PYI034 -- Run is not meant to be subclassed
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.finish(status="finished" if exc_type is None else "crashed")
+        clean = exc_type is None or (isinstance(exc, SystemExit) and exc.code in (0, None))
+        if not clean:
+            self._record_crash(crash_details(exc if isinstance(exc, BaseException) else None))
+        self.finish(status="finished" if clean else "crashed")
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _agree_on_id(self) -> bool:
+        """(torch.distributed initialised; at init() or watch(), never in the step) Leave this run's
+        id for the other ranks (rank 0) or take rank 0's (the others, unless the id is settled).
+        True when this rank now has the job's id; a failure is a warning, and the id stays."""
+        try:
+            agreed = _distributed.agree_on_run_id(self.id, self._id_key, follow=not self._id_settled)
+        except Exception as exc:  # noqa: BLE001 - a store that fails must not stop training
+            warnings.warn(
+                f"gradwatch: rank {self.rank} could not learn rank 0's run id ({type(exc).__name__}: "
+                f"{exc}), so it records a run of its own. Set GRADWATCH_RUN_ID to one value on "
+                "every rank (or pass run_id=) to make sure the ranks share one run",
+                GradwatchWarning,
+                stacklevel=4,
+            )
+            return False
+        if agreed is None:
+            return False
+        self.id = agreed
+        return True
+
+    def _settle_id(self, agree: bool) -> None:
+        """At watch() (agree: hear from rank 0) or finish(): settle a run on hold -- its rank from
+        torch.distributed once initialised, its id rank 0's, else the launcher's (see _distributed)
+        -- and let the sender start. A rank 0 not on hold leaves its id for ranks that are."""
+        if not self._held:
+            if agree and self.rank == 0 and _distributed.is_initialised():
+                self._agree_on_id()  # rank 0 never waits; a rank on hold may be waiting for this
+            return
+        self._held = False
+        run_id, rank, identity = self.id, self.rank, self.identity
+        try:
+            fresh = process_identity()
+            if fresh.source == "torch.distributed" and not self._rank_given:
+                rank, identity = fresh.rank, fresh
+            self.rank = rank
+            asked = agree and fresh.source == "torch.distributed"
+            agreed = asked and self._agree_on_id()  # a failure has been warned about
+            run_id = self.id
+            if not agreed and not self._id_settled and identity.world_size > 1:
+                run_id, source = _distributed.launcher_run_id(
+                    self.project, self._name_argument, self._occurrence
+                )
+                if source == "host" and not asked:
+                    warnings.warn(
+                        f"gradwatch: rank {rank} of {identity.world_size} settled its run id without "
+                        "hearing from rank 0 (torch.distributed was not initialised): the ranks this "
+                        f"host's launcher started share run {run_id}, ranks on other hosts do not. Call "
+                        "run.watch() after init_process_group(), or set GRADWATCH_RUN_ID to one value on "
+                        "every rank (or pass run_id=)",
+                        GradwatchWarning,
+                        stacklevel=3,
+                    )
+        except Exception as exc:  # settling must not stop training
+            logger.warning("gradwatch: could not settle run %s's id: %s", self.id, exc, exc_info=exc)
+        try:
+            self._adopt_identity(run_id, rank, identity)
+        finally:
+            self._sender.release()  # a no-op once released
+
+    def _adopt_identity(self, run_id: str, rank: int, identity: ProcessIdentity) -> None:
+        """Take the settled id and rank, in the run document too, and start the sender under them."""
+        sender = self._sender
+        renamed = run_id != sender.run_id or rank != sender.rank
+        self.id, self.rank, self.identity = run_id, rank, identity
+        if not self._name_given:
+            self.name = run_id[:8]
+        self.reports_rank = self.reports_rank or identity.world_size > 1
+        document = sender.run_document
+        document["id"], document["name"] = run_id, self.name
+        metadata = document.get("metadata")
+        if isinstance(metadata, dict):
+            metadata.update(rank=rank, world_size=identity.world_size, local_rank=identity.local_rank)
+            metadata["hostname"] = identity.host
+        path = sender.spool.path
+        new_path = path.with_name(spool_file_name(run_id, rank)) if path is not None and renamed else None
+        sender.release(run_id, rank, new_path)
 
     def _log(self, data: object, step: int | None) -> None:  # data: what the caller passed to log()
         if not isinstance(data, dict):
@@ -284,6 +442,11 @@ class Run:
                 f"gradwatch: log() takes a dict, got {type(data).__name__}", GradwatchWarning, stacklevel=3
             )
             return
+        if step is not None and self._resume is not None:
+            # The first log(step=N) of a resumed run says where it is: before its first optimizer step
+            # N is the current step, after it the step that just ended.
+            ended = self._step - self._resume.start
+            self._resumed_at(int(step) + (1 if ended else 0), "run.log(step=)")
         at = self.step if step is None else int(step)
         for key, value in data.items():
             if isinstance(value, bool) or not (
@@ -307,7 +470,41 @@ class Run:
             return
         self._batches.add(self.step if step is None else int(step), normalized)
 
+    def _resumed_at(self, current: int, source: str) -> None:
+        """A resumed run learns its step: `current` is the current step in the resumed numbering.
+        Everything recorded since init() is renumbered, and the `resume` event goes out at the step the
+        run resumed from (so the server replaces the earlier attempt's data from there on)."""
+        pending, self._resume = self._resume, None
+        if pending is None:
+            return
+        delta = current - self._step
+        resumed_from = pending.start + delta
+        if resumed_from < 0:  # log(step=) below the steps already taken: keep the counter as it is
+            delta, resumed_from = 0, pending.start
+        self.buffer.shift_steps(delta)
+        self._batches.shift_steps(delta)
+        for watcher in self._watchers:
+            watcher.shift_steps(delta)
+        self._step += delta
+        self._last_flush_step += delta
+        self.buffer.add_event(resumed_from, _resume.RESUME_EVENT, _resume.resume_data(pending, source))
+        if source == "start" and not pending.known:
+            _resume.warn_unknown_step(self.id)
+
+    def _record_crash(self, details: dict[str, Any]) -> None:
+        """A `crash` event at the last step: what ended the run (the server shows it as the reason)."""
+        try:
+            self.buffer.add_event(max(self._step - 1, 0), "crash", json_safe(details))
+        except Exception:  # on the way out: the status still goes
+            logger.debug("gradwatch: could not record the crash of run %s", self.id, exc_info=True)
+
     def _maybe_flush(self) -> None:
+        pending = self._resume
+        if pending is not None:  # a resumed run holds its data until it knows its step (bounded)
+            steps = self._step - pending.start
+            if steps < _resume.RESUME_GRACE_STEPS and len(self.buffer) < _resume.RESUME_HOLD_MAX_ITEMS:
+                return
+            self._resumed_at(self._step, "server" if pending.known else "start")
         due_by_time = time.monotonic() - self._last_flush_time >= self.flush_interval
         if due_by_time or self.step - self._last_flush_step >= self.flush_every_steps:
             self._guarded_flush(None)
@@ -321,6 +518,8 @@ class Run:
             )
 
     def _flush(self, status: str | None) -> None:
+        if self._resume is not None:  # finishing before the step was known: it is what it is now
+            self._resumed_at(self._step, "server" if self._resume.known else "start")
         self._last_flush_time = time.monotonic()
         self._last_flush_step = self.step
         if not len(self.buffer) and status is None:
@@ -341,7 +540,7 @@ class _RunSink:
 
     @property
     def step(self) -> int:
-        return self._run.step
+        return self._run._step
 
     @property
     def rank(self) -> int:
@@ -367,8 +566,8 @@ class _RunSink:
 
     def advance_step(self) -> int:
         run = self._run
-        run.step += 1
-        return run.step
+        run._step += 1
+        return run._step
 
     def step_recorded(self) -> None:
         self._run._maybe_flush()
@@ -403,12 +602,20 @@ def _track(run: Run) -> None:
                 signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def _finish_live_runs(status: str | None) -> None:
-    """Finish every unfinished run; at exit, "crashed" when an uncaught exception ends the program."""
+def _finish_live_runs(status: str | None, crash: dict[str, Any] | None = None) -> None:
+    """Finish every unfinished run; at exit, "crashed" when an uncaught exception ends the program
+    (its type and message go in a `crash` event: the run's status reason on the server)."""
     if status is None:
-        status = "crashed" if getattr(sys, "last_value", None) is not None else "finished"
+        uncaught = getattr(sys, "last_value", None)
+        status = "crashed" if uncaught is not None else "finished"
+        if isinstance(uncaught, SystemExit) and uncaught.code in (0, None):
+            status = "finished"
+        elif isinstance(uncaught, BaseException):
+            crash = crash_details(uncaught)
     for run in list(_live_runs):
         try:
+            if status == "crashed" and crash:
+                run._record_crash(crash)
             run.finish(timeout=EXIT_FLUSH_TIMEOUT, status=status)
         except Exception:  # at exit, one run's failure must not stop the others
             logger.warning("gradwatch: could not finish run %s at exit", run.id, exc_info=True)
@@ -416,7 +623,7 @@ def _finish_live_runs(status: str | None) -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Flush every run, then do what the previous SIGTERM handler would have done."""
-    _finish_live_runs("crashed")
+    _finish_live_runs("crashed", {"signal": "SIGTERM"})
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)

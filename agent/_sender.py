@@ -6,10 +6,32 @@
                       pending; while the server is failing, pending is sealed into batches (each gets
                       its seq once) and written to the spool file, so the inbox never fills
     uploader thread:  the spool's oldest batch -- or, when the spool is empty, everything pending
-                      sealed into one batch -- is POSTed; success frees it; a retryable failure writes
-                      what is in memory to the spool and waits (exponential backoff with jitter, or
-                      the server's Retry-After when longer); a refusal (4xx other than 408/429)
-                      drops the batch and counts its points
+                      sealed into one batch -- is POSTed; success frees it; a failure writes what is
+                      in memory to the spool and waits (exponential backoff with jitter, or the
+                      server's Retry-After when longer) before the next try
+
+What a failure means for the batch (HTTP status of the answer):
+    no answer, 408, 429, 502, 503, 504   the server is away or busy: retried without end (finish()
+                                         stops when nothing moves, see close())
+    404                                  the server lost the run: created again, retried
+    401, 403                             the token is wrong for this run: retried without end, never
+                                         dropped or dead-lettered -- the batches wait in the spool
+                                         for a fixed token (a resumed run, or `gradwatch sync --token`)
+    413                                  too large for this server: split in two by steps (the pieces
+                                         take its place in the queue); a single step is dead-lettered
+    other 4xx                            this batch is refused: dead-lettered after REFUSAL_TRIES tries
+    other 5xx (500...), a transport's    ambiguous -- the batch, or the whole server? After
+    own exception                        SERVER_ERROR_TRIES tries in a row the sender sends a small
+                                         notice batch (a "dead_letter" event): if the server stores
+                                         it, the fault is the batch's and it is dead-lettered; if the
+                                         notice fails too, the server is failing everything and the
+                                         batch stays, its count restarted. A broken server therefore
+                                         never empties the spool into dead letters.
+Dead-lettering moves a batch to the dead-letter file beside the spool (RUN-rankR.dead.jsonl, written
+by the spool module), counts its points in stats.dead_lettered (and the agent/dead_lettered health
+key), and tells the server with a "dead_letter" event (the run page lists it); `gradwatch sync`
+retries those files. Without a spool file (a custom transport without spool_dir) such a batch is
+dropped and counted in stats.dropped.
 
 Pending data is merged while the uploader is busy, so a slow server gets fewer, larger batches
 instead of an ever-growing backlog, each within what servers accept (max_batch_points points,
@@ -19,76 +41,56 @@ process; a new one after 2^20 batches). A resumed process of the same run and ra
 reuses a seq of an earlier process (its clock has moved on), with no counter to persist, and a
 batch keeps its seq through the spool, so retries and replays are stored once by the server.
 
-close() is idempotent and bounded by its timeout; what is left then is written to the spool file.
+close() drains while the server makes progress: it returns once everything is stored, or when nothing
+moved (no batch stored, split or dead-lettered, no packet taken) for `stall_timeout` seconds, or at
+its `timeout` when one is given; what is left then is written to the spool file. While a backlog
+uploads, a progress line goes to stderr every PROGRESS_EVERY seconds. Idempotent.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import random
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ._buffer import Packet, Resolved
-from ._spool import Spool
-from ._transport import Transport, TransportError
-from ._wire import HEALTH_PREFIX, batch_points, group_fragments, last_step, merge_fragments
+from ._spool import DeadLetters, Spool, dead_letter_path
+from ._transport import Backoff, Transport, TransportError
+from ._wire import (
+    HEALTH_PREFIX,
+    MAX_BATCH_VALUES,
+    SeqAllocator,
+    batch_points,
+    batch_steps,
+    dumps,
+    group_fragments,
+    halve_by_steps,
+    last_step,
+    merge_fragments,
+    split_by_steps,
+)
 
 logger = logging.getLogger("gradwatch")
 
-SEQ_COUNTER_BITS = 20
-_namespace_lock = threading.Lock()
-_last_namespace = 0
-
-
-def _new_namespace() -> int:
-    """The current wall-clock millisecond, strictly above every namespace this process used."""
-    global _last_namespace
-    with _namespace_lock:
-        _last_namespace = max(int(time.time() * 1000), _last_namespace + 1)
-        return _last_namespace
-
-
-class SeqAllocator:
-    """Batch sequence numbers, unique per (run, rank) across processes: see the module docstring."""
-
-    def __init__(self) -> None:
-        self._namespace = _new_namespace()
-        self._count = 0
-        self.first = self._namespace << SEQ_COUNTER_BITS  # no seq of an earlier process reaches this
-
-    def next(self) -> int:
-        if self._count >= 1 << SEQ_COUNTER_BITS:
-            self._namespace, self._count = _new_namespace(), 0
-        self._count += 1
-        return (self._namespace << SEQ_COUNTER_BITS) | (self._count - 1)
-
-
-@dataclass
-class Backoff:
-    """Exponential backoff with jitter: the n-th failure in a row waits min(cap, base·2^(n-1)) seconds
-    times a random factor in [0.5, 1), so many agents recovering together do not retry in step."""
-
-    base: float = 0.25
-    cap: float = 30.0
-    failures: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.base <= self.cap:
-            raise ValueError(
-                f"backoff needs 0 < base <= cap (seconds), got base={self.base!r}, cap={self.cap!r}"
-            )
-
-    def next_delay(self) -> float:
-        self.failures += 1
-        return min(self.cap, self.base * 2.0 ** min(self.failures - 1, 30)) * random.uniform(0.5, 1.0)
-
-    def reset(self) -> None:
-        self.failures = 0
+# Tries of one batch before it is dead-lettered: answers 5xx (other than 502/503/504) in a row (then
+# the notice probe decides, see the module docstring), or refusals with a 4xx that is not auth/408/429.
+SERVER_ERROR_TRIES = 6
+REFUSAL_TRIES = 3
+# close(): seconds without progress after which it stops waiting for the server.
+DEFAULT_STALL_TIMEOUT = 30.0
+# close(): seconds between progress lines on stderr (the first after as long: a quick close is silent).
+PROGRESS_EVERY = 3.0
+# An idle run (a long evaluation, a checkpoint save) still tells the server it is alive this often:
+# the server marks a run whose ranks all stayed silent for crashed_after_s (5 min) "crashed".
+KEEPALIVE_S = 60.0
+_UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # the server (or its proxy) is away or busy
+_AUTH = frozenset({401, 403})
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ class SenderStats:
 
     queued: waiting in memory; spooled: waiting in the spool file; sent: acknowledged by the server;
     dropped: lost, each for a reason logged once (inbox full, spool and memory full, refused by the
-    server); last_error: the most recent failure's message, if any.
+    server with no dead-letter file to keep it); dead_lettered: refused by the server for good and
+    kept in the dead-letter file for `gradwatch sync`; last_error: the most recent failure's message,
+    if any.
     """
 
     queued: int = 0
@@ -106,6 +110,8 @@ class SenderStats:
     dropped: int = 0
     sent_batches: int = 0
     last_error: str | None = None
+    dead_lettered: int = 0
+    dead_lettered_batches: int = 0
 
     @property
     def sent_points(self) -> int:
@@ -128,94 +134,28 @@ def packet_points(packet: Packet) -> int:
     return len(packet.slots) + len(packet.host_scalars)
 
 
-# The most numbers one batch carries (a vector row holds one per layer, a histogram layers x bins): a
-# server refuses larger batches (gradwatch.server.ingest_limits, 2,000,000 by default).
-MAX_BATCH_VALUES = 1_000_000
+# What one try of a batch came to (see the module docstring).
+_SENT = "sent"
+_WAIT = "wait"  # the server is away, busy, or refuses the token: not this batch's fault
+_FAULT = "fault"  # a server error that may be this batch's
+_REFUSED = "refused"  # a 4xx refusal of this batch
+_TOO_LARGE = "too large"  # 413
 
 
-def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> list[dict[str, Any]]:
-    """A sealed batch's data as consecutive step ranges of at most `max_points` points and `max_values`
-    numbers each ([batch] when it fits): servers refuse larger batches. A step's keys stay together
-    (alert rules read them side by side); a single step larger than the limits is a piece of its own.
-    Events go with their steps, "layers" with every piece, the status (and any other field) with the last."""
-    scalar_points = sum(len(series["steps"]) for series in batch.get("scalars", ()))
-    vector_rows = [row for series in batch.get("vectors", ()) for row in series["values"]]
-    histograms = batch.get("histograms", ())
-    if (
-        scalar_points + len(vector_rows) + len(histograms) <= max_points
-        and scalar_points + sum(map(len, vector_rows)) + sum(len(r) for h in histograms for r in h["counts"])
-        <= max_values
-    ):
-        return [batch]  # the usual case, counted without a dict per step
-    sizes: dict[int, list[int]] = {}  # step -> [points, numbers]
-    for series in batch.get("scalars", ()):
-        for step in series["steps"]:
-            sizes.setdefault(step, [0, 0])
-            sizes[step][0] += 1
-            sizes[step][1] += 1
-    for series in batch.get("vectors", ()):
-        for step, row in zip(series["steps"], series["values"], strict=True):
-            sizes.setdefault(step, [0, 0])
-            sizes[step][0] += 1
-            sizes[step][1] += len(row)
-    for histogram in batch.get("histograms", ()):
-        sizes.setdefault(histogram["step"], [0, 0])
-        sizes[histogram["step"]][0] += 1
-        sizes[histogram["step"]][1] += sum(map(len, histogram["counts"]))
-    starts: list[int] = []  # the first step of each piece
-    points = values = 0
-    for step in sorted(sizes):
-        step_points, step_values = sizes[step]
-        if starts and points + step_points <= max_points and values + step_values <= max_values:
-            points, values = points + step_points, values + step_values
-        else:
-            starts.append(step)
-            points, values = step_points, step_values
-    pieces = []
-    for index, start in enumerate(starts):
-        end = starts[index + 1] if index + 1 < len(starts) else None
-        first = index == 0
-
-        def within(step: int, start: int = start, end: int | None = end, first: bool = first) -> bool:
-            return (first or step >= start) and (end is None or step < end)
-
-        piece: dict[str, Any] = {
-            "scalars": _series_within(batch.get("scalars", ()), within),
-            "events": [event for event in batch.get("events", ()) if within(event["step"])],
-        }
-        vectors = _series_within(batch.get("vectors", ()), within)
-        if vectors:
-            piece["vectors"] = vectors
-        histograms = [h for h in batch.get("histograms", ()) if within(h["step"])]
-        if histograms:
-            piece["histograms"] = histograms
-        pieces.append(piece)
-    for name, value in batch.items():
-        if name == "layers":
-            for piece in pieces:
-                piece[name] = value
-        elif name not in ("scalars", "events", "vectors", "histograms"):
-            pieces[-1][name] = value
-    return pieces
-
-
-def _series_within(series_list: Any, within: Any) -> list[dict[str, Any]]:
-    """The series (scalar or vector) cut to the steps `within` accepts; series left empty are left out."""
-    out = []
-    for series in series_list:
-        kept = [
-            (step, value)
-            for step, value in zip(series["steps"], series["values"], strict=True)
-            if within(step)
-        ]
-        if kept:
-            out.append(
-                {**series, "steps": [step for step, _ in kept], "values": [value for _, value in kept]}
-            )
-    return out
-
-
-_SENT, _REFUSED, _RETRY = "sent", "refused", "retry"
+def _notice(message: str) -> None:
+    """A line for the person watching (progress): logged at INFO on the "gradwatch" logger when the
+    application shows that logger's INFO records, else written to stderr; nothing when the
+    application set the logger's level above INFO (or disabled it)."""
+    if logger.disabled or logger.level > logging.INFO:
+        return
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
+        logger.info(message)
+        return
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # no usable stderr (closed, or a daemon's None)
+        pass
 
 
 class Sender:
@@ -233,24 +173,41 @@ class Sender:
         spill_after: float = 1.0,
         backoff: Backoff | None = None,
         poll_interval: float = 0.05,
+        dead_letters: DeadLetters | None = None,
+        server_error_tries: int = SERVER_ERROR_TRIES,
+        refusal_tries: int = REFUSAL_TRIES,
+        hold: bool = False,
     ) -> None:
         """max_queue: packets the inbox holds; max_batch_points: largest merged batch; spill_after:
         seconds pending data waits before it is sealed into the spool while the server is failing;
-        poll_interval: seconds between the collector's looks at the inbox."""
+        poll_interval: seconds between the collector's looks at the inbox; dead_letters: where
+        refused batches go (default: the dead-letter file beside the spool file, if it has one);
+        server_error_tries / refusal_tries: see the module docstring; hold: the run's id and rank are
+        not settled yet -- packets are taken, but nothing is sealed, spooled or sent until release()."""
         if max_queue < 1 or max_batch_points < 1:
             raise ValueError(
                 f"max_queue and max_batch_points must be >= 1, got {max_queue!r}, {max_batch_points!r}"
+            )
+        if server_error_tries < 1 or refusal_tries < 1:
+            raise ValueError(
+                f"server_error_tries and refusal_tries must be >= 1, got {server_error_tries!r}, "
+                f"{refusal_tries!r}"
             )
         self.transport = transport
         self.run_document = run_document
         self.run_id = run_document["id"]
         self.rank = rank
         self.spool = spool if spool is not None else Spool(None, run_document, rank)
+        if dead_letters is None and self.spool.path is not None:
+            dead_letters = DeadLetters(dead_letter_path(self.spool.path), run_document, rank)
+        self.dead_letters = dead_letters
         self._max_queue = max_queue
         self._max_batch_points = max_batch_points
         self._spill_after = spill_after
         self._poll_interval = poll_interval
         self._backoff = backoff or Backoff()
+        self._server_error_tries = server_error_tries
+        self._refusal_tries = refusal_tries
         self._seqs = SeqAllocator()
         self._inbox: deque[tuple[Packet, int]] = deque()
         # Counters with a single writer each, so the training thread never takes a lock.
@@ -263,16 +220,28 @@ class Sender:
         self._pending_points = 0
         self._pending_since = 0.0
         self._sent = self._sent_batches = self._dropped = 0
+        self._dead_points = self._dead_batches = 0
         self._last_error: str | None = None
+        self._last_refusal: str | None = None  # why the latest dead-lettered batch was refused
         self._failing = False  # the last upload attempt failed and may be retried
         self._server_wait = 0.0  # seconds the server asked the last failed attempt to wait (Retry-After)
+        self._trying = (-1, 0, 0)  # (seq, server errors, refusals in a row) of the batch being tried
+        self._notices: set[int] = set()  # seqs of queued "dead_letter" notice batches
+        self._newest_step = 0  # the largest step sealed so far (a notice about a stepless batch)
+        self._sealed_at: float | None = None  # when a batch was last sealed (None: never yet)
         self._run_created = False
         self._warned: set[str] = set()
         self._closing = threading.Event()
+        self._stop = threading.Event()  # close() stopped waiting: the workers end now
         self._deadline = float("inf")
+        self._progress_at = time.monotonic()  # the last time something moved (see close())
         self._collector_done = False
         self._closed = False
         self._forked = False
+        self.close_reason: str | None = None  # after close(): None (all done), "stalled" or "timeout"
+        self._released = threading.Event()  # see release()
+        if not hold:
+            self._released.set()
         self._collector = threading.Thread(target=self._collect, name="gradwatch-collector", daemon=True)
         self._uploader = (
             threading.Thread(target=self._upload, name="gradwatch-uploader", daemon=True)
@@ -319,22 +288,46 @@ class Sender:
             dropped=self._rejected + self._dropped + spool.dropped_points,
             sent_batches=self._sent_batches,
             last_error=self._last_error,
+            dead_lettered=self._dead_points,
+            dead_lettered_batches=self._dead_batches,
         )
 
-    def close(self, timeout: float) -> bool:
-        """Send what is queued for at most `timeout` seconds, then write what is left to the spool
-        file. True when everything reached the server (offline: the file). Idempotent."""
+    @property
+    def failing_reason(self) -> str | None:
+        """The last error when the latest try failed (the server is not taking data now), else None."""
+        return self._last_error if self._failing else None
+
+    @property
+    def last_refusal(self) -> str | None:
+        """Why the latest dead-lettered batch was refused, if any was."""
+        return self._last_refusal
+
+    def close(self, timeout: float | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> bool:
+        """Send what is queued while the server makes progress, then write what is left to the
+        spool file. Returns True when everything reached the server (offline: the file).
+
+        Waits until everything is stored, or until nothing has moved for `stall_timeout` seconds
+        (the server is down, refuses the token, or fails every batch), or `timeout` seconds in all
+        when given; close_reason then says which ("stalled", "timeout"). While it waits longer than
+        PROGRESS_EVERY seconds, a progress line goes to stderr that often. Idempotent."""
         if self._forked:
             return True
         if not self._closed:
             self._closed = True
-            self._deadline = time.monotonic() + max(timeout, 0.0)
+            self.release()  # a sender still on hold sends under the id it has
+            started = time.monotonic()
+            self._deadline = started + max(timeout, 0.0) if timeout is not None else float("inf")
+            self._progress_at = started
             self._closing.set()
             with self._changed:
                 self._changed.notify_all()
-            self._collector.join(max(self._deadline - time.monotonic(), 0.0) + 1.0)
+            self.close_reason = self._drain(started, max(stall_timeout, 0.0))
+            self._stop.set()
+            with self._changed:
+                self._changed.notify_all()
+            self._collector.join(1.0)  # a collector stuck reading device values is left behind
             if self._uploader is not None:
-                self._uploader.join(max(self._deadline - time.monotonic(), 0.0) + 0.1)
+                self._uploader.join(0.1)  # one in the middle of a request is left to finish it
             with self._lock:
                 # Whatever is still here must survive the process: `gradwatch sync` or a resumed run
                 # sends it. A batch an uploader still has in flight may be written too; its seq makes
@@ -345,6 +338,69 @@ class Sender:
                 self.spool.fsync()
         left = len(self.spool) if self.transport is not None else self.spool.memory_entries
         return not self._inbox and not self._pending and not left
+
+    def _drain(self, started: float, stall_timeout: float) -> str | None:
+        """close()'s wait: None when the workers are done, else why it stopped waiting."""
+        done_before = self._done_points()
+        worker = self._uploader or self._collector
+        next_line = started + PROGRESS_EVERY
+        while worker.is_alive() or self._collector.is_alive():
+            now = time.monotonic()
+            if now >= self._deadline:
+                return "timeout"
+            idle = now - self._progress_at
+            if idle >= stall_timeout:
+                return "stalled"
+            if now >= next_line:
+                if self._uploader is not None:
+                    self._report_progress(done_before, idle, stall_timeout)
+                next_line = now + PROGRESS_EVERY
+            wake = min(self._deadline, self._progress_at + stall_timeout, next_line)
+            waiting_for = worker if worker.is_alive() else self._collector
+            waiting_for.join(min(max(wake - now, 0.01), 0.25))
+        return None
+
+    def _done_points(self) -> int:
+        """Points that have left the queue: stored, dead-lettered or dropped."""
+        return self._sent + self._dead_points + self._dropped + self.spool.dropped_points
+
+    def _report_progress(self, done_before: int, idle: float, stall_timeout: float) -> None:
+        stats = self.stats
+        left = stats.queued + stats.spooled
+        done = max(self._done_points() - done_before, 0)
+        total = done + left
+        if not left:
+            return  # only notices or a last request in flight
+        line = f"gradwatch: run {self.run_id}: uploading {total:,} points, {100 * done // total}%"
+        if idle >= PROGRESS_EVERY:
+            why = self.failing_reason
+            line += (
+                f"; the server has taken nothing for {idle:.0f} s"
+                + (f" ({why})" if why else "")
+                + f"; giving up after {stall_timeout:.0f} s"
+            )
+        _notice(line)
+
+    def release(
+        self, run_id: str | None = None, rank: int | None = None, spool_path: Path | None = None
+    ) -> None:
+        """End the hold (see __init__): from now on batches are sealed as `run_id` / `rank` (when
+        given; the caller updates run_document) and spooled at `spool_path` (when given). Nothing
+        was sealed or written on hold, so nothing needs renaming. A no-op once released."""
+        with self._changed:
+            if self._released.is_set():
+                return
+            if run_id is not None:
+                self.run_id = self.spool.run_id = run_id
+            if rank is not None:
+                self.rank = self.spool.rank = rank
+            if spool_path is not None:
+                self.spool.path = spool_path
+                self.dead_letters = DeadLetters(dead_letter_path(spool_path), self.run_document, self.rank)
+            elif self.dead_letters is not None:
+                self.dead_letters.run_id, self.dead_letters.rank = self.run_id, self.rank
+            self._released.set()
+            self._changed.notify_all()
 
     def forget_after_fork(self) -> None:
         """In a forked child: the worker threads do not exist here and the locks may be held
@@ -363,6 +419,9 @@ class Sender:
                     self._take(packet, points)
                 with self._lock:
                     self._seal_if_due(closing)
+                    if not closing:
+                        self._keep_alive_if_due()
+                self.spool.sync_due()  # outside the lock: an fsync must not hold up the uploader
             except Exception as exc:  # noqa: BLE001 - the worker must not die silently
                 self._error(exc, "collector")
             if closing:
@@ -382,6 +441,7 @@ class Sender:
             return
         finally:
             self._taken += points
+            self._progress_at = time.monotonic()
         with self._changed:
             if not self._pending:
                 self._pending_since = time.monotonic()
@@ -391,7 +451,7 @@ class Sender:
 
     def _seal_if_due(self, closing: bool) -> None:
         """(under _lock) Seal pending data into the spool when it must not wait for the uploader."""
-        if not self._pending:
+        if not self._pending or not self._released.is_set():
             return
         offline = self.transport is None
         backlog = self._failing or len(self.spool) > 0
@@ -409,21 +469,44 @@ class Sender:
                 batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
                 self._add_health(batch)
                 self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
+        self._sealed_at = time.monotonic()
 
-    def _add_health(self, batch: dict[str, Any]) -> None:
-        """The agent's own counters as scalars at the batch's last step (excluded from point counts)."""
-        step = last_step(batch)
+    def _keep_alive_if_due(self) -> None:
+        """(under _lock) A sign of life from a run that has sent before and has had nothing to send
+        for KEEPALIVE_S: its health counters at its newest step, no other data (the server stores
+        them at that step again, and the run's last-seen time moves)."""
+        if (
+            self.transport is None
+            or self._sealed_at is None
+            or self._pending
+            or len(self.spool)
+            or not self._released.is_set()
+            or time.monotonic() - self._sealed_at < KEEPALIVE_S
+        ):
+            return
+        batch: dict[str, Any] = {"rank": self.rank, "seq": self._seqs.next()}
+        self._add_health(batch, self._newest_step)
+        self.spool.add(batch, 0, False)
+        self._sealed_at = time.monotonic()
+
+    def _add_health(self, batch: dict[str, Any], step: int | None = None) -> None:
+        """The agent's own counters as scalars at the batch's last step, or `step` (excluded from point
+        counts); agent/dead_lettered only once a batch was dead-lettered."""
+        step = last_step(batch) if step is None else step
         if step is None:
             return
+        self._newest_step = max(self._newest_step, step)
         stats = self.stats
+        names = ["queued", "sent", "spooled", "dropped"] + (["dead_lettered"] if stats.dead_lettered else [])
         batch["scalars"] = list(batch.get("scalars", [])) + [
             {"key": f"{HEALTH_PREFIX}{name}", "steps": [step], "values": [float(getattr(stats, name))]}
-            for name in ("queued", "sent", "spooled", "dropped")
+            for name in names
         ]
 
     # -- uploader thread --------------------------------------------------------------------------
 
     def _upload(self) -> None:
+        self._released.wait()  # the spool's path and the run's id are settled from here on
         try:
             self.spool.check_writable()  # file system calls, outside the lock: the collector goes on
             leftovers = self.spool.scan_leftovers()
@@ -444,56 +527,208 @@ class Sender:
                 if self._wait(1.0):
                     return
 
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or time.monotonic() >= self._deadline
+
     def _upload_once(self) -> bool:
-        """One attempt at the oldest batch; False when the uploader is done (all sent, or deadline)."""
+        """One attempt at the oldest batch; False when the uploader is done (all sent, or stopped)."""
         with self._changed:
             while True:
-                if time.monotonic() >= self._deadline:
+                if self._stopped():
                     return False
-                if not len(self.spool) and self._pending and not self._failing:
-                    self._seal_pending(persist=False)
+                # While the server fails, pending data waits to be merged (the collector seals it
+                # after spill_after); with the collector done nobody else will.
+                if not len(self.spool) and self._pending and (not self._failing or self._collector_done):
+                    self._seal_pending(persist=self._failing)
                 head = self.spool.oldest()
                 if head is not None:
                     break
                 if self._collector_done and not self._pending:
                     return False
-                self._changed.wait(min(0.5, max(self._deadline - time.monotonic(), 0.0)))
+                self._changed.wait(0.5)
         seq, batch, points = head
         outcome = self._attempt(batch)
         with self._lock:
             if outcome == _SENT:
-                self.spool.remove(seq)
-                self._sent += points
-                self._sent_batches += 1
-                if self._failing:
-                    logger.info(
-                        "gradwatch: run %s: server reachable again; sending the %d spooled points",
-                        self.run_id,
-                        self.spool.points,
-                    )
-                self._failing = False
-                self._backoff.reset()
+                self._stored(seq, points)
                 return True
-            if outcome == _REFUSED:
-                self.spool.remove(seq)
-                self._dropped += points
+            tried, errors, refusals = self._trying
+            if tried != seq:
+                errors = refusals = 0
+            errors += outcome == _FAULT
+            refusals += outcome == _REFUSED
+            self._trying = (seq, errors, refusals)
+            if outcome == _TOO_LARGE:
+                if not self._split(seq, batch):
+                    self._dead_letter(seq, batch, points, self._last_error or "HTTP 413")
+                return True
+            if refusals >= self._refusal_tries:
+                self._dead_letter(seq, batch, points, self._last_error or "refused")
                 return True
             if not self._failing:
                 self._failing = True
                 self.spool.persist()
             delay = max(self._backoff.next_delay(), self._server_wait)  # the server's Retry-After, if longer
+            reason = self._last_error or "server error"
+        if errors >= self._server_error_tries and self._probe(seq, batch, points, reason):
+            return True
         return not self._wait(delay)
 
+    def _stored(self, seq: int, points: int) -> None:
+        """(under _lock) The server has batch `seq`."""
+        self.spool.remove(seq)
+        self._notices.discard(seq)
+        self._sent += points
+        self._sent_batches += 1
+        self._progress_at = time.monotonic()
+        if self._failing:
+            logger.info(
+                "gradwatch: run %s: server reachable again; sending the %d spooled points",
+                self.run_id,
+                self.spool.points,
+            )
+        self._failing = False
+        self._trying = (-1, 0, 0)
+        self._backoff.reset()
+
+    def _probe(self, seq: int, batch: dict[str, Any] | bytes, points: int, reason: str) -> bool:
+        """Batch `seq` failed with server errors SERVER_ERROR_TRIES times in a row: send the notice
+        that it is dead-lettered. Stored: the server takes other batches, so the fault is this
+        one's -- it is dead-lettered (True). Not stored: the server is failing everything; the batch
+        stays and its count restarts (False)."""
+        if seq in self._notices:  # a notice failing itself proves nothing: it is dropped instead
+            with self._lock:
+                self._dead_letter(seq, batch, points, reason)
+            return True
+        with self._lock:
+            notice = self._notice_batch(
+                seq, batch, points, reason, self._dead_batches + 1, self._dead_points + points
+            )
+        outcome = self._attempt(notice)
+        with self._lock:
+            if outcome != _SENT:
+                self._trying = (seq, 0, 0)
+                return False
+            self._sent_batches += 1
+            self._failing = False
+            self._backoff.reset()
+            self._dead_letter(seq, batch, points, reason, notice_sent=True)
+        return True
+
+    def _dead_letter(
+        self, seq: int, batch: dict[str, Any] | bytes, points: int, reason: str, notice_sent: bool = False
+    ) -> None:
+        """(under _lock) Move a batch the server will not take out of the queue, to the dead-letter
+        file; unless it went out already (the probe), queue a notice for the server at its place."""
+        self._trying = (-1, 0, 0)
+        self._progress_at = time.monotonic()
+        if seq in self._notices:  # a notice the server will not take: it carries no points
+            self._notices.discard(seq)
+            self.spool.remove(seq)
+            return
+        order = self.spool.order_of(seq)
+        body = batch if isinstance(batch, bytes) else dumps(batch).encode()
+        kept = self.dead_letters is not None and self.dead_letters.add(seq, body, points, reason)
+        self.spool.retire(seq, "dead_letter")
+        self._last_refusal = reason
+        if kept:
+            self._dead_points += points
+            self._dead_batches += 1
+            assert self.dead_letters is not None
+            self._warn_once(
+                "dead_letter",
+                "gradwatch: run %s: the server would not take a batch of %d points (%s); it is moved to "
+                "%s so the batches after it go on (counted in run.stats.dead_lettered); "
+                "`gradwatch sync %s` retries it",
+                self.run_id,
+                points,
+                reason,
+                self.dead_letters.path,
+                self.dead_letters.path,
+            )
+        else:
+            self._dropped += points
+            self._warn_once(
+                "dead_letter_dropped",
+                "gradwatch: run %s: the server would not take a batch of %d points (%s) and there is no "
+                "dead-letter file to keep it in; dropped, counted in run.stats.dropped",
+                self.run_id,
+                points,
+                reason,
+            )
+        if not notice_sent:
+            notice = self._notice_batch(seq, batch, points, reason, self._dead_batches, self._dead_points)
+            self._notices.add(notice["seq"])
+            self.spool.add(notice, 0, persist=self._failing, order=order)
+
+    def _notice_batch(
+        self,
+        seq: int,
+        batch: dict[str, Any] | bytes,
+        points: int,
+        reason: str,
+        dead_batches: int,
+        dead_points: int,
+    ) -> dict[str, Any]:
+        """(under _lock) A small batch telling the server about a dead-lettered batch: a "dead_letter"
+        event at its first step and agent/dead_lettered at its last."""
+        try:
+            data = json.loads(batch) if isinstance(batch, bytes) else batch
+            steps = sorted(batch_steps(data))
+        except (ValueError, KeyError, TypeError):
+            steps = []
+        first, last = (steps[0], steps[-1]) if steps else (self._newest_step, self._newest_step)
+        where = str(self.dead_letters.path) if self.dead_letters is not None else None
+        details: dict[str, Any] = {
+            "seq": seq,
+            "points": points,
+            "first_step": first,
+            "last_step": last,
+            "reason": reason[:500],
+            "dead_lettered_batches": dead_batches,
+            "dead_lettered_points": dead_points,
+            "file": where,
+            "hint": f"retry with `gradwatch sync {where}`" if where else "dropped: the run has no spool file",
+        }
+        return {
+            "rank": self.rank,
+            "seq": self._seqs.next(),
+            "scalars": [
+                {"key": f"{HEALTH_PREFIX}dead_lettered", "steps": [last], "values": [float(dead_points)]}
+            ],
+            "events": [{"step": first, "kind": "dead_letter", "data": details}],
+        }
+
+    def _split(self, seq: int, batch: dict[str, Any] | bytes) -> bool:
+        """(under _lock) Replace a batch the server found too large (413) by two halves; False when
+        it holds a single step."""
+        data = json.loads(batch) if isinstance(batch, bytes) else batch
+        halves = halve_by_steps({k: v for k, v in data.items() if k not in ("rank", "seq")})
+        if halves is None:
+            return False
+        rank = data.get("rank", self.rank)
+        pieces = [({"rank": rank, "seq": self._seqs.next(), **half}, batch_points(half)) for half in halves]
+        self.spool.replace(seq, pieces)
+        self._trying = (-1, 0, 0)
+        self._progress_at = time.monotonic()
+        logger.info(
+            "gradwatch: run %s: the server found batch %d too large (%s); sending it in two halves",
+            self.run_id,
+            seq,
+            self._last_error,
+        )
+        return True
+
     def _wait(self, seconds: float) -> bool:
-        """Sleep up to `seconds`, no later than close()'s deadline; True when the deadline has passed."""
+        """Sleep up to `seconds`, no later than close()'s deadline; True when the uploader must stop."""
         remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or self._stop.is_set():
             return True
         if self._closing.is_set():
-            time.sleep(min(seconds, remaining))
+            self._stop.wait(min(seconds, remaining))
         else:
             self._closing.wait(seconds)  # close() cuts a long backoff short: one prompt last try
-        return time.monotonic() >= self._deadline
+        return self._stopped()
 
     def _attempt(self, batch: dict[str, Any] | bytes) -> str:
         assert self.transport is not None
@@ -514,23 +749,25 @@ class Sender:
         except TransportError as exc:
             self._last_error = str(exc)
             self._server_wait = getattr(exc, "retry_after", None) or 0.0
-            if exc.status == 404:
+            status = exc.status
+            if status == 404:
                 self._run_created = False  # the server lost the run (a new database): create it again
-            if exc.retryable or exc.status == 404:
+            if status in _AUTH:
+                self._warn_auth(exc)
+                return _WAIT
+            if status == 413:
+                return _TOO_LARGE
+            if status in _UNAVAILABLE or status == 404 or (status is None and exc.retryable):
                 self._warn_unreachable(exc)
-                return _RETRY
-            self._warn_once(
-                "refused",
-                "gradwatch: run %s: the server refused a batch, which is dropped and "
-                "counted in run.stats.dropped: %s",
-                self.run_id,
-                exc,
-            )
+                return _WAIT
+            if status is not None and status >= 500:
+                self._warn_unreachable(exc)
+                return _FAULT
             return _REFUSED
         except Exception as exc:  # noqa: BLE001 - a custom transport's own failure: try again later
             self._last_error = f"{type(exc).__name__}: {exc}"
             self._warn_unreachable(exc)
-            return _RETRY
+            return _FAULT
 
     def _adopt(self, created: Any) -> None:
         """Send to the id the server gave the run: it differs from ours only when another project had
@@ -544,15 +781,31 @@ class Sender:
             )
             self.run_id = given
 
+    def _where(self) -> str:
+        return f"the spool file {self.spool.path}" if self.spool.writable else "memory"
+
     def _warn_unreachable(self, exc: BaseException) -> None:
         if not self._failing:  # once per outage
-            where = f"the spool file {self.spool.path}" if self.spool.writable else "memory"
             logger.warning(
                 "gradwatch: run %s: cannot reach the server (%s); data waits in %s and is retried "
                 "with backoff",
                 self.run_id,
                 exc,
-                where,
+                self._where(),
+            )
+
+    def _warn_auth(self, exc: BaseException) -> None:
+        """A token problem is the user's to fix, not the batch's: nothing is dropped for it."""
+        if not self._failing:  # once per outage
+            path = self.spool.path if self.spool.writable else None
+            logger.warning(
+                "gradwatch: run %s: the server refused the token (%s); data waits in %s and is retried; "
+                "set GRADWATCH_TOKEN (or init(token=)) to an ingest token of project %r%s",
+                self.run_id,
+                exc,
+                self._where(),
+                self.run_document.get("project"),
+                f", or upload it later with `gradwatch sync {path} --token TOKEN`" if path else "",
             )
 
     # -- helpers ----------------------------------------------------------------------------------

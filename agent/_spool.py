@@ -8,6 +8,11 @@ append-only text, one record a line:
 
     {"type": "run", "run": {...run document...}}            written before a process's first batch
     {"type": "batch", "run_id": ID, "rank": R, "seq": S, "points": P, "batch": {...wire batch...}}
+    {"type": "retire", "run_id": ID, "rank": R, "seq": S, "why": "split" | "dead_letter"}
+                                  batch S above is not to be sent: it was split into smaller batches
+                                  (written before this line) or moved to the dead-letter file
+    {"type": "dead_letter", "run_id": ID, "rank": R, "seq": S, "reason": TEXT}
+                                  (dead-letter files only) why the next line's batch was moved there
 
 Every record is one os.write on an O_APPEND descriptor, so a crash can only tear the last line; a line
 whose checksum does not match or that lacks its newline is skipped, and a writer that finds the file
@@ -17,6 +22,12 @@ they were sealed with, so a replay -- by a resumed run at start, or by `gradwatc
 stored once by the server. The file is size-capped (one warning when full); beyond the cap, and
 when it cannot be written at all (one warning), batches stay in memory up to a bound, and beyond
 that they are dropped and counted, never silently.
+
+Durability: a written batch is fsynced at most `fsync_interval` (1 s) later -- sync_due(), called by
+the sender's collector thread, fsyncs a file written since its last fsync once that long has passed
+-- so a power cut loses about the last second of spooled data at most (a process crash loses none:
+the bytes are in the OS). Batches the server refuses for good (see the sender) go to a dead-letter
+file beside the spool, `RUN-rankR.dead.jsonl`, in the same format, for `gradwatch sync`.
 
 Not thread-safe: the sender calls it under its own lock.
 """
@@ -29,6 +40,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +54,9 @@ logger = logging.getLogger("gradwatch")
 DEFAULT_MAX_BYTES = 1 << 30  # spool file cap: 1 GiB
 # Points kept in memory when they cannot go to disk (~70 bytes each as Python objects: ~35 MB).
 DEFAULT_MAX_MEMORY_POINTS = 500_000
+# Seconds between fsyncs of a spool file that is being written: what a power cut can lose at most.
+DEFAULT_FSYNC_INTERVAL = 1.0
+DEAD_LETTER_SUFFIX = ".dead.jsonl"
 
 _BATCH_HEADER = re.compile(
     rb'\{"type": "batch", "run_id": "([A-Za-z0-9_.\-]{1,64})", "rank": (\d+), "seq": (\d+), '
@@ -69,6 +84,16 @@ def spool_file_name(run_id: str, rank: int) -> str:
     return f"{run_id}-rank{rank}.jsonl"
 
 
+def dead_letter_path(spool_path: Path) -> Path:
+    """The dead-letter file beside a spool file: RUN-rankR.jsonl -> RUN-rankR.dead.jsonl."""
+    name = spool_path.name
+    return spool_path.with_name(name.removesuffix(".jsonl") + DEAD_LETTER_SUFFIX)
+
+
+def is_dead_letter_file(path: Path) -> bool:
+    return path.name.endswith(DEAD_LETTER_SUFFIX)
+
+
 # -- records --------------------------------------------------------------------------------------
 
 
@@ -83,12 +108,29 @@ def run_record(run_document: dict[str, Any]) -> bytes:
 
 def batch_record(run_id: str, batch: dict[str, Any], points: int) -> bytes:
     """The line of one sealed batch; the header fields let a reader index it without parsing it."""
+    return encoded_batch_record(run_id, int(batch["rank"]), int(batch["seq"]), points, dumps(batch).encode())
+
+
+def encoded_batch_record(run_id: str, rank: int, seq: int, points: int, body: bytes) -> bytes:
+    """batch_record for a batch already encoded as JSON (one read back from a spool file)."""
     header = json.dumps(run_id)
     payload = (
-        f'{{"type": "batch", "run_id": {header}, "rank": {int(batch["rank"])}, "seq": {int(batch["seq"])}, '
-        f'"points": {int(points)}, "batch": {dumps(batch)}}}'
-    )
-    return _line(payload.encode())
+        f'{{"type": "batch", "run_id": {header}, "rank": {int(rank)}, "seq": {int(seq)}, '
+        f'"points": {int(points)}, "batch": '
+    ).encode()
+    return _line(payload + body + b"}")
+
+
+def retire_record(run_id: str, rank: int, seq: int, why: str) -> bytes:
+    """The line that withdraws an earlier batch line of the file (split, or moved to dead letters)."""
+    document = {"type": "retire", "run_id": run_id, "rank": int(rank), "seq": int(seq), "why": why}
+    return _line(json.dumps(document).encode())
+
+
+def dead_letter_record(run_id: str, rank: int, seq: int, reason: str) -> bytes:
+    """The line before a dead-lettered batch: why the server would not take it."""
+    document = {"type": "dead_letter", "run_id": run_id, "rank": int(rank), "seq": int(seq), "reason": reason}
+    return _line(json.dumps(document).encode())
 
 
 @dataclass(frozen=True)
@@ -103,6 +145,7 @@ class Record:
     seq: int = -1
     points: int = 0
     run: dict[str, Any] | None = None
+    reason: str | None = None  # a dead_letter record's
 
 
 def _payload(line: bytes) -> bytes | None:
@@ -132,6 +175,17 @@ def _describe(offset: int, line: bytes) -> Record | None:
         return None
     if document.get("type") == "run" and isinstance(document.get("run"), dict):
         return Record(offset, len(line), "run", document["run"].get("id"), run=document["run"])
+    if document.get("type") in ("retire", "dead_letter") and isinstance(document.get("seq"), int):
+        reason = document.get("reason")
+        return Record(
+            offset,
+            len(line),
+            document["type"],
+            document.get("run_id"),
+            int(document.get("rank") or 0),
+            document["seq"],
+            reason=reason if isinstance(reason, str) else None,
+        )
     if document.get("type") == "batch" and isinstance(document.get("batch"), dict):
         batch = document["batch"]
         return Record(
@@ -152,6 +206,10 @@ class ScanResult:
 
     records: list[Record]
     bad_lines: int
+
+    def retired(self) -> set[tuple[str | None, int, int]]:
+        """(run_id, rank, seq) of the batches a retire record withdrew: not to be sent."""
+        return {(r.run_id, r.rank, r.seq) for r in self.records if r.type == "retire"}
 
 
 def scan(path: Path) -> ScanResult:
@@ -198,6 +256,7 @@ class _Entry:
     points: int
     batch: dict[str, Any] | None  # in memory; None once it is only in the file
     record: Record | None = None  # in the file
+    order: int = -1  # where it stands in the queue: its seq, or the seq of the batch it was split from
 
 
 class Spool:
@@ -212,9 +271,13 @@ class Spool:
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_memory_points: int = DEFAULT_MAX_MEMORY_POINTS,
         keep_file: bool = False,
+        fsync_interval: float | None = DEFAULT_FSYNC_INTERVAL,
     ) -> None:
+        """fsync_interval: seconds between fsyncs of a file being written (None: never, but at close)."""
         if max_bytes <= 0:
             raise ValueError(f"spool max_bytes must be positive, got {max_bytes!r}")
+        if fsync_interval is not None and fsync_interval < 0:
+            raise ValueError(f"fsync_interval must be >= 0 seconds or None, got {fsync_interval!r}")
         self.path = path
         self.run_document = run_document
         self.run_id = run_document["id"]
@@ -222,16 +285,21 @@ class Spool:
         self.max_bytes = max_bytes
         self.max_memory_points = max_memory_points
         self.keep_file = keep_file  # offline spools stay for `gradwatch sync`
+        self.fsync_interval = fsync_interval
+        self.fsyncs = 0  # fsync calls made (durability costs one per interval while the file is written)
+        self.fsync_seconds = 0.0  # time spent in them
         self.memory_points = 0  # points in batches held only in memory
         self.disk_points = 0  # points in batches in the file and not yet acknowledged
         self.dropped_points = 0  # points that found room neither in the file nor in memory
         self._entries: dict[int, _Entry] = {}
-        self._order: list[int] = []  # heap of seqs; entries removed lazily
+        self._order: list[tuple[int, int]] = []  # heap of (order, seq); entries removed lazily
         self._run_written = False  # this process's run record is in the file
         self._disk_entries = 0  # entries whose batch is in the file
         self._file_is_ours = False  # we wrote or replayed it: ours to delete once everything is sent
         self._newline_checked = False
         self._disk_failed = False
+        self._dirty = False  # written since the last fsync
+        self._last_fsync = float("-inf")
         self._warned: set[str] = set()
 
     def __len__(self) -> int:
@@ -284,16 +352,20 @@ class Spool:
 
     def adopt(self, leftovers: ScanResult | None, older_than: int | None = None) -> int:
         """Index the leftover batches (their seqs are older, so they are sent first); `older_than`: the
-        first seq of this process, whose own batches are indexed already. Returns their points."""
+        first seq of this process, whose own batches are indexed already. Batches a retire record
+        withdrew are left out. Returns their points."""
         if leftovers is None:
             return 0
         found = 0
         self._file_is_ours = True
+        retired = leftovers.retired()
         for record in leftovers.records:
             if record.type != "batch" or record.run_id != self.run_id or record.rank != self.rank:
                 continue
             if record.seq in self._entries or (older_than is not None and record.seq >= older_than):
                 continue  # written by this process since the scan
+            if (record.run_id, record.rank, record.seq) in retired:
+                continue
             self._index(_Entry(record.seq, record.points, None, record))
             self.disk_points += record.points
             self._disk_entries += 1
@@ -310,9 +382,11 @@ class Spool:
 
     # -- adding and persisting --------------------------------------------------------------------
 
-    def add(self, batch: dict[str, Any], points: int, persist: bool) -> bool:
-        """Hold a sealed batch; `persist` writes it to the file now. False: no room, dropped (counted)."""
-        entry = _Entry(int(batch["seq"]), points, batch)
+    def add(self, batch: dict[str, Any], points: int, persist: bool, order: int | None = None) -> bool:
+        """Hold a sealed batch; `persist` writes it to the file now. False: no room, dropped (counted).
+        `order`: where it queues (default its seq; a smaller one puts it ahead of batches sealed before)."""
+        seq = int(batch["seq"])
+        entry = _Entry(seq, points, batch, order=seq if order is None else order)
         over_memory = self.memory_points + points > self.max_memory_points
         if (persist or over_memory) and self._write([entry]):
             self._index(entry)
@@ -332,31 +406,58 @@ class Spool:
 
     def persist(self) -> None:
         """Write every batch held only in memory to the file, oldest first (as far as it has room)."""
-        waiting = sorted((e for e in self._entries.values() if e.record is None), key=lambda e: e.seq)
+        waiting = sorted(
+            (e for e in self._entries.values() if e.record is None), key=lambda e: (e.order, e.seq)
+        )
         if waiting:
             self._write(waiting)
 
     def fsync(self) -> None:
-        """Ask the OS to put the file on disk (at close: a power cut then loses nothing written)."""
-        if self.path is None or self._disk_failed or not self.path.exists():
+        """Put what was written on disk now (at close: a power cut then loses nothing written)."""
+        if self._dirty:
+            self._dirty = False
+            self._last_fsync = time.monotonic()
+            self._fsync_file()
+
+    def sync_due(self) -> bool:
+        """fsync the file if it was written since the last fsync and fsync_interval has passed since;
+        True when it did. Called often (every collector pass), it fsyncs at most once an interval.
+        Safe beside the sender's lock holder: it reads two flags and opens the file by name."""
+        if not self._dirty or self.fsync_interval is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_fsync < self.fsync_interval:
+            return False
+        self._dirty = False  # before the fsync: a write landing during it marks the file again
+        self._last_fsync = now
+        self._fsync_file()
+        return True
+
+    def _fsync_file(self) -> None:
+        if self.path is None or self._disk_failed:
             return
+        started = time.perf_counter()
         try:
             fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        except OSError:
+            return  # gone: everything in it was sent
+        try:
+            os.fsync(fd)
+            self.fsyncs += 1
         except OSError:
             pass
+        finally:
+            os.close(fd)
+            self.fsync_seconds += time.perf_counter() - started
 
     # -- handing out ------------------------------------------------------------------------------
 
     def oldest(self) -> tuple[int, dict[str, Any] | bytes, int] | None:
         """(seq, batch, points) of the oldest batch: a dict, or the JSON bytes of a batch in the file."""
         while self._order:
-            seq = self._order[0]
+            order, seq = self._order[0]
             entry = self._entries.get(seq)
-            if entry is None:
+            if entry is None or entry.order != order:
                 heapq.heappop(self._order)
                 continue
             if entry.batch is not None:
@@ -378,6 +479,10 @@ class Spool:
             )
         return None
 
+    def order_of(self, seq: int) -> int | None:
+        entry = self._entries.get(seq)
+        return None if entry is None else entry.order
+
     def remove(self, seq: int) -> None:
         """Forget a batch (the server has it, or refused it). An online file with nothing left goes."""
         entry = self._entries.pop(seq, None)
@@ -394,15 +499,52 @@ class Spool:
             except OSError:
                 pass
             self._run_written = self._file_is_ours = False
+            self._dirty = False
+
+    def retire(self, seq: int, why: str) -> None:
+        """Forget a batch that is not to be sent (moved to dead letters); if it is in the file, a
+        retire record keeps a resumed run or `gradwatch sync` from sending it."""
+        entry = self._entries.get(seq)
+        if entry is None:
+            return
+        on_disk = entry.record is not None
+        self.remove(seq)
+        if on_disk and self._file_is_ours and self.path is not None and self.path.exists():
+            self._write([], retire_record(self.run_id, self.rank, seq, why))
+
+    def replace(self, seq: int, pieces: list[tuple[dict[str, Any], int]]) -> None:
+        """Put smaller batches (`pieces`: (batch, points), each with a seq of its own) in the place of
+        batch `seq`, queued where it was. A batch in the file is replaced in the file: the pieces,
+        then a retire record for it, in one append."""
+        entry = self._entries.get(seq)
+        if entry is None:
+            return
+        order, on_disk = entry.order, entry.record is not None
+        self.remove(seq)
+        new = [_Entry(int(batch["seq"]), points, batch, order=order) for batch, points in pieces]
+        written = on_disk and self._write(new, retire_record(self.run_id, self.rank, seq, "split"))
+        for piece in new:
+            self._index(piece)
+            if piece.record is None:
+                self.memory_points += piece.points
+        if on_disk and not written:
+            self._warn_once(
+                "split",
+                "gradwatch: spool file %s: could not write the pieces of a split batch; they wait in memory",
+                self.path,
+            )
 
     # -- internals --------------------------------------------------------------------------------
 
     def _index(self, entry: _Entry) -> None:
+        if entry.order < 0:
+            entry.order = entry.seq
         self._entries[entry.seq] = entry
-        heapq.heappush(self._order, entry.seq)
+        heapq.heappush(self._order, (entry.order, entry.seq))
 
-    def _write(self, entries: list[_Entry]) -> bool:
-        """Append entries (as many as the cap allows, oldest first); True when all were written."""
+    def _write(self, entries: list[_Entry], trailer: bytes = b"") -> bool:
+        """Append entries (as many as the cap allows, oldest first), then `trailer` (record lines) if
+        every entry fitted; True when all were written."""
         if self.path is None or self._disk_failed:
             return False
         try:
@@ -440,9 +582,10 @@ class Spool:
                 lines.append((entry, batch, offset, line))
                 offset += len(line)
                 total += len(line)
-            if not lines:
+            complete = len(lines) == len(entries)
+            if not lines and not (complete and trailer):
                 return False
-            data = prefix + b"".join(line for _, _, _, line in lines)
+            data = prefix + b"".join(line for _, _, _, line in lines) + (trailer if complete else b"")
             written = 0
             while written < len(data):
                 written += os.write(fd, data[written:])
@@ -452,6 +595,7 @@ class Spool:
         finally:
             os.close(fd)
         self._run_written = self._file_is_ours = True
+        self._dirty = True
         for entry, batch, offset, line in lines:
             if entry.seq in self._entries:
                 self.memory_points -= entry.points  # it moves from memory to the file
@@ -467,7 +611,7 @@ class Spool:
                 entry.points,
             )
             entry.batch = None
-        return len(lines) == len(entries)
+        return complete
 
     @staticmethod
     def _ends_with_newline(path: Path) -> bool:
@@ -493,9 +637,58 @@ class Spool:
             logger.warning(message, *args)
 
 
-def iter_spool_files(path: Path) -> Iterator[Path]:
-    """A spool file itself, or every *.jsonl under a folder, in name order."""
+class DeadLetters:
+    """The dead-letter file of one (run, rank): batches the server will not take, kept for
+    `gradwatch sync` (same format as a spool file, each batch after a line saying why).
+    Written rarely, so each write is fsynced at once. Not thread-safe: the sender holds its lock."""
+
+    def __init__(self, path: Path, run_document: dict[str, Any], rank: int = 0) -> None:
+        self.path = path
+        self.run_document = run_document
+        self.run_id = run_document["id"]
+        self.rank = rank
+        self.batches = 0  # moved here by this process
+        self.points = 0
+        self._run_written = False
+
+    def add(self, seq: int, body: bytes, points: int, reason: str) -> bool:
+        """Append one batch (its wire JSON) with the reason; False when the file cannot be written."""
+        data = b""
+        if not self._run_written:
+            data += run_record(self.run_document)
+        data += dead_letter_record(self.run_id, self.rank, seq, reason)
+        data += encoded_batch_record(self.run_id, self.rank, seq, points, body)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                if os.fstat(fd).st_size and not Spool._ends_with_newline(self.path):
+                    data = b"\n" + data
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            logger.warning("gradwatch: cannot write the dead-letter file %s (%s)", self.path, exc)
+            return False
+        self._run_written = True
+        self.batches += 1
+        self.points += points
+        return True
+
+
+def iter_spool_files(path: Path, dead_letters: bool = True) -> Iterator[Path]:
+    """A spool file itself (and, with `dead_letters`, its dead-letter file when there is one), or every
+    *.jsonl under a folder (dead-letter files only with `dead_letters`), in name order."""
     if path.is_dir():
-        yield from sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        yield from sorted(
+            p for p in path.rglob("*.jsonl") if p.is_file() and (dead_letters or not is_dead_letter_file(p))
+        )
     else:
-        yield path
+        if path.exists():  # an online spool whose batches all went is gone; its dead letters stay
+            yield path
+        dead = dead_letter_path(path)
+        if dead_letters and not is_dead_letter_file(path) and dead.is_file():
+            yield dead

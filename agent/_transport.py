@@ -9,8 +9,10 @@ import gzip
 import http.client
 import json
 import math
+import random
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._wire import dumps
@@ -127,3 +129,26 @@ class HttpTransport:
         except ValueError:
             parsed = {}
         return parsed if isinstance(parsed, dict) else {}
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter: the n-th failure in a row waits min(cap, base·2^(n-1)) seconds
+    times a random factor in [0.5, 1), so many agents recovering together do not retry in step."""
+
+    base: float = 0.25
+    cap: float = 30.0
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base <= self.cap:
+            raise ValueError(
+                f"backoff needs 0 < base <= cap (seconds), got base={self.base!r}, cap={self.cap!r}"
+            )
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return min(self.cap, self.base * 2.0 ** min(self.failures - 1, 30)) * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self.failures = 0

@@ -225,6 +225,12 @@ class Watcher:
         guard(self._check_setup)(model)  # its observations go through the same sink as the step's
         sink.features.guarded("rank report")(self._report_rank)()
 
+    def shift_steps(self, delta: int) -> None:
+        """The run's steps were renumbered by `delta` (a resumed run learning its step): a step that
+        waits for scaler.update() moves with them."""
+        if self._awaiting_update is not None:
+            self._awaiting_update += delta
+
     def remove(self) -> None:
         """Remove every hook and wrapper this watcher installed."""
         _clip.unregister(self)

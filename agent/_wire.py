@@ -3,13 +3,16 @@
 A batch is one JSON object: its identity ("rank", "seq": the server stores a (run, rank, seq) once) and
 its data fields ("scalars", "events", and what Resolved.wire_fields adds: "vectors", "histograms",
 "layers"), plus an optional run "status". When the server is slower than the flushes, the sender
-merges the data of several flushes into one batch before giving it a seq (merge_fragments).
+merges the data of several flushes into one batch before giving it a seq (merge_fragments); a batch
+larger than a server takes is cut into consecutive step ranges (split_by_steps, halve_by_steps).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -141,3 +144,143 @@ def _merge_series(series: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         {"key": key, "steps": sorted(points), "values": [points[step] for step in sorted(points)]}
         for key, points in by_key.items()
     ]
+
+
+# The most numbers one batch carries (a vector row holds one per layer, a histogram layers x bins): a
+# server refuses larger batches (gradwatch.server.ingest_limits, 2,000,000 by default).
+MAX_BATCH_VALUES = 1_000_000
+
+
+def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> list[dict[str, Any]]:
+    """A sealed batch's data as consecutive step ranges of at most `max_points` points and `max_values`
+    numbers each ([batch] when it fits): servers refuse larger batches. A step's keys stay together
+    (alert rules read them side by side); a single step larger than the limits is a piece of its own.
+    Events go with their steps, "layers" with every piece, the status (and any other field) with the last."""
+    scalar_points = sum(len(series["steps"]) for series in batch.get("scalars", ()))
+    vector_rows = [row for series in batch.get("vectors", ()) for row in series["values"]]
+    histograms = batch.get("histograms", ())
+    if (
+        scalar_points + len(vector_rows) + len(histograms) <= max_points
+        and scalar_points + sum(map(len, vector_rows)) + sum(len(r) for h in histograms for r in h["counts"])
+        <= max_values
+    ):
+        return [batch]  # the usual case, counted without a dict per step
+    sizes: dict[int, list[int]] = {}  # step -> [points, numbers]
+    for series in batch.get("scalars", ()):
+        for step in series["steps"]:
+            sizes.setdefault(step, [0, 0])
+            sizes[step][0] += 1
+            sizes[step][1] += 1
+    for series in batch.get("vectors", ()):
+        for step, row in zip(series["steps"], series["values"], strict=True):
+            sizes.setdefault(step, [0, 0])
+            sizes[step][0] += 1
+            sizes[step][1] += len(row)
+    for histogram in batch.get("histograms", ()):
+        sizes.setdefault(histogram["step"], [0, 0])
+        sizes[histogram["step"]][0] += 1
+        sizes[histogram["step"]][1] += sum(map(len, histogram["counts"]))
+    starts: list[int] = []  # the first step of each piece
+    points = values = 0
+    for step in sorted(sizes):
+        step_points, step_values = sizes[step]
+        if starts and points + step_points <= max_points and values + step_values <= max_values:
+            points, values = points + step_points, values + step_values
+        else:
+            starts.append(step)
+            points, values = step_points, step_values
+    return _pieces(batch, starts)
+
+
+def halve_by_steps(batch: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A batch's data as two step ranges of about half its steps each (for a server that answered
+    413); None when it holds fewer than two steps. Fields are distributed as by split_by_steps."""
+    steps = sorted(batch_steps(batch))
+    if len(steps) < 2:
+        return None
+    return _pieces(batch, [steps[0], steps[len(steps) // 2]])
+
+
+def batch_steps(batch: dict[str, Any]) -> set[int]:
+    steps: set[int] = set()
+    for series in (*batch.get("scalars", ()), *batch.get("vectors", ())):
+        steps.update(series["steps"])
+    steps.update(h["step"] for h in batch.get("histograms", ()))
+    steps.update(e["step"] for e in batch.get("events", ()))
+    return steps
+
+
+def _pieces(batch: dict[str, Any], starts: list[int]) -> list[dict[str, Any]]:
+    """The batch cut at `starts` (the first step of each piece; steps before the first go with it)."""
+    pieces = []
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else None
+        first = index == 0
+
+        def within(step: int, start: int = start, end: int | None = end, first: bool = first) -> bool:
+            return (first or step >= start) and (end is None or step < end)
+
+        piece: dict[str, Any] = {
+            "scalars": _series_within(batch.get("scalars", ()), within),
+            "events": [event for event in batch.get("events", ()) if within(event["step"])],
+        }
+        vectors = _series_within(batch.get("vectors", ()), within)
+        if vectors:
+            piece["vectors"] = vectors
+        histograms = [h for h in batch.get("histograms", ()) if within(h["step"])]
+        if histograms:
+            piece["histograms"] = histograms
+        pieces.append(piece)
+    for name, value in batch.items():
+        if name == "layers":
+            for piece in pieces:
+                piece[name] = value
+        elif name not in ("scalars", "events", "vectors", "histograms"):
+            pieces[-1][name] = value
+    return pieces
+
+
+def _series_within(series_list: Any, within: Any) -> list[dict[str, Any]]:
+    """The series (scalar or vector) cut to the steps `within` accepts; series left empty are left out."""
+    out = []
+    for series in series_list:
+        kept = [
+            (step, value)
+            for step, value in zip(series["steps"], series["values"], strict=True)
+            if within(step)
+        ]
+        if kept:
+            out.append(
+                {**series, "steps": [step for step, _ in kept], "values": [value for _, value in kept]}
+            )
+    return out
+
+
+# -- batch identity: (run, rank, seq), unique across the processes of a run (see gradwatch._sender) --
+
+SEQ_COUNTER_BITS = 20
+_namespace_lock = threading.Lock()
+_last_namespace = 0
+
+
+def _new_namespace() -> int:
+    """The current wall-clock millisecond, strictly above every namespace this process used."""
+    global _last_namespace
+    with _namespace_lock:
+        _last_namespace = max(int(time.time() * 1000), _last_namespace + 1)
+        return _last_namespace
+
+
+class SeqAllocator:
+    """Batch sequence numbers, unique per (run, rank) across processes: see the module docstring."""
+
+    def __init__(self) -> None:
+        self._namespace = _new_namespace()
+        self._count = 0
+        self.first = self._namespace << SEQ_COUNTER_BITS  # no seq of an earlier process reaches this
+
+    def next(self) -> int:
+        if self._count >= 1 << SEQ_COUNTER_BITS:
+            self._namespace, self._count = _new_namespace(), 0
+        self._count += 1
+        return (self._namespace << SEQ_COUNTER_BITS) | (self._count - 1)

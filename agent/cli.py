@@ -1,4 +1,4 @@
-"""The `gradwatch` command: server, db upgrade, token, prune, demo, sync.
+"""The `gradwatch` command: server, db upgrade, token, prune, demo, sync; runs, alerts, show, export.
 
 The agent package stays light: server-side modules are imported only by the commands that need them.
 """
@@ -207,23 +207,261 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     from gradwatch.sync import sync
 
     try:
-        report = sync(args.path, args.server, args.token)
+        report = sync(args.path, args.server, args.token, dead_letters=not args.no_dead_letters)
     except ValueError as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
     print(
         f"synced {report.files} spool file(s): {report.points_sent} points in {report.batches_sent} batches "
         f"({report.already_stored} already on the server, {report.skipped} skipped as uploaded before, "
-        f"{report.bad_lines} torn or corrupt lines ignored)"
+        f"{report.bad_lines} torn or corrupt lines ignored"
+        + (
+            f"; {report.dead_letters_sent} of the batches were dead letters"
+            if report.dead_letters_sent
+            else ""
+        )
+        + ")"
     )
     for message in report.refused:
         print(f"gradwatch: the server refused a batch: {message}", file=sys.stderr)
+    for message in report.failed:
+        print(f"gradwatch: the server kept failing {message}; left for a later sync", file=sys.stderr)
     if report.error is not None:
         print(
             f"gradwatch: stopped early ({report.error}); run the same command again to continue",
             file=sys.stderr,
         )
     return 0 if report.complete else 1
+
+
+# -- reading runs back: runs, alerts, show, export (gradwatch.api) --------------------------------------
+
+SHOW_KEYS = (  # the agent's keys `gradwatch show` lists when the run has them, after the run's own keys
+    "amp/scale",
+    "amp/skipped",
+    "grad/global_norm",
+    "grad/global_norm_post_clip",
+    "perf/step_time",
+    "perf/samples_per_sec",
+    "perf/tokens_per_sec",
+)
+SHOW_MAX_KEYS = 12
+
+
+def _add_read_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server", default=None, help="server URL (default: GRADWATCH_SERVER, else http://127.0.0.1:8765)"
+    )
+    parser.add_argument("--token", default=None, help="a token with read scope (default: GRADWATCH_TOKEN)")
+
+
+def _reading(command: Callable[[Any, argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A read command: given an Api; its failures printed as one line. Exit status 1 when the server
+    could not be read (unreachable, no or bad token, no such run), 2 for a bad argument or a missing
+    optional dependency."""
+
+    def run(args: argparse.Namespace) -> int:
+        from gradwatch.api import Api, ApiError
+
+        try:
+            return command(Api(args.server, args.token), args)
+        except ApiError as exc:
+            print(f"gradwatch: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, ImportError) as exc:
+            print(f"gradwatch: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> None:
+    """Aligned plain-text columns; the columns numbered in `right` (numbers) right-aligned."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    print(line(headers))
+    for row in rows:
+        print(line(row))
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _moment(moment: Any) -> str:
+    return "-" if moment is None else moment.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _print_json(document: Any) -> None:
+    import json
+
+    print(json.dumps(document, indent=2, allow_nan=False))
+
+
+def _statuses(values: list[str] | None) -> list[str] | None:
+    """--status running --status crashed, or --status running,crashed."""
+    return [part for value in values for part in value.split(",") if part] if values else None
+
+
+@_reading
+def _cmd_runs(api: Any, args: argparse.Namespace) -> int:
+    runs = api.runs(
+        args.project, status=_statuses(args.status), tags=args.tag, name=args.name, limit=args.limit
+    )
+    if args.json:
+        _print_json([run.raw for run in runs])
+        return 0
+    _table(
+        ["id", "project", "name", "status", "last step", "created", "tags"],
+        [
+            [
+                run.id,
+                _cut(run.project, 20),
+                _cut(run.name, 30),
+                run.status,
+                "-" if run.last_step is None else str(run.last_step),
+                _moment(run.created_at),
+                _cut(",".join(run.tags), 30) or "-",
+            ]
+            for run in runs
+        ],
+        right=[4],
+    )
+    if not runs:
+        print("(no runs match)")
+    elif args.limit is not None and len(runs) == args.limit:
+        print(f"(the newest {len(runs)}; --limit N for more)")
+    return 0
+
+
+def _alert_rows(alerts: Sequence[Any], with_run: bool = True) -> tuple[list[str], list[list[str]]]:
+    headers = ["id", "status", "severity", *(["project", "run"] if with_run else []), "type", "step", "title"]
+    rows = [
+        [
+            str(alert.id),
+            "open" if alert.status == "firing" else alert.status,
+            alert.severity,
+            *([_cut(alert.project, 20), _cut(alert.run_name, 24)] if with_run else []),
+            alert.type,
+            "-" if alert.step is None else str(alert.step),
+            _cut(alert.title, 70),
+        ]
+        for alert in alerts
+    ]
+    return headers, rows
+
+
+@_reading
+def _cmd_alerts(api: Any, args: argparse.Namespace) -> int:
+    alerts = api.alerts(args.project, run=args.run, state=args.state, limit=args.limit)
+    if args.json:
+        _print_json([alert.raw for alert in alerts])
+        return 0
+    headers, rows = _alert_rows(alerts)
+    _table(headers, rows, right=[0, headers.index("step")])
+    if not alerts:
+        print("(no alerts)")
+    return 0
+
+
+def _show_keys(run: Any, asked: str | None) -> list[str]:
+    if asked:
+        return [key for key in asked.split(",") if key]
+    present = run.keys()
+    own = [key for key in present if "/" not in key]  # what the training loop logged: loss, lr…
+    return (own + [key for key in SHOW_KEYS if key in present])[:SHOW_MAX_KEYS]
+
+
+@_reading
+def _cmd_show(api: Any, args: argparse.Namespace) -> int:
+    from gradwatch._wire import wire_float
+
+    run = api.run(args.run)
+    last = run.last_values(_show_keys(run, args.keys))
+    alerts = run.alerts(state="open")
+    if args.json:
+        _print_json(
+            {
+                "run": run.raw,
+                "last_values": {key: {"step": s, "value": wire_float(v)} for key, (s, v) in last.items()},
+                "open_alerts": [alert.raw for alert in alerts],
+            }
+        )
+        return 0
+    scale = run.summary.get("scale")
+    fields = [
+        ("run", run.id),
+        ("name", run.name),
+        ("project", run.project),
+        ("status", run.status + (f" ({run.raw['status_reason']})" if run.raw.get("status_reason") else "")),
+        ("last step", "-" if run.last_step is None else str(run.last_step)),
+        ("created", _moment(run.created_at)),
+        ("updated", _moment(run.updated_at)),
+        ("tags", ", ".join(run.tags) or "-"),
+        ("skipped", f"{run.summary.get('skips', 0)} optimizer step(s)"),
+        ("loss scale", "-" if scale is None else _number(scale)),
+        ("config", _cut(", ".join(f"{k}={v}" for k, v in run.config.items()), 100) or "-"),
+        ("dashboard", run.url),
+    ]
+    for name, value in fields:
+        print(f"{name:<11} {value}")
+    print()
+    if last:
+        _table(
+            ["key", "step", "last value"],
+            [[key, str(step), _number(value)] for key, (step, value) in last.items()],
+            right=[1, 2],
+        )
+    else:
+        print("(no scalar values stored yet)")
+    print()
+    if alerts:
+        print(f"open alerts ({len(alerts)}):")
+        headers, rows = _alert_rows(alerts, with_run=False)
+        _table(headers, rows, right=[0, headers.index("step")])
+    else:
+        print("no open alerts")
+    return 0
+
+
+def _rank(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        rank = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rank is a whole number or 'all', not {text!r}") from None
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"a rank is a whole number >= 0, not {text!r}")
+    return rank
+
+
+@_reading
+def _cmd_export(api: Any, args: argparse.Namespace) -> int:
+    run = api.run(args.run)
+    keys = [key for value in args.keys or () for key in value.split(",") if key] or None
+    target = args.output or f"{run.id}.{args.format}"
+    if target == "-":
+        if args.format != "csv":
+            raise ValueError("only csv can be written to standard output (-o -); give -o FILE for parquet")
+        rows = run.export(sys.stdout, "csv", keys, rank=args.rank, start=args.start, end=args.end)
+    else:
+        rows = run.export(target, args.format, keys, rank=args.rank, start=args.start, end=args.end)
+    print(
+        f"wrote {rows} rows (one per step) of run {run.id} ({run.name}) to {target}",
+        file=sys.stderr if target == "-" else sys.stdout,
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +553,61 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument(
         "--token", default=os.environ.get("GRADWATCH_TOKEN"), help="write token (default: GRADWATCH_TOKEN)"
     )
+    sync.add_argument(
+        "--no-dead-letters",
+        action="store_true",
+        help="leave out dead-letter files (RUN-rankR.dead.jsonl: batches a live run moved aside after "
+        "the server refused them), which are synced by default",
+    )
     sync.set_defaults(func=_cmd_sync)
+
+    runs = commands.add_parser("runs", help="list runs (newest first) from a server")
+    runs.add_argument("--project", default=None)
+    runs.add_argument(
+        "--status", action="append", help="running, finished or crashed (repeat, or comma-separate, for any)"
+    )
+    runs.add_argument("--tag", action="append", help="runs with this tag (repeat: all of them)")
+    runs.add_argument("--name", default=None, help="part of the run's name, any case")
+    runs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    runs.add_argument("--json", action="store_true", help="print the runs as the API returns them (JSON)")
+    _add_read_options(runs)
+    runs.set_defaults(func=_cmd_runs)
+
+    alerts = commands.add_parser("alerts", help="list alerts (newest first) from a server")
+    alerts.add_argument("--project", default=None)
+    alerts.add_argument("--run", default=None, help="only this run's (an id)")
+    alerts.add_argument(
+        "--state",
+        choices=["open", "firing", "resolved", "all"],
+        default=None,
+        help="open (= firing: the condition holds), resolved, or all (default)",
+    )
+    alerts.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    alerts.add_argument("--json", action="store_true", help="print the alerts as the API returns them (JSON)")
+    _add_read_options(alerts)
+    alerts.set_defaults(func=_cmd_alerts)
+
+    show = commands.add_parser("show", help="one run: summary, last values of its main keys, open alerts")
+    show.add_argument("run", help="a run id, or a run's exact name (project/name when names repeat)")
+    show.add_argument("--keys", default=None, help="comma-separated keys to show the last values of")
+    show.add_argument("--json", action="store_true", help="print run, last_values and open_alerts as JSON")
+    _add_read_options(show)
+    show.set_defaults(func=_cmd_show)
+
+    export = commands.add_parser("export", help="write a run's series, every stored point, to csv or parquet")
+    export.add_argument("run", help="a run id, or a run's exact name")
+    export.add_argument("--format", choices=["csv", "parquet"], default="csv", help="default csv")
+    export.add_argument(
+        "--keys", action="append", help="comma-separated keys (repeatable; default: every scalar key)"
+    )
+    export.add_argument("--rank", type=_rank, default=0, help="a rank, or 'all' (default 0)")
+    export.add_argument("--start", type=int, default=None, help="first step, inclusive")
+    export.add_argument("--end", type=int, default=None, help="last step, exclusive")
+    export.add_argument(
+        "-o", "--output", default=None, help="the file to write (default RUN_ID.FORMAT; '-': csv to stdout)"
+    )
+    _add_read_options(export)
+    export.set_defaults(func=_cmd_export)
     return parser
 
 

@@ -4,7 +4,20 @@ ended while their server was down.
 Exactly once, even when interrupted and run again: each batch in a spool keeps the seq it was sealed
 with, and the server stores a (run, rank, seq) only once, acknowledging a repeat as a duplicate. A
 side file `<spool>.sent` lists the seqs already acknowledged so a re-run skips them; that saves
-time only -- correctness comes from the seqs. Batches go oldest first, one request each.
+time only -- correctness comes from the seqs. Batches go oldest first, one request each; batches a
+retire record withdrew (split, or moved to dead letters by the live run) are not sent.
+
+Dead letters: by default a spool file's dead-letter file (RUN-rankR.dead.jsonl, batches the live run
+moved aside after the server refused them) is synced after it, and a folder's *.dead.jsonl files
+are synced with the others; dead_letters=False (`--no-dead-letters`) leaves them out. A batch the
+server still refuses is reported and stays for a later sync.
+
+Failures: no answer, 408, 429, 502, 503 and 504 are retried for up to give_up_after seconds, then the
+sync stops (run it again to continue). A batch answered with another 5xx SERVER_ERROR_TRIES times in
+a row is left for later and reported in `failed`, and the sync goes on -- one poison batch does not
+hold back the rest -- unless FAILED_IN_A_ROW batches fail that way one after the other (the server is
+failing everything: the sync stops). A 4xx (auth included: fix the token and run it again) is
+reported in `refused`; neither is marked as sent.
 """
 
 from __future__ import annotations
@@ -17,11 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._sender import Backoff
-from ._spool import Record, iter_spool_files, read_batch_json, scan
-from ._transport import HttpTransport, TransportError
+from ._sender import SERVER_ERROR_TRIES
+from ._spool import Record, dead_letter_path, is_dead_letter_file, iter_spool_files, read_batch_json, scan
+from ._transport import Backoff, HttpTransport, TransportError
 
 SENT_SUFFIX = ".sent"
+FAILED_IN_A_ROW = 3  # batches failing with server errors one after the other: the sync stops
+_UNAVAILABLE = frozenset({408, 429, 502, 503, 504})
 
 
 @dataclass
@@ -35,11 +50,13 @@ class SyncReport:
     skipped: int = 0  # batches listed in a .sent file: not sent again
     bad_lines: int = 0  # torn or corrupt lines, ignored
     refused: list[str] = field(default_factory=list)  # the server's message for each refused batch
+    failed: list[str] = field(default_factory=list)  # batches that kept failing with server errors
+    dead_letters_sent: int = 0  # of batches_sent: from dead-letter files
     error: str | None = None  # why the sync stopped early (server unreachable for too long)
 
     @property
     def complete(self) -> bool:
-        return self.error is None and not self.refused
+        return self.error is None and not self.refused and not self.failed
 
 
 def sync(
@@ -50,36 +67,49 @@ def sync(
     transport: Any = None,
     give_up_after: float = 60.0,
     max_backoff: float = 10.0,
+    dead_letters: bool = True,
+    server_error_tries: int = SERVER_ERROR_TRIES,
     log: Callable[[str], None] = print,
 ) -> SyncReport:
     """Upload every batch of the spool file(s) at `path` (a file, or a folder searched for *.jsonl).
 
     give_up_after: seconds of failed retries of one request (server down) before stopping; run the
-    command again later to continue where it stopped.
+    command again later to continue where it stopped. dead_letters: also the dead-letter files (see
+    the module docstring); server_error_tries: 5xx answers in a row before a batch is left for later.
     """
     target = Path(path)
-    if not target.exists():
+    if not target.exists() and not (dead_letters and dead_letter_path(target).is_file()):
         raise ValueError(f"no spool file or folder at {str(target)!r}")
     transport = transport or HttpTransport(server, token)
     report = SyncReport()
-    for spool_path in iter_spool_files(target):
+    policy = _Policy(Backoff(base=min(0.25, max_backoff), cap=max_backoff), give_up_after, server_error_tries)
+    for spool_path in iter_spool_files(target, dead_letters=dead_letters):
         report.files += 1
-        _sync_file(spool_path, transport, report, Backoff(cap=max_backoff), give_up_after, log)
+        _sync_file(spool_path, transport, report, policy, log)
         if report.error is not None:
             break
     return report
+
+
+@dataclass
+class _Policy:
+    backoff: Backoff
+    give_up_after: float
+    server_error_tries: int
+    failed_in_a_row: int = 0
 
 
 def _sync_file(
     path: Path,
     transport: Any,
     report: SyncReport,
-    backoff: Backoff,
-    give_up_after: float,
+    policy: _Policy,
     log: Callable[[str], None],
 ) -> None:
     scanned = scan(path)
     report.bad_lines += scanned.bad_lines
+    retired = scanned.retired()
+    dead_letter_file = is_dead_letter_file(path)
     sent_file = path.with_name(path.name + SENT_SUFFIX)
     already = _read_sent(sent_file)
     runs: dict[str, dict[str, Any]] = {}
@@ -87,7 +117,11 @@ def _sync_file(
     for record in scanned.records:
         if record.type == "run" and record.run_id and record.run is not None:
             runs.setdefault(record.run_id, record.run)
-        elif record.type == "batch" and record.run_id:
+        elif (
+            record.type == "batch"
+            and record.run_id
+            and (record.run_id, record.rank, record.seq) not in retired
+        ):
             batches.setdefault((record.run_id, record.rank, record.seq), record)
     points_before, skipped_before = report.points_sent, report.skipped
     stored_as: dict[str, str] = {}  # the agent's run id -> the server's (they differ when the id was taken)
@@ -98,7 +132,7 @@ def _sync_file(
             given = created.get("id") if isinstance(created, dict) else None
             stored_as[run_id] = given if isinstance(given, str) and given else run_id
 
-        if _retrying(create, backoff, give_up_after, report) != _OK:
+        if _retrying(create, policy, report, f"run {run_id}") != _OK:
             return
     send_encoded = getattr(transport, "send_encoded", None)
     for (run_id, rank, seq), record in sorted(batches.items(), key=lambda item: item[0][2]):
@@ -121,13 +155,14 @@ def _sync_file(
                 result = transport.send_batch(run_id, json.loads(body))
             answer.update(result if isinstance(result, dict) else {})
 
-        outcome = _retrying(send, backoff, give_up_after, report)
+        outcome = _retrying(send, policy, report, f"batch {seq} of run {run_id} rank {rank}")
         if outcome == _GAVE_UP:
             return
         if outcome == _OK:
             report.batches_sent += 1
             report.points_sent += record.points
             report.already_stored += bool(answer.get("duplicate"))
+            report.dead_letters_sent += dead_letter_file
             _append_sent(sent_file, key)
     skipped = report.skipped - skipped_before
     log(
@@ -136,26 +171,39 @@ def _sync_file(
     )
 
 
-_OK, _REFUSED, _GAVE_UP = "ok", "refused", "gave up"
+_OK, _REFUSED, _FAILED, _GAVE_UP = "ok", "refused", "failed", "gave up"
 
 
-def _retrying(attempt: Callable[[], None], backoff: Backoff, give_up_after: float, report: SyncReport) -> str:
-    """Run `attempt` until it succeeds, is refused (message added to report.refused), or keeps
-    failing for give_up_after seconds (report.error set)."""
+def _retrying(attempt: Callable[[], None], policy: _Policy, report: SyncReport, what: str) -> str:
+    """Run `attempt` until it succeeds, is refused (a 4xx: message added to report.refused), fails
+    with server errors policy.server_error_tries times in a row (report.failed; the sync goes on),
+    or keeps failing otherwise for give_up_after seconds (report.error set)."""
     started = time.monotonic()
-    backoff.reset()
+    policy.backoff.reset()
+    server_errors = 0
     while True:
         try:
             attempt()
+            policy.failed_in_a_row = 0
             return _OK
         except TransportError as exc:
+            status = exc.status
             if not exc.retryable:
                 report.refused.append(str(exc))
                 return _REFUSED
-            if time.monotonic() - started >= give_up_after:
-                report.error = f"server unreachable for {give_up_after:.0f} s: {exc}"
+            if status is not None and status >= 500 and status not in _UNAVAILABLE:
+                server_errors += 1
+                if server_errors >= policy.server_error_tries:
+                    report.failed.append(f"{what}: {exc}")
+                    policy.failed_in_a_row += 1
+                    if policy.failed_in_a_row >= FAILED_IN_A_ROW:
+                        report.error = f"the server failed {policy.failed_in_a_row} batches in a row: {exc}"
+                        return _GAVE_UP
+                    return _FAILED
+            if time.monotonic() - started >= policy.give_up_after:
+                report.error = f"server unreachable for {policy.give_up_after:.0f} s: {exc}"
                 return _GAVE_UP
-        time.sleep(backoff.next_delay())
+        time.sleep(policy.backoff.next_delay())
 
 
 def _read_sent(path: Path) -> set[str]:

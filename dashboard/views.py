@@ -96,11 +96,13 @@ def form_message(error: ApiError | str | None = None, success: str | None = None
     return None
 
 
-def status_badge(status: Any) -> html.Span:
-    """A run's or an alert's status as a coloured pill."""
+def status_badge(status: Any, reason: Any = None) -> html.Span:
+    """A run's or an alert's status as a coloured pill; `reason` (a run's status_reason: why it
+    crashed) as its hover text."""
     status = str(status or "unknown")
     kind = _STATUS_CLASSES.get(status, "")
-    return html.Span(status, className=f"badge {kind}".strip())
+    title = str(reason) if reason else None
+    return html.Span(status, className=f"badge {kind}".strip(), title=title)
 
 
 def run_status(run: dict[str, Any], now: datetime | None = None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -21,6 +22,7 @@ from .routers import live as live_router
 from .routers import ranks as ranks_router
 from .settings import Settings
 from .storage import Store
+from .storage.liveness import mark_silent_runs
 from .web_security import WebSecurity, WebSecurityPolicy
 
 
@@ -75,10 +77,13 @@ def _alerts(settings: Settings, store: Store) -> tuple[OutboxWorker | None, Aler
         group_wait_s=settings.incident_group_wait_s,
     )
     if settings.alert_worker:
+        # Runs none of whose ranks reports any more become "crashed" (a SIGKILLed job says nothing).
+        silent_runs = partial(mark_silent_runs, silent_s=settings.crashed_after_s)
         worker = OutboxWorker(
             store.engine,
             settings,
             periodic=(
+                (settings.heartbeat_check_interval_s, silent_runs),
                 (settings.heartbeat_check_interval_s, engine.check_heartbeats),
                 (settings.incident_check_interval_s, engine.notify_due_incidents),
             ),

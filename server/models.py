@@ -71,8 +71,15 @@ class Run(Base):
     # The id the agent asked for when it was another project's already (migration 0009); the run is
     # then stored under a fresh id, found again by (project, requested_id).
     requested_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Why the run is "crashed" (migration 0010): the agent's exception ("ValueError: loss is NaN"), a
+    # signal ("SIGTERM"), or NO_HEARTBEAT when the server marked a silent run (undone by new data).
+    status_reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
 
-    __table_args__ = (Index("uq_runs_project_requested_id", "project", "requested_id", unique=True),)
+    __table_args__ = (
+        Index("uq_runs_project_requested_id", "project", "requested_id", unique=True),
+        # The liveness sweep: running runs silent since before a moment (storage.liveness).
+        Index(None, "status", "updated_at"),
+    )
 
 
 class Series(Base):
@@ -156,6 +163,23 @@ class AgentBatch(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     received_at: Mapped[float] = mapped_column(Float)
+
+
+class RunResume(Base):
+    """A process that resumed the run (migration 0010): from `step` on, the rank's data of every earlier
+    process is superseded. Earlier processes are those whose batches have a seq below seq_floor (a
+    sender's seqs start at its start time in milliseconds << 20: see the agent's _sender), so a batch of
+    an abandoned attempt that arrives late (a spool replayed, `gradwatch sync`) is still cut at `step`."""
+
+    __tablename__ = "run_resumes"
+
+    run_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq_floor: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 # -- rollups and tags (migration 0004) --------------------------------------------------------------

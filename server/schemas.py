@@ -59,6 +59,7 @@ Name = Annotated[str, Field(min_length=1, max_length=200), Text]
 MetricKey = Annotated[str, Field(min_length=1, max_length=250), Text]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 RunStatus = Literal["running", "finished", "crashed"]
+ResumeMode = Literal["allow", "must", "never"]
 Tag = Annotated[
     str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text
 ]
@@ -80,6 +81,14 @@ class RunIn(BaseModel):
     tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
     config: Document = Field(default_factory=dict)
     metadata: Document = Field(default_factory=dict)
+    resume: ResumeMode | None = Field(
+        default=None,
+        description=(
+            'continue an existing run (gradwatch.init(resume=...)): "allow" creates the run when there is '
+            'none, "must" answers 404 then, "never" answers 409 when the id exists; "allow" and "must" set '
+            "an existing run running again. Left out: create, or return the existing run unchanged"
+        ),
+    )
 
 
 class RunPatch(BaseModel):
@@ -101,6 +110,11 @@ class RunOut(BaseModel):
     project: str
     name: str
     status: str
+    status_reason: str | None = Field(
+        default=None,
+        description='why a run is "crashed": "ValueError: …" (the exception that ended it), "SIGTERM", '
+        'or "no heartbeat" (no rank reported for the server\'s crashed_after_s; undone by new data)',
+    )
     created_at: str
     updated_at: str
     last_step: int | None
@@ -108,6 +122,17 @@ class RunOut(BaseModel):
     config: dict[str, Any]
     metadata: dict[str, Any]
     summary: RunSummary
+
+
+class RunCreated(RunOut):
+    resumed: bool | None = Field(
+        default=None,
+        description="with `resume` in the request: whether an existing run was continued (false: created)",
+    )
+    previous_status: str | None = Field(
+        default=None, description="a continued run's status before this request set it running"
+    )
+    previous_status_reason: str | None = Field(default=None, description="and its status_reason then")
 
 
 class RunList(BaseModel):

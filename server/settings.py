@@ -99,6 +99,10 @@ class Settings:
     outbox_backoff_base_s: float = 5.0  # retry n waits base * 2^(n-1) seconds…
     outbox_backoff_max_s: float = 1800.0  # …at most this
     heartbeat_check_interval_s: float = 30.0
+    # A running run none of whose ranks has sent anything for this long is marked "crashed" with the
+    # reason "no heartbeat" (a SIGKILLed or hung job), checked every heartbeat_check_interval_s; data
+    # arriving again sets it back to "running". 0: never. Env GRADWATCH_CRASHED_AFTER_S.
+    crashed_after_s: float = field(default_factory=lambda: limit_from_env("GRADWATCH_CRASHED_AFTER_S", 300.0))
     # Incidents (alerts.incidents): findings that arrive while the run advances this many steps past an
     # incident's first step, or within this many seconds, join its one notification.
     incident_group_wait_steps: int = 10

@@ -1,6 +1,7 @@
 """Figure builders: API data in, plotly Figure out. Pure functions — no HTTP, no Dash.
 
-    lines        loss, loss scale (skipped steps, fp16 safe band), gradient norm, learning rate; compare
+    lines        loss, loss scale (skipped steps, fp16 safe band), gradient norm, learning rate; compare;
+                 resume markers (add_resume_markers)
     layers       per-layer heatmaps (layer × step)
     histograms   a layer's |g| histogram at a step and over steps, with fp16's limits at the scale
     _common      what they share: reading API values, the house layout, the empty figure, step marker
@@ -30,11 +31,19 @@ from ._common import (
 )
 from .histograms import fp16_thresholds, histogram_figure, histogram_steps, histogram_time_figure
 from .layers import heatmap_height, layer_heatmap_figure, layer_names_of
-from .lines import compare_figure, grad_norm_figure, loss_figure, lr_figure, scale_figure
+from .lines import (
+    add_resume_markers,
+    compare_figure,
+    grad_norm_figure,
+    loss_figure,
+    lr_figure,
+    scale_figure,
+)
 
 __all__ = [
     "COMPARE_COLORS",
     "NO_DATA_TEXT",
+    "add_resume_markers",
     "compare_figure",
     "empty_figure",
     "finite_or_none",

@@ -1,5 +1,6 @@
 """Line charts by step: loss, loss scale (with skipped steps and the fp16 safe band), gradient norm,
-learning rate, and one key of several runs overlaid (compare).
+learning rate, and one key of several runs overlaid (compare); where a run was resumed from a
+checkpoint, a dotted line across each chart (add_resume_markers).
 
 Each trace of the run page's line charts has a `uid` naming its role ("line", "non-finite", "scale",
 "skipped-step", "safe-band-low"…): live updates append new points to the trace with the same uid
@@ -37,6 +38,9 @@ from ._common import (
 
 # Where non-finite markers sit, as a fraction of the plot height (on a hidden, fixed 0..1 axis).
 NON_FINITE_MARKER_Y = 0.96
+RESUME_COLOR = "#0d9488"
+# The hidden axis over the plot that markers independent of the y zoom are drawn on.
+_MARKER_AXIS = {"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True}
 
 
 def loss_figure(series: Mapping[str, Any] | None, *, uirevision: str = "gradwatch") -> go.Figure:
@@ -309,10 +313,68 @@ def _add_non_finite_markers(figure: go.Figure, points: list[tuple[int, str]]) ->
             uid="non-finite",
         )
     )
-    figure.update_layout(
-        yaxis2={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True},
-        showlegend=True,
+    figure.update_layout(yaxis2=_MARKER_AXIS, showlegend=True)
+
+
+def add_resume_markers(figure: go.Figure, events: Iterable[Mapping[str, Any]] | None) -> go.Figure:
+    """A dotted line across the plot at each `resume` event's step, where the run continued from a
+    checkpoint; the hover says how far the abandoned attempt had got (its steps from there on were
+    replaced by the resumed ones, so the line itself stays one line) and how it had ended.
+
+    events: the API's events ({"step", "kind", "data"}); those of other kinds are ignored. A figure
+    without data ("no data yet") is returned as it is; so is one when there is no resume."""
+    markers = _resume_markers(events or ())
+    if not markers or not figure.data:
+        return figure
+    x: list[Any] = []
+    y: list[Any] = []
+    text: list[Any] = []
+    sizes: list[int] = []
+    for step, hover in markers:  # a vertical segment per resume, a triangle at its top
+        x += [step, step, None]
+        y += [0, 1, None]
+        text += [hover, hover, None]
+        sizes += [0, 9, 0]
+    figure.add_trace(
+        go.Scatter(
+            x=x,
+            y=y,
+            yaxis="y2",
+            mode="lines+markers",
+            line={"color": RESUME_COLOR, "width": 1.5, "dash": "dot"},
+            marker={"symbol": "triangle-down", "size": sizes, "color": RESUME_COLOR},
+            hovertext=text,
+            hoverinfo="text",
+            name="resumed",
+            uid="resume",
+        )
     )
+    figure.update_layout(yaxis2=_MARKER_AXIS, showlegend=True)
+    return figure
+
+
+def _resume_markers(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """(step, hover text) of each resume event that continued something (previous_last_step known)."""
+    markers = []
+    for event in events:
+        if not isinstance(event, Mapping) or event.get("kind") != "resume" or not is_step(event.get("step")):
+            continue
+        step = event["step"]
+        data = event.get("data")
+        if not isinstance(data, Mapping):
+            data = {}
+        previous = data.get("previous_last_step")
+        if not is_step(previous):
+            continue  # the run had no data before: a resume of nothing is no mark on the charts
+        text = f"resumed at step {step}<br>the previous attempt had reached step {previous}"
+        if previous >= step:
+            text += f"; its steps {step}–{previous} are replaced"
+        status, reason = data.get("previous_status"), data.get("previous_status_reason")
+        if isinstance(status, str) and status != "running":
+            ended = f"{status}: {reason}" if isinstance(reason, str) and reason else status
+            text += "<br>it had ended " + html.escape(ended)
+        markers.append((step, text))
+    return markers
 
 
 def _skip_markers(

@@ -1,5 +1,6 @@
 """The run page (/dashboard/runs/{run_id}[?step=N]): the verdict and incidents first, then loss, loss
-scale with skipped steps and the fp16 safe band, gradient norm and learning rate; per-layer heatmaps; a
+scale with skipped steps and the fp16 safe band, gradient norm and learning rate (each with a dotted
+line where the run was resumed from a checkpoint); the reason a crashed run crashed; per-layer heatmaps; a
 layer's histogram at a step and over steps; events and alerts; config and metadata; agent health.
 ?step=N (alert links) marks step N from the start; clicking a step (a table row, a heatmap cell, the
 histogram over steps) marks it on every chart and shows that step's histogram.
@@ -140,7 +141,8 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
             fetched = background.fetch_all(calls)
             events, event_count = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
-            appended = None if starts is None else append_new_points(cursor, fetched, skips)
+            resumes = [event for event in events if event.get("kind") == "resume"]
+            appended = None if starts is None else append_new_points(cursor, fetched, skips, resumes)
             if starts is not None and appended is None:
                 fetched.update(background.fetch_all(series_calls(run_id, None, sharded)))
         except RunNotFound:
@@ -169,12 +171,12 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
             return {**updates, **charts, "scale_series": scale_data, "cursor": new_cursor}
         marker = figures.step_marker_shapes(selected_step)
         drawn = {name: fetched[name] for name in SERIES_KEYS}
-        charts = _line_charts(drawn, skips, run_id)
+        charts = _line_charts(drawn, skips, run_id, resumes)
         return {
             **updates,
             **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
             "scale_series": _compact_series(fetched["scale"]),
-            "cursor": live.full_cursor(run_id, charts, drawn, len(skips)),
+            "cursor": {**live.full_cursor(run_id, charts, drawn, len(skips)), "resumes": len(resumes)},
         }
 
     def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
@@ -343,13 +345,18 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
 
 
 def append_new_points(
-    cursor: dict[str, Any], fetched: dict[str, Any], skips: list[dict[str, Any]]
+    cursor: dict[str, Any],
+    fetched: dict[str, Any],
+    skips: list[dict[str, Any]],
+    resumes: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], Any, dict[str, Any]] | None:
     """(chart patches by graph id, scale-series patch, cursor) that append the new points; None when
-    the charts must be redrawn in full (new skip markers, a downsampled slice, anything `live`
-    refuses to append)."""
+    the charts must be redrawn in full (new skip markers, a resume -- it rewrote steps already drawn --,
+    a downsampled slice, anything `live` refuses to append)."""
     new = {name: fetched[name] for name in SERIES_KEYS}
-    if len(skips) != cursor.get("skips") or any(series.get("downsampled") for series in new.values()):
+    if len(skips) != cursor.get("skips") or len(resumes or ()) != cursor.get("resumes", 0):
+        return None
+    if any(series.get("downsampled") for series in new.values()):
         return None
     new_points = _line_charts(new, [], cursor["run_id"])  # the same builders, on the new points only
     patches = {
@@ -477,9 +484,15 @@ def run_layout(
     )
 
 
-def _line_charts(series: dict[str, Any], skips: list[dict[str, Any]], run_id: str) -> dict[str, go.Figure]:
-    """The LINE_CHARTS by graph id, from the SERIES_KEYS series (by name) and skip events."""
-    return {
+def _line_charts(
+    series: dict[str, Any],
+    skips: list[dict[str, Any]],
+    run_id: str,
+    resumes: list[dict[str, Any]] | None = None,
+) -> dict[str, go.Figure]:
+    """The LINE_CHARTS by graph id, from the SERIES_KEYS series (by name), skip events and resume
+    events (a dotted line on every chart where the run continued from a checkpoint)."""
+    charts = {
         "loss-graph": figures.loss_figure(series["loss"], uirevision=run_id),
         "scale-graph": figures.scale_figure(
             series["scale"], skips, (series["safe_min"], series["safe_max"]), uirevision=run_id
@@ -489,6 +502,7 @@ def _line_charts(series: dict[str, Any], skips: list[dict[str, Any]], run_id: st
         ),
         "lr-graph": figures.lr_figure(series["lr"], uirevision=run_id),
     }
+    return {graph_id: figures.add_resume_markers(figure, resumes) for graph_id, figure in charts.items()}
 
 
 def _with_shapes(figure: go.Figure, shapes: list[dict[str, Any]]) -> go.Figure:

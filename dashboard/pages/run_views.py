@@ -1,6 +1,7 @@
 """The run page's pure views: API values in, components out (no HTTP, no callbacks).
 
-    run_header     name, status, facts, the agent's queue counters, a distributed run's ranks
+    run_header     name, status (and why a crashed run crashed), facts, the agent's queue counters, a
+                   distributed run's ranks
     run_details    config and metadata as JSON text, folded away
     events_table   the timeline: events (a skip streak is one row) and alerts, latest step first, each
                    step a button that marks it on the charts
@@ -43,7 +44,9 @@ AGENT_HEALTH_KEYS = {
     "sent": "agent/sent",
     "spooled": "agent/spooled",
     "dropped": "agent/dropped",
+    "dead-lettered": "agent/dead_lettered",  # sent only once a batch was (the agent's dead-letter file)
 }
+_SHOWN_WHEN_KNOWN = frozenset({"dead-lettered"})  # left out of the line until the agent reports it
 
 
 def world_size(run: dict[str, Any]) -> int:
@@ -63,14 +66,15 @@ def run_header(run: dict[str, Any], health: dict[str, Any], ranks: dict[str, Any
         ("skipped steps", str(summary.get("skips") or 0)),
         ("created", format_time(run.get("created_at"))),
     ]
+    reason = run.get("status_reason")
+    title: list[Any] = [
+        html.H1(str(run.get("name") or run.get("id")), className="run-name"),
+        status_badge(run_status(run), reason),
+    ]
+    if reason and run.get("status") == "crashed":  # the exception type and message, or "no heartbeat"
+        title.append(html.Span(str(reason), className="status-reason", id="status-reason"))
     children: list[Any] = [
-        html.Div(
-            [
-                html.H1(str(run.get("name") or run.get("id")), className="run-name"),
-                status_badge(run_status(run)),
-            ],
-            className="run-title",
-        ),
+        html.Div(title, className="run-title"),
         html.Dl(
             [html.Div([html.Dt(label), html.Dd(value)], className="fact") for label, value in facts],
             className="facts",
@@ -84,12 +88,14 @@ def run_header(run: dict[str, Any], health: dict[str, Any], ranks: dict[str, Any
 
 
 def _agent_health(health: dict[str, Any]) -> html.Div:
-    """The agent's latest queue counters; dropped or spooled records are flagged."""
+    """The agent's latest queue counters; dropped, spooled or dead-lettered points are flagged."""
     items = []
     for name in AGENT_HEALTH_KEYS:
         value = figures.finite_or_none(health.get(name))
+        if value is None and name in _SHOWN_WHEN_KNOWN:
+            continue
         text = "–" if value is None else f"{value:,.0f}"
-        bad = name in ("dropped", "spooled") and value
+        bad = name in ("dropped", "spooled", "dead-lettered") and value
         items.append(
             html.Span([html.Span(name, className="label"), html.Span(text, className="bad" if bad else None)])
         )

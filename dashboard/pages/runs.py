@@ -297,7 +297,7 @@ def _runs_table(
                     ),
                     html.Td(str(run.get("project", ""))),
                     html.Td(dcc.Link(str(run.get("name") or run_id), href=run_href(run_id))),
-                    html.Td(status_badge(run_status(run))),
+                    html.Td(status_badge(run_status(run), run.get("status_reason"))),
                     html.Td(_alerts_badge(None if open_alerts is None else open_alerts.get(run_id, []))),
                     html.Td(format_step(run.get("last_step")), className="num"),
                     html.Td(scale_text(summary.get("scale")), className="num"),

@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, event, literal, or_, select, update
+from sqlalchemy import CursorResult, and_, event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Run
 from ..schemas import BatchIn
 from ..storage.codecs import dump_json, iso_time
+from ..storage.liveness import NO_HEARTBEAT
 from ..storage.queries import events_of_kinds
 from .incidents import Incidents
 from .rules import (
@@ -240,6 +241,9 @@ class AlertEngine:
                 )
         ended = batch.status is not None and batch.status != "running"
         touched: set[int] = set()
+        resume = next((e for e in batch.events if e.kind == "resume"), None)
+        if rules and resume is not None:
+            self._rewind(session, run.id, rules, batch.rank, resume.step)
         if rules:
             scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
             vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
@@ -287,6 +291,30 @@ class AlertEngine:
             for row, rule, fed in work:
                 self._evaluate(session, run, row, rule, fed, layers, states.get(row.id), touched)
         self.incidents.refresh(session, run, touched, _last_step(batch), ended)
+
+    def _rewind(
+        self, session: Session, run_id: str, rules: list[tuple[AlertRule, RuleType]], rank: int, step: int
+    ) -> None:
+        """A resumed run (a `resume` event at `step`): its steps from there on are a new attempt. Each
+        rule starts over as on a new run (the scaler calibrates again, windows refill: a restored loss
+        scale is not a scale event, the abandoned attempt's values are no baseline), and the steps from
+        `step` on are evaluated even where the abandoned attempt had reached further. Open alerts stay
+        open until their rule clears them."""
+        states = session.scalars(
+            select(AlertRuleState)
+            .where(AlertRuleState.rule_id.in_([row.id for row, _ in rules]), AlertRuleState.run_id == run_id)
+            .order_by(AlertRuleState.rule_id)  # the lock order every ingest uses
+            .with_for_update()
+        ).all()
+        by_rule = {row.id: rule for row, rule in rules}
+        for state in states:
+            document = json.loads(state.state_json)
+            document["eval"] = by_rule[state.rule_id].initial_state()
+            document["last"] = {r: s for r, s in document["last"].items() if r != str(rank)}
+            if step > 0:
+                document["last"][str(rank)] = step - 1
+            state.state_json = json.dumps(document)
+            state.updated_at = time.time()
 
     def _run_ended(
         self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]], touched: set[int]
@@ -501,7 +529,8 @@ class AlertEngine:
     # -- evaluation on the clock ------------------------------------------------------------------
 
     def check_heartbeats(self, session: Session, now: float) -> int:
-        """Open a heartbeat alert for each running run silent for longer than its rule's timeout."""
+        """Open a heartbeat alert for each running run silent for longer than its rule's timeout (a run
+        the server marked crashed for that silence, NO_HEARTBEAT, still counts as running here)."""
         opened = 0
         rules = session.scalars(
             select(AlertRule)
@@ -513,7 +542,10 @@ class AlertEngine:
             already_open = select(Alert.id).where(Alert.open_key == literal(f"{row.id}/") + Run.id).exists()
             query = select(Run).where(
                 Run.project == row.project,
-                Run.status == "running",
+                or_(
+                    Run.status == "running",
+                    and_(Run.status == "crashed", Run.status_reason == NO_HEARTBEAT),
+                ),
                 Run.updated_at < now - rule.timeout_s,
                 ~already_open,
             )

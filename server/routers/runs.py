@@ -10,6 +10,7 @@ from ..schemas import (
     BatchAck,
     BatchIn,
     KeyList,
+    RunCreated,
     RunIn,
     RunList,
     RunOut,
@@ -31,6 +32,7 @@ def run_out(record: RunRecord) -> RunOut:
         project=record.project,
         name=record.name,
         status=record.status,
+        status_reason=record.status_reason,
         created_at=iso_time(record.created_at),
         updated_at=iso_time(record.updated_at),
         last_step=record.last_step,
@@ -44,10 +46,21 @@ def run_out(record: RunRecord) -> RunOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunOut:
-    """Create a run. With an `id` that already exists in the same project, returns that run."""
+def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunCreated:
+    """Create a run. With an `id` that already exists in the same project, returns that run.
+
+    With `resume` (an agent continuing from a checkpoint): "must" answers 404 when there is no such
+    run, "never" 409 when there is; "allow" and "must" set an existing run running again, and the
+    answer's `resumed` says whether an existing run was continued."""
     principal.require(run.project, "ingest", f"creating a run in project {run.project!r}")
-    return run_out(store.create_run(run))
+    record = store.create_run(run)
+    resumed = record.existed if run.resume is not None else None
+    return RunCreated(
+        **run_out(record).model_dump(),
+        resumed=resumed,
+        previous_status=record.previous_status if resumed else None,
+        previous_status_reason=record.previous_status_reason if resumed else None,
+    )
 
 
 @router.get("")

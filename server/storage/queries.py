@@ -20,10 +20,12 @@ IN_CHUNK = 500  # IN-lists are sent in chunks of this many values
 T = TypeVar("T")
 
 
-def require_run(session: Session, run_id: str, lock: bool = False) -> Run:
+def require_run(session: Session, run_id: str, lock: bool = False, for_update: bool = False) -> Run:
     """The run, or NotFound. lock: hold a KEY SHARE lock on its row until commit (PostgreSQL;
-    ingest), so delete_run cannot remove the run's series under a batch being written."""
-    run = session.get(Run, run_id, with_for_update={"key_share": True} if lock else None)
+    ingest), so delete_run cannot remove the run's series under a batch being written. for_update:
+    an exclusive row lock instead (a resume, which rewrites the run's data)."""
+    locking: Any = True if for_update else {"key_share": True} if lock else None
+    run = session.get(Run, run_id, with_for_update=locking)
     if run is None:
         raise NotFound(f"run {run_id!r} does not exist")
     return run

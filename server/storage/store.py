@@ -8,6 +8,7 @@ object leaves the storage package. The read models of the ranks (store.ranks) an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Engine, case, delete, func, or_, select, text, update
+from sqlalchemy import Engine, and_, case, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -32,13 +33,14 @@ from ..models import (
     Point,
     PointRollup,
     Run,
+    RunResume,
     RunTag,
     Series,
     VectorPoint,
     VectorRollup,
 )
 from ..schemas import BatchIn, RunIn
-from . import bulk, queries, rollups
+from . import bulk, liveness, queries, resumes, rollups
 from .codecs import decode_float, dump_json, encode_float, pack, unpack
 from .live import LiveReads
 from .ranks import RankReads
@@ -60,6 +62,12 @@ class RunRecord:
     metadata: dict[str, Any]
     skips: int
     scale: float | None
+    status_reason: str | None = None
+    # create_run only: the run was there already (not created by this call), and, when the call
+    # resumed it, how it stood before (the resumed agent's `resume` event carries this along).
+    existed: bool = False
+    previous_status: str | None = None
+    previous_status_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,34 @@ def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, i
     return rows
 
 
+def _status_values(batch: BatchIn, resumed: bool) -> dict[str, Any]:
+    """The run's status and status_reason after `batch` (the SET clause of ingest's UPDATE runs).
+
+    Computed from the row as it is when the UPDATE runs, so replicas and the liveness sweep may
+    interleave freely. A crash the agent reported stays: in a distributed run one rank's crash is not
+    overwritten by another rank finishing, and the first crash's reason is kept. A run the server
+    marked crashed for silence (NO_HEARTBEAT) was not dead: any data sets it running again, and it can
+    end finished. A resume starts a new attempt: how the previous one ended no longer counts."""
+    reason = liveness.crash_reason(batch) if batch.status == "crashed" else None
+    if resumed:
+        return {"status": batch.status or "running", "status_reason": reason}
+    reported = and_(Run.status == "crashed", func.coalesce(Run.status_reason, "") != liveness.NO_HEARTBEAT)
+    if batch.status == "finished":
+        return {
+            "status": case((reported, "crashed"), else_="finished"),
+            "status_reason": case((reported, Run.status_reason), else_=None),
+        }
+    if batch.status == "crashed":
+        return {"status": "crashed", "status_reason": case((reported, Run.status_reason), else_=reason)}
+    if batch.status is not None:
+        return {"status": batch.status, "status_reason": None}
+    silent = and_(Run.status == "crashed", Run.status_reason == liveness.NO_HEARTBEAT)
+    return {
+        "status": case((silent, "running"), else_=Run.status),
+        "status_reason": case((silent, None), else_=Run.status_reason),
+    }
+
+
 @dataclass(frozen=True)
 class EventRecord:
     step: int
@@ -176,7 +212,11 @@ class Store:
         """Create a run, or return the existing one with the same id in the same project (agents retry;
         ranks share ids). An id that is another project's already is not refused (that would let one
         project squat another's ids and make its agents drop data): the run gets a fresh id, which the
-        answer carries and the agent adopts, and the same requested id finds it again."""
+        answer carries and the agent adopts, and the same requested id finds it again.
+
+        run.resume (gradwatch.init(resume=...)): "must" raises NotFound when the project has no such
+        run, "never" raises Conflict when it has; "allow" and "must" set an existing run "running"
+        again (its crash reason cleared). The record's `existed` says whether the run was there."""
         requested = run.id or uuid.uuid4().hex
         for _ in range(3):  # each pass loses at most one race to a concurrent create of the same id
             with self._transaction() as session:
@@ -188,8 +228,28 @@ class Store:
                     .order_by(Run.requested_id.is_not(None))
                     .limit(1)
                 )
+                existed = existing is not None
+                before = (existing.status, existing.status_reason) if existing is not None else (None, None)
+                if existing is not None and run.resume == "never":
+                    raise Conflict(
+                        f"run {requested!r} exists already in project {run.project!r} and resume='never' "
+                        "starts a new run only: choose another id, or pass resume='allow'"
+                    )
+                if existing is not None and run.resume in ("allow", "must"):
+                    existing.status = "running"
+                    existing.status_reason = None
+                    existing.updated_at = time.time()
+                    session.flush()
+                if existing is None and run.resume == "must":
+                    raise NotFound(
+                        f"run {requested!r} does not exist in project {run.project!r}, and resume='must' "
+                        "continues an existing run only (resume='allow' creates it)"
+                    )
                 if existing is None:
-                    taken = session.scalar(select(Run.id).where(Run.id == requested)) is not None
+                    owner = session.scalar(select(Run.project).where(Run.id == requested))
+                    if owner == run.project:
+                        continue  # created since our read by another rank of the job: look again
+                    taken = owner is not None
                     run_id = uuid.uuid4().hex if taken else requested
                     values = {
                         "id": run_id,
@@ -217,7 +277,12 @@ class Store:
                         ("run_id", "tag"),
                         [(existing.id, tag) for tag in sorted(set(run.tags))],
                     )
-                return self._run_record(session, existing)
+                return dataclasses.replace(
+                    self._run_record(session, existing),
+                    existed=existed,
+                    previous_status=before[0],
+                    previous_status_reason=before[1],
+                )
         raise Conflict(f"run id {requested!r} is contended; retry, or choose another id")
 
     def update_run(self, run_id: str, name: str | None, tags: list[str] | None) -> RunRecord:
@@ -284,7 +349,7 @@ class Store:
             series_ids = select(Series.id).where(Series.run_id == run_id)
             for table in (Point, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
-            for model in (Series, Event, AgentBatch, RunTag):
+            for model in (Series, Event, AgentBatch, RunTag, RunResume):
                 session.execute(delete(model).where(model.run_id == run_id))
             session.execute(delete(Run).where(Run.id == run_id))
 
@@ -305,7 +370,9 @@ class Store:
     def _ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
         now = time.time()
         with self._transaction() as session:
-            queries.require_run(session, run_id, lock=True)
+            # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
+            resuming = any(event.kind == resumes.RESUME_EVENT for event in batch.events)
+            run = queries.require_run(session, run_id, lock=True, for_update=resuming)
             claimed = session.execute(
                 self._insert(AgentBatch)
                 .values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=now)
@@ -314,6 +381,29 @@ class Store:
             ).first()
             if claimed is None:
                 return IngestResult(duplicate=True, points=0, events=0)
+            # A batch of a process that a later one resumed from: only its steps before the resume count.
+            cutoff = resumes.superseding_step(session, run_id, batch.rank, batch.seq)
+            if cutoff is not None:
+                batch = resumes.clip(batch, cutoff)
+            resume = resumes.resume_event(batch)
+            if resume is not None:
+                resumes.record(session, self._insert, run_id, batch.rank, batch.seq, resume.step)
+            if resume is not None and cutoff is not None:
+                # The resume of a process that a later one resumed from, arriving after it: it still cuts
+                # older processes' late batches (recorded above) but must not delete the later data.
+                batch, resume = resumes.without(batch, resume), None
+            elif resume is not None:
+                # How the run stood before: as init(resume=...) found it (the agent carries that, as the
+                # check set the run running again), else as it is now.
+                told = "previous_status" in resume.data
+                facts = {
+                    "previous_last_step": resumes.supersede(session, run_id, batch.rank, resume.step),
+                    "previous_status": resume.data["previous_status"] if told else run.status,
+                    "previous_status_reason": resume.data.get("previous_status_reason")
+                    if told
+                    else run.status_reason,
+                }
+                batch = resumes.with_resume_facts(batch, resume, facts)
 
             series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
             point_rows = _point_rows(batch, series_ids)
@@ -359,18 +449,17 @@ class Store:
             values: dict[str, Any] = {"updated_at": now}
             if batch.layers is not None:
                 values["layers_json"] = json.dumps(batch.layers)
-            if last_step >= 0:
+            if resume is not None:  # the steps after the resume are gone (or were never there)
+                reached = max(last_step, resume.step - 1)
+                values["last_step"] = reached if reached >= 0 else None
+            elif last_step >= 0:
                 if session.get_bind().dialect.name == "sqlite":
                     # SQLite spells the two-argument maximum max(); PostgreSQL spells it greatest().
                     values["last_step"] = func.max(func.coalesce(Run.last_step, -1), last_step)
                 else:
                     values["last_step"] = func.greatest(func.coalesce(Run.last_step, -1), last_step)
-            if batch.status == "finished":
-                # In a distributed run the last rank to end sets the status: one rank's crash must
-                # not be overwritten by another rank finishing normally.
-                values["status"] = case((Run.status == "crashed", "crashed"), else_="finished")
-            elif batch.status is not None:
-                values["status"] = batch.status
+            if cutoff is None:  # a superseded process's batch says nothing about how the run stands
+                values.update(_status_values(batch, resume is not None))
             session.execute(update(Run).where(Run.id == run_id).values(**values))
             for hook in self.after_ingest:
                 hook(session, run_id, batch)
@@ -651,4 +740,5 @@ class Store:
             metadata=json.loads(run.metadata_json),
             skips=skips,
             scale=decode_float(scale_row.value, scale_row.flag) if scale_row else None,
+            status_reason=run.status_reason,
         )

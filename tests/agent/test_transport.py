@@ -26,10 +26,17 @@ from training import RecordingTransport
 
 import gradwatch
 from gradwatch._buffer import StepBuffer
-from gradwatch._sender import SEQ_COUNTER_BITS, Backoff, Sender, SeqAllocator
+from gradwatch._sender import Sender
 from gradwatch._spool import Spool, batch_record, read_batch_json, scan
-from gradwatch._transport import HttpTransport, TransportError
-from gradwatch._wire import batch_points, dumps, group_fragments, merge_fragments
+from gradwatch._transport import Backoff, HttpTransport, TransportError
+from gradwatch._wire import (
+    SEQ_COUNTER_BITS,
+    SeqAllocator,
+    batch_points,
+    dumps,
+    group_fragments,
+    merge_fragments,
+)
 
 RUN = {"id": "run-1", "project": "p", "name": "n", "config": {}, "metadata": {}}
 
@@ -258,16 +265,22 @@ def test_retryable_failures_resend_the_same_seq_until_it_is_stored():
     assert s.stats.sent == 1 and s.stats.dropped == 0 and "refused" in s.stats.last_error
 
 
-def test_client_errors_are_not_retried_and_count_as_dropped_with_the_servers_message():
-    transport = ScriptedTransport([TransportError('HTTP 422: {"detail": "bad key"}', False, 422)])
+def test_client_errors_are_tried_a_bounded_number_of_times_then_dropped_without_a_dead_letter_file():
+    # A memory-only spool has no dead-letter file beside it: the refused batch is dropped and counted
+    # (with a spool file it is dead-lettered: tests/agent/test_finish_and_dead_letters.py).
+    refusal = TransportError('HTTP 422: {"detail": "bad key"}', False, 422)
+    transport = ScriptedTransport([refusal] * 3)
     s = sender(transport)
     s.submit(packet(0, x=1.0, y=2.0))
-    wait_for(lambda: transport.attempts)
+    wait_for(lambda: len(transport.attempts) >= 3)
     s.submit(packet(1, x=3.0))
     assert s.close(timeout=10)
     assert transport.series("x") == {1: 3.0}
-    assert s.stats.dropped == 2 and s.stats.sent == 1
+    assert transport.attempts[:3] == [transport.attempts[0]] * 3  # the same batch, three tries
+    assert s.stats.dropped == 2 and s.stats.sent == 1 and s.stats.dead_lettered == 0
     assert "bad key" in s.stats.last_error
+    notices = [e for b in transport.batches for e in b["events"] if e["kind"] == "dead_letter"]
+    assert len(notices) == 1 and "bad key" in notices[0]["data"]["reason"]
 
 
 def test_submit_never_waits_while_the_server_hangs_and_merges_what_piles_up():

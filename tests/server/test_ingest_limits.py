@@ -24,9 +24,9 @@ import pytest
 from conftest import free_port, server_process
 from ingest_attack import get_json, make_tokens, post, run_scenario
 
-from gradwatch._sender import MAX_BATCH_VALUES, Backoff, Sender, split_by_steps
-from gradwatch._transport import MAX_RETRY_AFTER, HttpTransport, TransportError, parse_retry_after
-from gradwatch._wire import batch_points
+from gradwatch._sender import Sender
+from gradwatch._transport import MAX_RETRY_AFTER, Backoff, HttpTransport, TransportError, parse_retry_after
+from gradwatch._wire import MAX_BATCH_VALUES, batch_points, split_by_steps
 from gradwatch.server.ingest_limits import IngestLimited, IngestLimits, batch_size
 
 RUN = {"id": "run-1", "project": "p", "name": "n", "config": {}, "metadata": {}}

@@ -13,7 +13,10 @@ __all__ = ["Heartbeat", "RankDisagreement"]
 class Heartbeat(RuleType):
     name = "heartbeat"
     severity = "critical"
-    description = "A running run sent nothing for `timeout_s` seconds (checked by the server's clock)."
+    description = (
+        "A running run sent nothing for `timeout_s` seconds (checked by the server's clock; a run the "
+        'server marked crashed for that silence, reason "no heartbeat", still counts as running)."'
+    )
     params: ClassVar[dict[str, Param]] = {"timeout_s": Param(900.0, minimum=1.0, doc="seconds")}
     periodic = True
     cooldown_steps = 0
