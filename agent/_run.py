@@ -299,8 +299,8 @@ class Run:
                 why = "the server did not take everything" + (f" ({failing})" if failing else "")
             left = "; ".join(x for x in (where, lost) if x) or "a last request was still in flight"
             logger.warning("gradwatch: run %s: %s: %s", self.id, why, left)
-        if stats.dead_lettered_batches and sender.dead_letters is not None:
-            dead = sender.dead_letters.path
+        if stats.dead_lettered_batches and sender.dead_letter_file is not None:
+            dead = sender.dead_letter_file
             logger.warning(
                 "gradwatch: run %s: %d batches (%d points) the server would not take are in %s "
                 "(last refusal: %s); `gradwatch sync %s` retries them",

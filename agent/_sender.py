@@ -10,28 +10,9 @@
                       in memory to the spool and waits (exponential backoff with jitter, or the
                       server's Retry-After when longer) before the next try
 
-What a failure means for the batch (HTTP status of the answer):
-    no answer, 408, 429, 502, 503, 504   the server is away or busy: retried without end (finish()
-                                         stops when nothing moves, see close())
-    404                                  the server lost the run: created again, retried
-    401, 403                             the token is wrong for this run: retried without end, never
-                                         dropped or dead-lettered -- the batches wait in the spool
-                                         for a fixed token (a resumed run, or `gradwatch sync --token`)
-    413                                  too large for this server: split in two by steps (the pieces
-                                         take its place in the queue); a single step is dead-lettered
-    other 4xx                            this batch is refused: dead-lettered after REFUSAL_TRIES tries
-    other 5xx (500...), a transport's    ambiguous -- the batch, or the whole server? After
-    own exception                        SERVER_ERROR_TRIES tries in a row the sender sends a small
-                                         notice batch (a "dead_letter" event): if the server stores
-                                         it, the fault is the batch's and it is dead-lettered; if the
-                                         notice fails too, the server is failing everything and the
-                                         batch stays, its count restarted. A broken server therefore
-                                         never empties the spool into dead letters.
-Dead-lettering moves a batch to the dead-letter file beside the spool (RUN-rankR.dead.jsonl, written
-by the spool module), counts its points in stats.dead_lettered (and the agent/dead_lettered health
-key), and tells the server with a "dead_letter" event (the run page lists it); `gradwatch sync`
-retries those files. Without a spool file (a custom transport without spool_dir) such a batch is
-dropped and counted in stats.dropped.
+What a failure means for a batch (retried, split, dead-lettered beside the spool and retried by
+`gradwatch sync`) is gradwatch._dead_letters': a broken server never empties the spool into dead
+letters, and a wrong token never drops data.
 
 Pending data is merged while the uploader is busy, so a slow server gets fewer, larger batches
 instead of an ever-growing backlog, each within what servers accept (max_batch_points points,
@@ -60,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ._buffer import Packet, Resolved
+from ._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES, BatchFaults
 from ._spool import DeadLetters, Spool, dead_letter_path
 from ._transport import Backoff, Transport, TransportError
 from ._wire import (
@@ -67,7 +49,6 @@ from ._wire import (
     MAX_BATCH_VALUES,
     SeqAllocator,
     batch_points,
-    batch_steps,
     dumps,
     group_fragments,
     halve_by_steps,
@@ -78,10 +59,6 @@ from ._wire import (
 
 logger = logging.getLogger("gradwatch")
 
-# Tries of one batch before it is dead-lettered: answers 5xx (other than 502/503/504) in a row (then
-# the notice probe decides, see the module docstring), or refusals with a 4xx that is not auth/408/429.
-SERVER_ERROR_TRIES = 6
-REFUSAL_TRIES = 3
 # close(): seconds without progress after which it stops waiting for the server.
 DEFAULT_STALL_TIMEOUT = 30.0
 # close(): seconds between progress lines on stderr (the first after as long: a quick close is silent).
@@ -188,11 +165,6 @@ class Sender:
             raise ValueError(
                 f"max_queue and max_batch_points must be >= 1, got {max_queue!r}, {max_batch_points!r}"
             )
-        if server_error_tries < 1 or refusal_tries < 1:
-            raise ValueError(
-                f"server_error_tries and refusal_tries must be >= 1, got {server_error_tries!r}, "
-                f"{refusal_tries!r}"
-            )
         self.transport = transport
         self.run_document = run_document
         self.run_id = run_document["id"]
@@ -200,14 +172,12 @@ class Sender:
         self.spool = spool if spool is not None else Spool(None, run_document, rank)
         if dead_letters is None and self.spool.path is not None:
             dead_letters = DeadLetters(dead_letter_path(self.spool.path), run_document, rank)
-        self.dead_letters = dead_letters
+        self._faults = BatchFaults(dead_letters, server_error_tries, refusal_tries)
         self._max_queue = max_queue
         self._max_batch_points = max_batch_points
         self._spill_after = spill_after
         self._poll_interval = poll_interval
         self._backoff = backoff or Backoff()
-        self._server_error_tries = server_error_tries
-        self._refusal_tries = refusal_tries
         self._seqs = SeqAllocator()
         self._inbox: deque[tuple[Packet, int]] = deque()
         # Counters with a single writer each, so the training thread never takes a lock.
@@ -220,13 +190,9 @@ class Sender:
         self._pending_points = 0
         self._pending_since = 0.0
         self._sent = self._sent_batches = self._dropped = 0
-        self._dead_points = self._dead_batches = 0
         self._last_error: str | None = None
-        self._last_refusal: str | None = None  # why the latest dead-lettered batch was refused
         self._failing = False  # the last upload attempt failed and may be retried
         self._server_wait = 0.0  # seconds the server asked the last failed attempt to wait (Retry-After)
-        self._trying = (-1, 0, 0)  # (seq, server errors, refusals in a row) of the batch being tried
-        self._notices: set[int] = set()  # seqs of queued "dead_letter" notice batches
         self._newest_step = 0  # the largest step sealed so far (a notice about a stepless batch)
         self._sealed_at: float | None = None  # when a batch was last sealed (None: never yet)
         self._run_created = False
@@ -288,8 +254,8 @@ class Sender:
             dropped=self._rejected + self._dropped + spool.dropped_points,
             sent_batches=self._sent_batches,
             last_error=self._last_error,
-            dead_lettered=self._dead_points,
-            dead_lettered_batches=self._dead_batches,
+            dead_lettered=self._faults.points,
+            dead_lettered_batches=self._faults.batches,
         )
 
     @property
@@ -300,7 +266,7 @@ class Sender:
     @property
     def last_refusal(self) -> str | None:
         """Why the latest dead-lettered batch was refused, if any was."""
-        return self._last_refusal
+        return self._faults.last_refusal
 
     def close(self, timeout: float | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> bool:
         """Send what is queued while the server makes progress, then write what is left to the
@@ -362,7 +328,7 @@ class Sender:
 
     def _done_points(self) -> int:
         """Points that have left the queue: stored, dead-lettered or dropped."""
-        return self._sent + self._dead_points + self._dropped + self.spool.dropped_points
+        return self._sent + self._faults.points + self._dropped + self.spool.dropped_points
 
     def _report_progress(self, done_before: int, idle: float, stall_timeout: float) -> None:
         stats = self.stats
@@ -396,11 +362,16 @@ class Sender:
                 self.rank = self.spool.rank = rank
             if spool_path is not None:
                 self.spool.path = spool_path
-                self.dead_letters = DeadLetters(dead_letter_path(spool_path), self.run_document, self.rank)
-            elif self.dead_letters is not None:
-                self.dead_letters.run_id, self.dead_letters.rank = self.run_id, self.rank
+                self._faults.file = DeadLetters(dead_letter_path(spool_path), self.run_document, self.rank)
+            elif self._faults.file is not None:
+                self._faults.file.run_id, self._faults.file.rank = self.run_id, self.rank
             self._released.set()
             self._changed.notify_all()
+
+    @property
+    def dead_letter_file(self) -> Path | None:
+        """Where batches the server will not take go (None: no spool file, they are dropped)."""
+        return self._faults.file.path if self._faults.file is not None else None
 
     def forget_after_fork(self) -> None:
         """In a forked child: the worker threads do not exist here and the locks may be held
@@ -552,17 +523,12 @@ class Sender:
             if outcome == _SENT:
                 self._stored(seq, points)
                 return True
-            tried, errors, refusals = self._trying
-            if tried != seq:
-                errors = refusals = 0
-            errors += outcome == _FAULT
-            refusals += outcome == _REFUSED
-            self._trying = (seq, errors, refusals)
+            refused, probe = self._faults.failed(seq, outcome == _FAULT, outcome == _REFUSED)
             if outcome == _TOO_LARGE:
                 if not self._split(seq, batch):
                     self._dead_letter(seq, batch, points, self._last_error or "HTTP 413")
                 return True
-            if refusals >= self._refusal_tries:
+            if refused:
                 self._dead_letter(seq, batch, points, self._last_error or "refused")
                 return True
             if not self._failing:
@@ -570,14 +536,14 @@ class Sender:
                 self.spool.persist()
             delay = max(self._backoff.next_delay(), self._server_wait)  # the server's Retry-After, if longer
             reason = self._last_error or "server error"
-        if errors >= self._server_error_tries and self._probe(seq, batch, points, reason):
+        if probe and self._probe(seq, batch, points, reason):
             return True
         return not self._wait(delay)
 
     def _stored(self, seq: int, points: int) -> None:
         """(under _lock) The server has batch `seq`."""
         self.spool.remove(seq)
-        self._notices.discard(seq)
+        self._faults.notices.discard(seq)
         self._sent += points
         self._sent_batches += 1
         self._progress_at = time.monotonic()
@@ -588,7 +554,7 @@ class Sender:
                 self.spool.points,
             )
         self._failing = False
-        self._trying = (-1, 0, 0)
+        self._faults.restart()
         self._backoff.reset()
 
     def _probe(self, seq: int, batch: dict[str, Any] | bytes, points: int, reason: str) -> bool:
@@ -596,18 +562,18 @@ class Sender:
         that it is dead-lettered. Stored: the server takes other batches, so the fault is this
         one's -- it is dead-lettered (True). Not stored: the server is failing everything; the batch
         stays and its count restarts (False)."""
-        if seq in self._notices:  # a notice failing itself proves nothing: it is dropped instead
+        if seq in self._faults.notices:  # a notice failing itself proves nothing: it is dropped instead
             with self._lock:
                 self._dead_letter(seq, batch, points, reason)
             return True
         with self._lock:
-            notice = self._notice_batch(
-                seq, batch, points, reason, self._dead_batches + 1, self._dead_points + points
+            notice = self._faults.notice(
+                self.rank, self._seqs.next(), seq, batch, points, reason, self._newest_step, counted=False
             )
         outcome = self._attempt(notice)
         with self._lock:
             if outcome != _SENT:
-                self._trying = (seq, 0, 0)
+                self._faults.restart(seq)
                 return False
             self._sent_batches += 1
             self._failing = False
@@ -620,21 +586,17 @@ class Sender:
     ) -> None:
         """(under _lock) Move a batch the server will not take out of the queue, to the dead-letter
         file; unless it went out already (the probe), queue a notice for the server at its place."""
-        self._trying = (-1, 0, 0)
+        self._faults.restart()
         self._progress_at = time.monotonic()
-        if seq in self._notices:  # a notice the server will not take: it carries no points
-            self._notices.discard(seq)
+        if seq in self._faults.notices:  # a notice the server will not take: it carries no points
+            self._faults.notices.discard(seq)
             self.spool.remove(seq)
             return
         order = self.spool.order_of(seq)
         body = batch if isinstance(batch, bytes) else dumps(batch).encode()
-        kept = self.dead_letters is not None and self.dead_letters.add(seq, body, points, reason)
+        kept = self._faults.keep(seq, body, points, reason)
         self.spool.retire(seq, "dead_letter")
-        self._last_refusal = reason
         if kept:
-            self._dead_points += points
-            self._dead_batches += 1
-            assert self.dead_letters is not None
             self._warn_once(
                 "dead_letter",
                 "gradwatch: run %s: the server would not take a batch of %d points (%s); it is moved to "
@@ -643,8 +605,8 @@ class Sender:
                 self.run_id,
                 points,
                 reason,
-                self.dead_letters.path,
-                self.dead_letters.path,
+                self.dead_letter_file,
+                self.dead_letter_file,
             )
         else:
             self._dropped += points
@@ -657,47 +619,11 @@ class Sender:
                 reason,
             )
         if not notice_sent:
-            notice = self._notice_batch(seq, batch, points, reason, self._dead_batches, self._dead_points)
-            self._notices.add(notice["seq"])
+            notice = self._faults.notice(
+                self.rank, self._seqs.next(), seq, batch, points, reason, self._newest_step, counted=True
+            )
+            self._faults.notices.add(notice["seq"])
             self.spool.add(notice, 0, persist=self._failing, order=order)
-
-    def _notice_batch(
-        self,
-        seq: int,
-        batch: dict[str, Any] | bytes,
-        points: int,
-        reason: str,
-        dead_batches: int,
-        dead_points: int,
-    ) -> dict[str, Any]:
-        """(under _lock) A small batch telling the server about a dead-lettered batch: a "dead_letter"
-        event at its first step and agent/dead_lettered at its last."""
-        try:
-            data = json.loads(batch) if isinstance(batch, bytes) else batch
-            steps = sorted(batch_steps(data))
-        except (ValueError, KeyError, TypeError):
-            steps = []
-        first, last = (steps[0], steps[-1]) if steps else (self._newest_step, self._newest_step)
-        where = str(self.dead_letters.path) if self.dead_letters is not None else None
-        details: dict[str, Any] = {
-            "seq": seq,
-            "points": points,
-            "first_step": first,
-            "last_step": last,
-            "reason": reason[:500],
-            "dead_lettered_batches": dead_batches,
-            "dead_lettered_points": dead_points,
-            "file": where,
-            "hint": f"retry with `gradwatch sync {where}`" if where else "dropped: the run has no spool file",
-        }
-        return {
-            "rank": self.rank,
-            "seq": self._seqs.next(),
-            "scalars": [
-                {"key": f"{HEALTH_PREFIX}dead_lettered", "steps": [last], "values": [float(dead_points)]}
-            ],
-            "events": [{"step": first, "kind": "dead_letter", "data": details}],
-        }
 
     def _split(self, seq: int, batch: dict[str, Any] | bytes) -> bool:
         """(under _lock) Replace a batch the server found too large (413) by two halves; False when
@@ -709,7 +635,7 @@ class Sender:
         rank = data.get("rank", self.rank)
         pieces = [({"rank": rank, "seq": self._seqs.next(), **half}, batch_points(half)) for half in halves]
         self.spool.replace(seq, pieces)
-        self._trying = (-1, 0, 0)
+        self._faults.restart()
         self._progress_at = time.monotonic()
         logger.info(
             "gradwatch: run %s: the server found batch %d too large (%s); sending it in two halves",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._sender import SERVER_ERROR_TRIES
+from ._dead_letters import SERVER_ERROR_TRIES
 from ._spool import Record, dead_letter_path, is_dead_letter_file, iter_spool_files, read_batch_json, scan
 from ._transport import Backoff, HttpTransport, TransportError
 

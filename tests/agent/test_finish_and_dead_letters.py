@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 import gradwatch
-from gradwatch._sender import PROGRESS_EVERY, REFUSAL_TRIES, SERVER_ERROR_TRIES
+from gradwatch._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES
+from gradwatch._sender import PROGRESS_EVERY
 from gradwatch._spool import Spool, dead_letter_path, scan, spool_file_name
 from gradwatch.sync import sync
 
