@@ -583,11 +583,12 @@ _live_runs: set[Run] = set()  # runs not finished yet (strong references: their 
 _hooks_lock = threading.Lock()
 _exit_hooks_installed = False
 _previous_sigterm: Any = None
+_child_hook_pid: int | None = None  # the multiprocessing child that registered its exit hook
 
 
 def _track(run: Run) -> None:
     """Remember an unfinished run and install the process hooks once (SIGTERM: from the main thread)."""
-    global _exit_hooks_installed, _previous_sigterm
+    global _exit_hooks_installed, _previous_sigterm, _child_hook_pid
     _live_runs.add(run)
     with _hooks_lock:
         if not _exit_hooks_installed:
@@ -595,11 +596,30 @@ def _track(run: Run) -> None:
             atexit.register(_finish_live_runs, None)
             if hasattr(os, "register_at_fork"):  # POSIX only
                 os.register_at_fork(after_in_child=_after_fork_in_child)
+        mp = sys.modules.get("multiprocessing")
+        if _child_hook_pid != os.getpid() and mp is not None and mp.parent_process() is not None:
+            # A multiprocessing child (mp.spawn, Accelerate's notebook_launcher, a DataLoader-style
+            # worker) ends with os._exit: atexit never runs there, but multiprocessing's own exit
+            # hook runs its finalizers, even when the child's target raised.
+            import multiprocessing.util
+
+            _child_hook_pid = os.getpid()
+            multiprocessing.util.Finalize(None, _finish_in_multiprocessing_child, exitpriority=100)
         if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
             if previous is not None:  # None: a handler set outside Python, which we could not call on
                 _previous_sigterm = previous
                 signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _finish_in_multiprocessing_child() -> None:
+    """multiprocessing's exit hook in a child: it runs in the `finally` around the child's target, so
+    an exception that ends the target is still in flight here (SystemExit(0): a normal end)."""
+    exc = sys.exc_info()[1]
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        _finish_live_runs("finished")
+    else:
+        _finish_live_runs("crashed", crash_details(exc))
 
 
 def _finish_live_runs(status: str | None, crash: dict[str, Any] | None = None) -> None:

@@ -99,3 +99,48 @@ def test_lightning_callback(tmp_path):
     assert list(transport.series("loss")) == list(range(6))
     assert list(transport.series("grad/global_norm")) == list(range(6))
     assert transport.series("lr")[0] == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_accelerate_tracker_records_config_logs_and_gradients(sqlite_server, precision):
+    """Accelerator(log_with=[GradwatchTracker]) on one CPU process, fp32 and bf16 autocast (the mixed
+    precision a CPU runs; Accelerate gives fp16 on CPU no GradScaler): the config from init_trackers,
+    accelerator.log's numbers at their steps (text left out), the prepared model's gradients, and the
+    run finished by end_training."""
+    import httpx
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch import nn
+
+    from gradwatch.integrations.accelerate import GradwatchTracker
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator config per process
+    tracker = GradwatchTracker(
+        project="accelerate", name=precision, server=sqlite_server.url, flush_interval=0.05
+    )
+    accelerator = Accelerator(cpu=True, mixed_precision=precision, log_with=[tracker])
+    accelerator.init_trackers("accelerate", config={"lr": 0.05, "precision": precision})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    run = tracker.watch(accelerator, model, optimizer, layer_norms_every=1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(8, 8, generator=generator)
+        with accelerator.autocast():
+            loss = nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+        accelerator.log({"loss": loss.item(), "phase": "train"}, step=step)
+    assert tracker.tracker is run
+    accelerator.end_training()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with httpx.Client(base_url=sqlite_server.url) as client:
+        record = client.get(f"/api/v1/runs/{run.id}").json()
+        keys = client.get(f"/api/v1/runs/{run.id}/keys").json()["data"]
+        loss = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "loss"}).json()
+        norms = client.get(f"/api/v1/runs/{run.id}/vectors", params={"key": "grad/norm"}).json()
+    assert record["status"] == "finished" and record["config"] == {"lr": 0.05, "precision": precision}
+    assert loss["steps"] == [0, 1, 2, 3, 4] and "phase" not in keys and "grad/global_norm" in keys
+    assert norms["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"] and len(norms["steps"]) == 5

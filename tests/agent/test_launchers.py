@@ -427,6 +427,29 @@ def test_lightning_ddp_spawn_on_cpu_is_one_run(sqlite_server, api, tmp_path):
     _one_run(api, job, 2)
 
 
+def test_gradwatch_as_an_accelerate_tracker_on_two_processes_is_one_run(sqlite_server, api, tmp_path):
+    """Accelerator(log_with=[GradwatchTracker(...)]) on 2 CPU processes: one run with both ranks, the
+    config from init_trackers, accelerator.log's numbers (strings left out), the gradients watched
+    through the prepared model and optimizer; end_training finishes rank 0 (Accelerate calls it on the
+    main process only) and multiprocessing's exit hook rank 1 (atexit never runs in its children)."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        unavailable("accelerate is not installed (pip install -e '.[dev]')")
+    job = _job(sqlite_server, tmp_path, "accelerate-tracker", port=free_port(), steps=4)
+    _launch([_python("accelerate-tracker", job)], tmp_path)
+    run_id, _ = _one_run(api, job, 2)
+    run = _get(api, f"/api/v1/runs/{run_id}")
+    assert run["config"] == {"lr": 0.1, "world": 2} and run["status"] == "finished"
+    assert _get(api, f"/api/v1/runs/{run_id}/keys")["data"].count("note") == 0
+    # Accelerate calls trackers' log() on the main process only; every rank's gradients are watched.
+    loss = _get(api, f"/api/v1/runs/{run_id}/series", key="loss", rank=0)
+    assert loss["steps"] == [0, 1, 2, 3], loss
+    for rank in (0, 1):
+        norms = _get(api, f"/api/v1/runs/{run_id}/series", key="grad/global_norm", rank=rank)
+        assert norms["steps"] == [0, 1, 2, 3], (rank, norms)
+
+
 def test_accelerate_notebook_launcher_on_cpu_is_one_run(sqlite_server, api, tmp_path):
     """notebook_launcher's workers: TorchElastic with a static rendezvous (run id "none");
     gradwatch.init() before Accelerator() initialises the process group."""

@@ -9,6 +9,7 @@ OUT/rank{R}.json.
                                            rank with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
     python -m launch_jobs lightning JOB    Lightning Trainer(strategy="ddp_spawn") on CPU
     python -m launch_jobs accelerate JOB   Accelerate's notebook_launcher on CPU
+    python -m launch_jobs accelerate-tracker JOB   the same, gradwatch as an Accelerate tracker
 
 JOB is JSON: server, spool_dir, project, out (folder), and optionally init_first (gradwatch.init()
 before init_process_group / Accelerator()), host (this "node"'s hostname, patched into
@@ -183,12 +184,50 @@ def accelerate(job: dict[str, Any]) -> None:
     notebook_launcher(accelerate_worker, args=(job,), num_processes=2, use_port=str(job["port"]))
 
 
+def accelerate_tracker_worker(job: dict[str, Any]) -> None:
+    """One notebook_launcher process using gradwatch as an Accelerate tracker: log_with, init_trackers
+    (the config), prepare, tracker.watch, accelerator.log, end_training."""
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    from gradwatch.integrations.accelerate import GradwatchTracker
+
+    torch.set_num_threads(1)
+    tracker = GradwatchTracker(
+        project=job["project"], server=job["server"], spool_dir=job["spool_dir"], flush_interval=0.1
+    )
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers(job["project"], config={"lr": 0.1, "world": accelerator.num_processes})
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tracker.watch(accelerator, model, optimizer, layer_norms_every=1)
+    rank = accelerator.process_index
+    for step in range(job.get("steps", 3)):
+        x, y = _batch(step, rank)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        accelerator.log({"loss": loss.item(), "note": "text is left out"}, step=step)
+    run = tracker.tracker
+    accelerator.end_training()
+    _record(job, rank, run)
+
+
+def accelerate_tracker(job: dict[str, Any]) -> None:
+    from accelerate import notebook_launcher
+
+    notebook_launcher(accelerate_tracker_worker, args=(job,), num_processes=2, use_port=str(job["port"]))
+
+
 COMMANDS = {
     "spawn": spawn,
     "worker": worker,
     "node": node,
     "lightning": lightning,
     "accelerate": accelerate,
+    "accelerate-tracker": accelerate_tracker,
 }
 
 if __name__ == "__main__":
