@@ -12,8 +12,8 @@ import os as _os
 from typing import Any as _Any
 
 from ._errors import GradwatchWarning, ResumeError
-from ._run import DEFAULT_SERVER as _DEFAULT_SERVER
 from ._run import Run
+from ._run import server_and_token as _server_and_token
 from .api import Api, ApiError
 
 __version__ = "0.1.0"
@@ -48,11 +48,12 @@ def init(
     See gradwatch._resume.
     """
     project = project or _os.environ.get("GRADWATCH_PROJECT") or "default"
+    server, token = _server_and_token(server, token)
     return Run(
         project,
         name,
-        server=server or _os.environ.get("GRADWATCH_SERVER") or _DEFAULT_SERVER,
-        token=token or _os.environ.get("GRADWATCH_TOKEN"),
+        server=server,
+        token=token,
         config=config,
         mode=mode or _os.environ.get("GRADWATCH_MODE") or "online",
         resume=resume or _os.environ.get("GRADWATCH_RESUME") or None,

@@ -34,6 +34,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gradwatch")
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
+
+
+def server_and_token(server: str | None = None, token: str | None = None) -> tuple[str, str | None]:
+    """The server URL and token when not given: GRADWATCH_SERVER (else DEFAULT_SERVER) and
+    GRADWATCH_TOKEN; the one rule of init(), gradwatch.Api and `gradwatch sync`."""
+    return (
+        server or os.environ.get("GRADWATCH_SERVER") or DEFAULT_SERVER,
+        token or os.environ.get("GRADWATCH_TOKEN") or None,
+    )
+
+
 MODES = ("online", "offline")
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule for run ids
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO, Any, ClassVar, Literal, overload
 
-from ._run import DEFAULT_SERVER
+from ._run import server_and_token
 from ._tables import Row, Series, pandas_module, pyarrow_modules, to_frame, to_rows, write_csv
 
 __all__ = [
@@ -475,14 +475,13 @@ class Api:
     def __init__(
         self, server: str | None = None, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S
     ) -> None:
-        # The same defaults as gradwatch.init() (agent/__init__.py).
-        server = server or os.environ.get("GRADWATCH_SERVER") or DEFAULT_SERVER
+        server, token = server_and_token(server, token)  # the same defaults as gradwatch.init()
         if not server.startswith(("http://", "https://")):
             raise ValueError(f"server must be an http:// or https:// URL, got {server!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive (seconds), got {timeout!r}")
         self.server = server.rstrip("/")
-        self.token = token or os.environ.get("GRADWATCH_TOKEN") or None
+        self.token = token
         self.timeout = timeout
 
     def __repr__(self) -> str:
@@ -509,8 +508,7 @@ class Api:
         name: part of the run's name, any case; created_after / created_before: a datetime or an ISO
         8601 string (a time without a zone is UTC); limit: at most this many (default: all).
         A token for one project sees that project's runs only."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"limit must be a positive int or None (all), got {limit!r}")
+        _check_limit(limit)
         params: dict[str, Any] = {
             "project": project,
             "status": _strings(status),
@@ -521,15 +519,7 @@ class Api:
             "sort": sort,
             "order": order,
         }
-        found: list[RunInfo] = []
-        while limit is None or len(found) < limit:
-            page = RUNS_PAGE if limit is None else min(RUNS_PAGE, limit - len(found))
-            body = self._get("/api/v1/runs", params | {"limit": page, "offset": len(found)})
-            data = body.get("data", [])
-            found.extend(RunInfo._from_json(self, r) for r in data)
-            if len(data) < page or len(found) >= int(body.get("count", 0)):
-                break
-        return found
+        return [RunInfo._from_json(self, r) for r in self._paged("/api/v1/runs", params, RUNS_PAGE, limit)]
 
     def run(self, run: str) -> RunInfo:
         """One run, by id; or by its exact name, when no run has that id and one run (of those the token
@@ -572,8 +562,7 @@ class Api:
         this many (default: all)."""
         if state is not None and state not in ALERT_STATES:
             raise ValueError(f"state must be one of {ALERT_STATES} or None, got {state!r}")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"limit must be a positive int or None (all), got {limit!r}")
+        _check_limit(limit)
         status = {"open": "firing", "all": None}.get(state, state) if state else None
         params: dict[str, Any] = {
             "project": project,
@@ -581,17 +570,23 @@ class Api:
             "status": status,
             "acknowledged": acknowledged,
         }
-        found: list[Alert] = []
+        return [Alert._from_json(self, a) for a in self._paged("/api/v1/alerts", params, ALERTS_PAGE, limit)]
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _paged(
+        self, path: str, params: dict[str, Any], page_size: int, limit: int | None
+    ) -> list[dict[str, Any]]:
+        """A listing's items, page by page (limit/offset), up to `limit` (None: all of them)."""
+        found: list[dict[str, Any]] = []
         while limit is None or len(found) < limit:
-            page = ALERTS_PAGE if limit is None else min(ALERTS_PAGE, limit - len(found))
-            body = self._get("/api/v1/alerts", params | {"limit": page, "offset": len(found)})
+            page = page_size if limit is None else min(page_size, limit - len(found))
+            body = self._get(path, params | {"limit": page, "offset": len(found)})
             data = body.get("data", [])
-            found.extend(Alert._from_json(self, a) for a in data)
+            found.extend(data)
             if len(data) < page or len(found) >= int(body.get("count", 0)):
                 break
         return found
-
-    # -- plumbing ---------------------------------------------------------------------------------
 
     def _url(self, path: str, params: dict[str, Any] | None = None) -> str:
         query = {
@@ -669,6 +664,11 @@ class Api:
                 raise ApiError(f"the server downsampled {key!r} over steps [{low}, {high}) of run {run_id!r}")
             pending.extend([(middle, high), (low, middle)])  # popped low half first: steps stay in order
         return steps, values
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None (all), got {limit!r}")
 
 
 def _strings(value: str | Sequence[str] | None) -> list[str] | None:

@@ -204,10 +204,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sync(args: argparse.Namespace) -> int:
+    from gradwatch._run import server_and_token
     from gradwatch.sync import sync
 
     try:
-        report = sync(args.path, args.server, args.token, dead_letters=not args.no_dead_letters)
+        server, token = server_and_token(args.server, args.token)
+        report = sync(args.path, server, token, dead_letters=not args.no_dead_letters)
     except ValueError as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
@@ -547,12 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("path", help="a spool file (.jsonl) or a folder of them, e.g. ~/.gradwatch/offline")
     sync.add_argument(
         "--server",
-        default=os.environ.get("GRADWATCH_SERVER") or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
+        default=None,
         help="server URL (default: GRADWATCH_SERVER, else http://127.0.0.1:8765)",
     )
-    sync.add_argument(
-        "--token", default=os.environ.get("GRADWATCH_TOKEN"), help="write token (default: GRADWATCH_TOKEN)"
-    )
+    sync.add_argument("--token", default=None, help="write token (default: GRADWATCH_TOKEN)")
     sync.add_argument(
         "--no-dead-letters",
         action="store_true",

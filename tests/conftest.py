@@ -84,7 +84,8 @@ def database_url(request, tmp_path) -> Iterator[str]:
         yield from _postgres_database()
 
 
-def _api_only_server(database_url: str) -> Iterator:
+def api_only_server(database_url: str) -> Iterator:
+    """A real uvicorn server with the API only on `database_url` (a generator: the fixtures' body)."""
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
@@ -99,13 +100,13 @@ def _api_only_server(database_url: str) -> Iterator:
 @pytest.fixture
 def api_server(database_url) -> Iterator:
     """A real uvicorn server with the API only, on a free loopback port."""
-    yield from _api_only_server(database_url)
+    yield from api_only_server(database_url)
 
 
 @pytest.fixture
 def sqlite_server(sqlite_url) -> Iterator:
     """The same on a SQLite file only: for tests of the agent against a real server, not of the storage."""
-    yield from _api_only_server(sqlite_url)
+    yield from api_only_server(sqlite_url)
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from datetime import datetime
 
 import httpx
 import pytest
-from conftest import free_port
-from training import Reference, train
+from conftest import api_only_server, free_port
+from training import Reference, same_stored, train
 
 import gradwatch
 from gradwatch import api as read_api
@@ -42,27 +42,13 @@ def _wire(value: float) -> float | str:
     return value if math.isfinite(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def _same(a: float | None, b: float | None) -> bool:
-    """Equal as stored: exactly, NaN equal to NaN."""
-    if a is None or b is None:
-        return a is b
-    return (math.isnan(a) and math.isnan(b)) or a == b
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """One server (SQLite) with: a real fp16 run (project "read"), a crashed run, a run of another
     project, and "big": 240,000 points of "big/x", a sparse key and 30 "mark" events."""
-    from gradwatch.server.serve import BackgroundServer
-    from gradwatch.server.settings import Settings
-
     tmp = tmp_path_factory.mktemp("read-api")
-    server = BackgroundServer(
-        Settings(database_url=f"sqlite:///{tmp / 'gradwatch.db'}"),
-        "127.0.0.1",
-        free_port(),
-        with_dashboard=False,
-    ).start()
+    servers = api_only_server(f"sqlite:///{tmp / 'gradwatch.db'}")
+    server = next(servers)
     reference = Reference()
     options = {"server": server.url, "flush_interval": 0.05, "spool_dir": tmp / "spool"}
     with gradwatch.init(
@@ -110,7 +96,7 @@ def served(tmp_path_factory):
         "other": other,
         "big": big,
     }
-    server.stop()
+    next(servers, None)  # stops it
 
 
 # -- history: exact, with and without pandas ---------------------------------------------------------
@@ -123,7 +109,7 @@ def test_history_rows_equal_what_the_training_loop_logged(served, monkeypatch):
     rows = run.history(["loss", "amp/scale", "eval/acc"])
     assert isinstance(rows, list) and [row["step"] for row in rows] == list(range(40))
     assert all(set(row) == {"step", "loss", "amp/scale", "eval/acc"} for row in rows)
-    assert all(_same(row["loss"], loss) for row, loss in zip(rows, reference.losses, strict=True))
+    assert all(same_stored(row["loss"], loss) for row, loss in zip(rows, reference.losses, strict=True))
     assert math.isnan(rows[5]["loss"])  # the overflowing step's loss: a logged NaN stays NaN
     assert [row["amp/scale"] for row in rows] == reference.scales_after
     assert {row["step"]: row["eval/acc"] for row in rows if row["eval/acc"] is not None} == {
@@ -139,7 +125,7 @@ def test_history_rows_equal_what_the_training_loop_logged(served, monkeypatch):
     norms = run.history("grad/global_norm", as_frame=False)
     assert [r["step"] for r in norms] == direct["steps"]
     assert all(
-        _same(r["grad/global_norm"], read_api._number(v))
+        same_stored(r["grad/global_norm"], read_api._number(v))
         for r, v in zip(norms, direct["values"], strict=True)
     )
 
@@ -156,13 +142,13 @@ def test_history_is_a_dataframe_indexed_by_step_when_pandas_is_installed(served)
     assert frame.index.name == "step" and list(frame.index) == list(range(40))
     assert list(frame.columns) == ["loss", "amp/scale", "eval/acc"]
     assert frame["amp/scale"].tolist() == reference.scales_after
-    assert all(_same(a, b) for a, b in zip(frame["loss"].tolist(), reference.losses, strict=True))
+    assert all(same_stored(a, b) for a, b in zip(frame["loss"].tolist(), reference.losses, strict=True))
     assert frame["eval/acc"].dropna().to_dict() == {9: 0.09, 19: 0.19, 29: 0.29, 39: 0.39}
     rows = run.history(["loss", "amp/scale", "eval/acc"], as_frame=False)  # the same data either way
     for row in rows:
         for key in frame.columns:
             expected = math.nan if row[key] is None else row[key]  # no point: NaN in a DataFrame
-            assert _same(float(frame.loc[row["step"], key]), expected)
+            assert same_stored(float(frame.loc[row["step"], key]), expected)
     every_key = run.history()  # keys=None: every scalar key of the run
     assert list(every_key.columns) == run.keys() and "amp/scale" in every_key.columns
     by_rank = run.history("loss", rank="all")
@@ -185,7 +171,7 @@ def test_history_reads_every_point_past_the_series_page(served, monkeypatch):
     monkeypatch.setattr(Api, "_series_page", counting)
     rows = run.history("big/x")
     assert [row["step"] for row in rows] == steps
-    assert all(_same(row["big/x"], value) for row, value in zip(rows, values, strict=True))
+    assert all(same_stored(row["big/x"], value) for row, value in zip(rows, values, strict=True))
     assert any(pages) and not pages[-1]  # it did meet downsampled answers, and read past them
     assert len(pages) < 12
 
@@ -214,7 +200,7 @@ def test_tiny_pages_read_the_same_points(served, monkeypatch):
     monkeypatch.setattr(read_api, "MAX_PAGE", 8)
     paged = run.history(["loss", "amp/scale", "eval/acc"])
     assert len(paged) == len(whole) == 40
-    assert all(_same(a[k], b[k]) for a, b in zip(paged, whole, strict=True) for k in a)
+    assert all(same_stored(a[k], b[k]) for a, b in zip(paged, whole, strict=True) for k in a)
 
 
 def test_last_values(served):
@@ -346,7 +332,7 @@ def test_export_csv_reads_back_exactly(served, tmp_path):
     for cells, row in zip(table[1:], rows, strict=True):
         assert int(cells[0]) == row["step"]
         for cell, key in zip(cells[1:], keys, strict=True):
-            assert _same(None if cell == "" else float(cell), row[key])
+            assert same_stored(None if cell == "" else float(cell), row[key])
     assert "nan" in table[6]  # step 5's loss
     stream = io.StringIO()
     run.export(stream, "csv", keys)
@@ -369,7 +355,7 @@ def test_export_parquet(served, tmp_path):
     table = parquet.read_table(tmp_path / "run.parquet").to_pydict()
     rows = run.history(keys, as_frame=False)
     assert table["step"] == [r["step"] for r in rows]
-    assert all(_same(a, r["loss"]) for a, r in zip(table["loss"], rows, strict=True))
+    assert all(same_stored(a, r["loss"]) for a, r in zip(table["loss"], rows, strict=True))
     assert table["eval/acc"] == [r["eval/acc"] for r in rows]  # missing values are nulls
 
 

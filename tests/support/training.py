@@ -3,6 +3,7 @@ with a reference record of what gradwatch should observe, computed with plain au
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -389,3 +390,10 @@ def spawn_ranks(
                 process.kill()
             raise TimeoutError(f"{world_size} ranks did not finish within {timeout:.0f} s")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def same_stored(a: float | None, b: float | None) -> bool:
+    """Equal as the server stores values: exactly, NaN equal to NaN, None only to None."""
+    if a is None or b is None:
+        return a is b
+    return (math.isnan(a) and math.isnan(b)) or a == b

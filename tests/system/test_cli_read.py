@@ -6,15 +6,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
-from training import Reference, train
+from conftest import api_only_server, free_port
+from training import Reference, same_stored, train
 
 import gradwatch
 from gradwatch.api import Api
@@ -37,24 +36,11 @@ def cli(
     )
 
 
-def _same(a: float | None, b: float | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return (math.isnan(a) and math.isnan(b)) or a == b
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from gradwatch.server.serve import BackgroundServer
-    from gradwatch.server.settings import Settings
-
     tmp = tmp_path_factory.mktemp("cli-read")
-    server = BackgroundServer(
-        Settings(database_url=f"sqlite:///{tmp / 'gradwatch.db'}"),
-        "127.0.0.1",
-        free_port(),
-        with_dashboard=False,
-    ).start()
+    servers = api_only_server(f"sqlite:///{tmp / 'gradwatch.db'}")
+    server = next(servers)
     reference = Reference()
     options = {"server": server.url, "flush_interval": 0.05, "spool_dir": tmp / "spool"}
     with gradwatch.init(
@@ -65,7 +51,7 @@ def served(tmp_path_factory):
     with gradwatch.init(project="cli-other", name="second", **options) as second:
         second.log({"loss": 3.0}, step=0)
     yield {"url": server.url, "run": run, "second": second, "reference": reference}
-    server.stop()
+    next(servers, None)  # stops it
 
 
 def test_runs_table_and_json(served):
@@ -139,9 +125,9 @@ def test_export_csv_round_trips_exactly(served, tmp_path):
     for cells, row in zip(table[1:], expected, strict=True):
         assert int(cells[0]) == row["step"]
         for cell, key in zip(cells[1:], keys, strict=True):
-            assert _same(None if cell == "" else float(cell), row[key]), (row["step"], key, cell)
+            assert same_stored(None if cell == "" else float(cell), row[key]), (row["step"], key, cell)
     losses = [float(cells[keys.index("loss") + 1]) for cells in table[1:]]
-    assert all(_same(a, b) for a, b in zip(losses, served["reference"].losses, strict=True))
+    assert all(same_stored(a, b) for a, b in zip(losses, served["reference"].losses, strict=True))
 
     chosen = cli("export", run.id, "--server", served["url"], "--keys", "loss,eval/acc", "-o", "-")
     assert chosen.returncode == 0 and "30 rows" in chosen.stderr
@@ -164,7 +150,7 @@ def test_export_parquet(served, tmp_path):
     assert done.returncode == 0, done.stderr
     table = parquet.read_table(target).to_pydict()
     expected = Api(served["url"]).run(run.id).history(["loss"], as_frame=False)
-    assert all(_same(a, r["loss"]) for a, r in zip(table["loss"], expected, strict=True))
+    assert all(same_stored(a, r["loss"]) for a, r in zip(table["loss"], expected, strict=True))
 
 
 def test_errors_are_one_line_with_the_reason(served):
