@@ -8,8 +8,10 @@ so the training thread never synchronises with the device on gradwatch's behalf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 # (key, step, start offset in the flat tensor, shape: () scalar, (n,) vector, (rows, columns) matrix)
@@ -33,10 +35,14 @@ class Resolved:
         def public(table: dict[str, Any]) -> list[tuple[str, Any]]:
             return [(key, points) for key, points in table.items() if not key.startswith("_") and points]
 
+        def wire_values(values: list[float]) -> list[Any]:
+            return values if all(map(math.isfinite, values)) else [wire_float(v) for v in values]
+
         fields: dict[str, Any] = {
             "scalars": [
-                {"key": key, "steps": [s for s, _ in points], "values": [wire_float(v) for _, v in points]}
+                {"key": key, "steps": list(steps), "values": wire_values(list(values))}
                 for key, points in public(self.scalars)
+                for steps, values in [zip(*points, strict=True)]
             ],
             "events": [json_safe(event) for event in self.events],
         }
@@ -77,7 +83,7 @@ class Packet:
     slots: list[_Slot]
     host_values: Any  # torch.Tensor on the host (maybe still being filled) or None
     ready: Any  # torch.cuda.Event marking the copy's completion, or None
-    host_scalars: list[tuple[str, int, float]]
+    host_scalars: dict[str, tuple[list[int], list[float]]]  # key -> (steps, values), in log order
     events: list[dict[str, Any]]
     status: str | None = None
     # Called on the sender thread with the resolved values; each may append events.
@@ -102,14 +108,23 @@ class Packet:
                 rows, columns = shape
                 matrix = [flat[start + r * columns : start + (r + 1) * columns] for r in range(rows)]
                 matrices.setdefault(key, []).append((step, matrix))
-        for key, step, value in self.host_scalars:
-            scalars.setdefault(key, []).append((step, value))
+        for key, (steps, values) in self.host_scalars.items():
+            points = scalars.get(key)
+            if points is None:
+                scalars[key] = list(zip(steps, values, strict=True))
+            else:
+                points.extend(zip(steps, values, strict=True))
         for points in scalars.values():
-            points.sort(key=lambda point: point[0])
+            points.sort(key=itemgetter(0))  # stable (a step logged twice keeps its order); O(n) when sorted
         resolved = Resolved(scalars, vectors, matrices, list(self.events))
         for derive in self.derivers:
             derive(resolved)
         return resolved
+
+
+def host_points(columns: dict[str, tuple[list[int], list[float]]]) -> int:
+    """How many points host-number columns hold."""
+    return sum(len(steps) for steps, _ in columns.values())
 
 
 class StepBuffer:
@@ -117,16 +132,28 @@ class StepBuffer:
 
     def __init__(self) -> None:
         self._tensors: list[tuple[str, int, Any]] = []
-        self._host: list[tuple[str, int, float]] = []
+        # Host numbers by key, as (steps, values) columns: Run.log of a hundred keys a step appends to
+        # them directly (host_columns), and the sender takes them without regrouping point by point.
+        self._host: dict[str, tuple[list[int], list[float]]] = {}
         self._events: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
-        return len(self._tensors) + len(self._host) + len(self._events)
+        return len(self._tensors) + host_points(self._host) + len(self._events)
+
+    @property
+    def host_columns(self) -> dict[str, tuple[list[int], list[float]]]:
+        """key -> (steps, values) of the host numbers add_scalar took: Run.log appends to them directly
+        for plain floats and ints (a hundred keys a step cost a method call each otherwise)."""
+        return self._host
 
     def add_scalar(self, key: str, step: int, value: Any) -> None:
         """A number or a one-element tensor (kept on its device, detached)."""
         if isinstance(value, (int, float)):
-            self._host.append((key, step, float(value)))
+            column = self._host.get(key)
+            if column is None:
+                column = self._host[key] = ([], [])
+            column[0].append(step)
+            column[1].append(float(value))
         else:
             self._tensors.append((key, step, value.detach().reshape(())))
 
@@ -141,7 +168,8 @@ class StepBuffer:
         """Renumber everything buffered by `delta` steps (a resumed run learning its step)."""
         if delta:
             self._tensors = [(key, step + delta, tensor) for key, step, tensor in self._tensors]
-            self._host = [(key, step + delta, value) for key, step, value in self._host]
+            for steps, _ in self._host.values():
+                steps[:] = [step + delta for step in steps]
             for event in self._events:
                 event["step"] += delta
 
@@ -170,5 +198,5 @@ class StepBuffer:
             else:  # other accelerators: a plain copy; still one transfer per flush
                 host_values = flat.to("cpu", non_blocking=True)
         packet = Packet(slots, host_values, ready, self._host, self._events, status, list(derivers))
-        self._tensors, self._host, self._events = [], [], []
+        self._tensors, self._host, self._events = [], {}, []
         return packet

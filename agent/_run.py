@@ -459,7 +459,16 @@ class Run:
             ended = self._step - self._resume.start
             self._resumed_at(int(step) + (1 if ended else 0), "run.log(step=)")
         at = self.step if step is None else int(step)
+        columns = self.buffer.host_columns
         for key, value in data.items():
+            kind = type(value)
+            if (kind is float or kind is int) and type(key) is str:  # the usual case, kept cheap
+                column = columns.get(key)
+                if column is None:
+                    column = columns[key] = ([], [])
+                column[0].append(at)
+                column[1].append(float(value))
+                continue
             if isinstance(value, bool) or not (
                 isinstance(value, (int, float)) or getattr(value, "numel", lambda: 0)() == 1
             ):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._buffer import Packet, Resolved
+from ._buffer import Packet, Resolved, host_points
 from ._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES, BatchFaults
 from ._spool import DeadLetters, Spool, dead_letter_path
 from ._transport import Backoff, Transport, TransportError
@@ -108,7 +108,7 @@ def to_fragment(resolved: Resolved, status: str | None) -> dict[str, Any]:
 
 
 def packet_points(packet: Packet) -> int:
-    return len(packet.slots) + len(packet.host_scalars)
+    return len(packet.slots) + host_points(packet.host_scalars)
 
 
 # What one try of a batch came to (see the module docstring).

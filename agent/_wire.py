@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import threading
 import time
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import Iterable
+from itertools import chain, islice
 from typing import Any
 
 # Scalar keys the agent adds about itself (queued/sent/spooled/dropped points); not counted as points.
@@ -166,11 +170,9 @@ def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> l
     ):
         return [batch]  # the usual case, counted without a dict per step
     sizes: dict[int, list[int]] = {}  # step -> [points, numbers]
-    for series in batch.get("scalars", ()):
-        for step in series["steps"]:
-            sizes.setdefault(step, [0, 0])
-            sizes[step][0] += 1
-            sizes[step][1] += 1
+    scalar_steps = Counter(chain.from_iterable(series["steps"] for series in batch.get("scalars", ())))
+    for step, count in scalar_steps.items():
+        sizes[step] = [count, count]
     for series in batch.get("vectors", ()):
         for step, row in zip(series["steps"], series["values"], strict=True):
             sizes.setdefault(step, [0, 0])
@@ -220,11 +222,12 @@ def _pieces(batch: dict[str, Any], starts: list[int]) -> list[dict[str, Any]]:
         def within(step: int, start: int = start, end: int | None = end, first: bool = first) -> bool:
             return (first or step >= start) and (end is None or step < end)
 
+        low = None if first else start
         piece: dict[str, Any] = {
-            "scalars": _series_within(batch.get("scalars", ()), within),
+            "scalars": _series_within(batch.get("scalars", ()), low, end),
             "events": [event for event in batch.get("events", ()) if within(event["step"])],
         }
-        vectors = _series_within(batch.get("vectors", ()), within)
+        vectors = _series_within(batch.get("vectors", ()), low, end)
         if vectors:
             piece["vectors"] = vectors
         histograms = [h for h in batch.get("histograms", ()) if within(h["step"])]
@@ -240,19 +243,20 @@ def _pieces(batch: dict[str, Any], starts: list[int]) -> list[dict[str, Any]]:
     return pieces
 
 
-def _series_within(series_list: Any, within: Any) -> list[dict[str, Any]]:
-    """The series (scalar or vector) cut to the steps `within` accepts; series left empty are left out."""
+def _series_within(series_list: Any, start: int | None, end: int | None) -> list[dict[str, Any]]:
+    """The series (scalar or vector) cut to start <= step < end (None: open); series left empty are
+    left out. A series' steps usually ascend (Resolved.wire_fields and merge_fragments sort them):
+    then each cut is two bisections."""
     out = []
     for series in series_list:
-        kept = [
-            (step, value)
-            for step, value in zip(series["steps"], series["values"], strict=True)
-            if within(step)
-        ]
-        if kept:
-            out.append(
-                {**series, "steps": [step for step, _ in kept], "values": [value for _, value in kept]}
-            )
+        steps, values = series["steps"], series["values"]
+        if not all(map(operator.lt, steps, islice(steps, 1, None))):  # out of order: sort a copy
+            order = sorted(range(len(steps)), key=steps.__getitem__)
+            steps, values = [steps[i] for i in order], [values[i] for i in order]
+        lo = 0 if start is None else bisect_left(steps, start)
+        hi = len(steps) if end is None else bisect_left(steps, end)
+        if hi > lo:
+            out.append({**series, "steps": steps[lo:hi], "values": values[lo:hi]})
     return out
 
 

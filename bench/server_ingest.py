@@ -178,17 +178,23 @@ class Database:
             return f"sqlite:///{self.path}"
         return self.psycopg_url.replace("postgresql://", f"{dialect}://", 1)
 
-    def query_by_key(self, sql: str, params: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
-        """Rows of a read-only query (placeholders written as `?`) by their first column."""
+    def query(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """Rows of a read-only query (placeholders written as `?`); a missing table raises
+        sqlite3.OperationalError or RuntimeError naming it."""
         if self.kind == "sqlite":
             with sqlite3.connect(self.path) as db:
-                rows = db.execute(sql, params).fetchall()
-        else:
-            import psycopg
+                return list(db.execute(sql, params).fetchall())
+        import psycopg
 
-            with psycopg.connect(self.psycopg_url) as db:
-                rows = db.execute(sql.replace("?", "%s"), params).fetchall()
-        return {row[0]: tuple(row[1:]) for row in rows}
+        with psycopg.connect(self.psycopg_url) as db:
+            try:
+                return list(db.execute(sql.replace("?", "%s"), params).fetchall())
+            except psycopg.errors.UndefinedTable as exc:
+                raise RuntimeError(str(exc)) from exc
+
+    def query_by_key(self, sql: str, params: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
+        """Rows of a read-only query (placeholders written as `?`) by their first column."""
+        return {row[0]: tuple(row[1:]) for row in self.query(sql, params)}
 
     def postmaster(self) -> int:
         """The PostgreSQL server's main process (the parent of every backend)."""
@@ -646,12 +652,32 @@ Stored = dict[str, tuple[int, int, float]]
 def stored_gradwatch(database: Database, project: str) -> Stored:
     """Per key: (points, distinct (run, step), sum of values) stored for the project's runs (health keys
     excluded)."""
-    return database.query_by_key(
-        "SELECT s.key, count(*), count(DISTINCT s.run_id || ':' || p.step), sum(p.value) "
-        "FROM points p JOIN series s ON s.id = p.series_id JOIN runs r ON r.id = s.run_id "
-        "WHERE r.project = ? AND s.key NOT LIKE ? GROUP BY s.key",
-        (project, f"{HEALTH_PREFIX}%"),
-    )
+    try:
+        chunks = database.query(
+            "SELECT s.key, s.run_id, c.first_step, c.step_data, c.value_data FROM point_chunks c"
+            " JOIN series s ON s.id = c.series_id JOIN runs r ON r.id = s.run_id"
+            " WHERE r.project = ? AND s.key NOT LIKE ?",
+            (project, f"{HEALTH_PREFIX}%"),
+        )
+    except (sqlite3.OperationalError, ImportError, RuntimeError) as exc:  # --gradwatch-rev before 0011
+        if "point_chunks" not in str(exc):
+            raise
+        return database.query_by_key(
+            "SELECT s.key, count(*), count(DISTINCT s.run_id || ':' || p.step), sum(p.value) "
+            "FROM points p JOIN series s ON s.id = p.series_id JOIN runs r ON r.id = s.run_id "
+            "WHERE r.project = ? AND s.key NOT LIKE ? GROUP BY s.key",
+            (project, f"{HEALTH_PREFIX}%"),
+        )
+    from gradwatch.server.storage.chunked_points import decode
+
+    counts: dict[str, list[Any]] = {}
+    for key, run_id, first_step, step_data, value_data in chunks:
+        points = decode(first_step, step_data, value_data)
+        entry = counts.setdefault(key, [0, set(), 0.0])
+        entry[0] += len(points)
+        entry[1].update((run_id, step) for step in points.steps.tolist())
+        entry[2] += float(points.values.sum())
+    return {key: (n, len(distinct), total) for key, (n, distinct, total) in counts.items()}
 
 
 def stored_mlflow(database: Database, experiment_name: str) -> Stored:

@@ -14,9 +14,10 @@ Then a real `gradwatch server` subprocess on 127.0.0.1 answers, `--repeats` time
 - GET /series?key=loss&max_points=2000 over the whole run, and over random zoom windows;
 - GET /vectors?key=grad/norm&max_steps=500 (what the run page asks for) over the whole run.
 Side by side in the same run, the baseline is the query without rollups (what gradwatch did before
-them): one SQL min/max-per-bucket pass over the raw points (SQLite: GROUP BY; PostgreSQL: window
-functions) and, for the heatmap, reading every row and merging them with numpy; both timed in this
-process against the same database. Every rollup answer is checked against the baseline's points.
+them): every point read (decoded from its chunk, migration 0011) and min/max-downsampled per bucket
+with numpy (before 0011 this was one SQL pass over a row per point) and, for the heatmap, reading
+every row and merging them with numpy; both timed in this process against the same database. Every
+rollup answer is checked against the baseline's points.
 """
 
 from __future__ import annotations
@@ -130,61 +131,35 @@ def _vectors(key: str, steps: list[int], values: list[list[float]]):
 
 
 def baseline_series(database_url: str, run_id: str, max_points: int) -> tuple[float, list[int]]:
-    """The pre-rollup query: one min/max-per-bucket pass over every raw point, in SQL."""
+    """The query without rollups: every stored point read (decoded from its chunk) and min/max
+    downsampled per bucket with numpy."""
+    import numpy as np
     from sqlalchemy import text
 
     from gradwatch.server.database import make_engine
+    from gradwatch.server.storage import chunked_points
 
     engine = make_engine(database_url)
-    width_sql = "(max(step) - min(step)) / :half + 1"
     with engine.connect() as connection:
         series_id = connection.execute(
             text("SELECT id FROM series WHERE run_id = :r AND key = 'loss'"), {"r": run_id}
         ).scalar()
         started = time.perf_counter()
-        first, width = connection.execute(
-            text(f"SELECT min(step), {width_sql} FROM points WHERE series_id = :s AND rank = 0"),
-            {"s": series_id, "half": max_points // 2},
-        ).one()
-        bucket = "(step - :first) / :width"
-        params = {"s": series_id, "first": first, "width": width}
-        if engine.dialect.name == "sqlite":
-            steps: set[int] = set()
-            for aggregate in ("min", "max"):
-                steps |= {
-                    row[0]
-                    for row in connection.execute(
-                        text(
-                            f"SELECT step, {aggregate}(value) FROM points"
-                            " WHERE series_id = :s AND rank = 0 AND flag = 0"
-                            f" GROUP BY {bucket}"
-                        ),
-                        params,
-                    )
-                }
-            steps |= {
-                row[0]
-                for row in connection.execute(
-                    text(
-                        "SELECT min(step) FROM points WHERE series_id = :s AND rank = 0 AND flag != 0"
-                        f" GROUP BY {bucket}"
-                    ),
-                    params,
-                )
-            }
-        else:
-            steps = {
-                row[0]
-                for row in connection.execute(
-                    text(
-                        "SELECT step FROM (SELECT step,"
-                        f" row_number() OVER (PARTITION BY {bucket} ORDER BY flag = 0, value, step) AS lo,"
-                        f" row_number() OVER (PARTITION BY {bucket} ORDER BY flag != 0, value DESC, step)"
-                        " AS hi FROM points WHERE series_id = :s AND rank = 0) ranked WHERE lo = 1 OR hi = 1"
-                    ),
-                    params,
-                )
-            }
+        points = chunked_points.read(connection, series_id, [0])[0]
+        first, last = int(points.steps[0]), int(points.steps[-1])
+        width = (last - first) // (max_points // 2) + 1
+        buckets = (points.steps - first) // width
+        starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
+        finite = np.isfinite(points.values)
+        steps: set[int] = set()
+        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(buckets)], strict=True):
+            part, ok = points.values[lo:hi], finite[lo:hi]
+            if not ok.all():
+                steps.add(int(points.steps[lo + int(np.flatnonzero(~ok)[0])]))
+            if ok.any():
+                masked = np.where(ok, part, np.nan)
+                steps.add(int(points.steps[lo + int(np.nanargmin(masked))]))
+                steps.add(int(points.steps[lo + int(np.nanargmax(masked))]))
         seconds = time.perf_counter() - started
     engine.dispose()
     return seconds, sorted(steps)

@@ -31,6 +31,7 @@ from pathlib import Path
 from _common import server_command
 
 import gradwatch
+from gradwatch.server.storage.chunked_points import decode
 
 
 def free_port() -> int:
@@ -180,11 +181,16 @@ def main() -> int:
         server.stop()
 
     with sqlite3.connect(server.database) as db:
-        rows = db.execute(
-            "SELECT s.key, p.step, p.value FROM points p JOIN series s ON s.id = p.series_id "
-            "WHERE s.run_id = ? AND s.key LIKE 'k%'",
-            (run.id,),
-        ).fetchall()
+        rows = [
+            (key, step, stored_value)
+            for key, first_step, step_data, value_data in db.execute(
+                "SELECT s.key, c.first_step, c.step_data, c.value_data FROM point_chunks c"
+                " JOIN series s ON s.id = c.series_id WHERE s.run_id = ? AND s.key LIKE 'k%'",
+                (run.id,),
+            ).fetchall()
+            for points in [decode(first_step, step_data, value_data)]
+            for step, stored_value in zip(points.steps.tolist(), points.values.tolist(), strict=True)
+        ]
         events, distinct_events = db.execute(
             "SELECT count(*), count(DISTINCT step) FROM events WHERE run_id = ? AND kind = 'bench'",
             (run.id,),

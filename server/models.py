@@ -96,21 +96,30 @@ class Series(Base):
     kind: Mapped[str] = mapped_column(String(16), default="scalar", server_default="scalar")
 
 
-# _NO_FOREIGN_KEY: the per-point tables (points, vector_points, histogram_points and the rollups) refer
+# _NO_FOREIGN_KEY: the per-point tables (point_chunks, vector_points, histogram_points and the rollups) refer
 # to series.id without a FOREIGN KEY constraint (migration 0007). A constraint is checked for every
 # inserted row (PostgreSQL locks the series row per point): it cost as much as the insert itself.
 # The store keeps the reference intact instead: ingest takes a KEY SHARE lock on the run row, and
 # delete_run locks that row FOR UPDATE before deleting the run's rows table by table.
 
 
-class Point(Base):
-    __tablename__ = "points"
+class PointChunk(Base):
+    """Up to a few thousand consecutive points of one (series, rank), as compressed step and value
+    arrays (storage.chunked_points, migration 0011): one row per chunk instead of one per point.
+    Chunks of a (series, rank) cover disjoint [first_step, last_step] intervals."""
+
+    __tablename__ = "point_chunks"
+    # (series, rank, last_step): the chunks ending at or after a step (a range read, a batch's overlap
+    # check, the newest step) without walking the series' earlier chunks.
+    __table_args__ = (Index(None, "series_id", "rank", "last_step"),)
 
     series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # series.id: see _NO_FOREIGN_KEY
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    value: Mapped[float | None] = mapped_column(Float, nullable=True)
-    flag: Mapped[int] = mapped_column(SmallInteger, default=Flag.FINITE)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(Integer)
+    step_data: Mapped[bytes] = mapped_column(LargeBinary)
+    value_data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class VectorPoint(Base):

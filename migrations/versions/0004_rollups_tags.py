@@ -59,11 +59,12 @@ def upgrade() -> None:
     )
     op.create_index("ix_run_tags_tag", "run_tags", ["tag"])
 
-    # Roll up what an earlier version stored (a no-op on a new database). This uses today's rollup
-    # code; a later change of the rollup format brings its own migration that rebuilds them.
-    from gradwatch.server.storage.rollups import rebuild_all
+    # Roll up the vectors an earlier version stored (a no-op on a new database), with today's rollup
+    # code. Scalar points are rolled up by 0011, which moves them into chunks: today's code reads
+    # points from chunks, which do not exist yet here.
+    from gradwatch.server.storage.rollups import rebuild_vectors
 
-    rebuild_all(op.get_bind())
+    rebuild_vectors(op.get_bind())
 
 
 def downgrade() -> None:

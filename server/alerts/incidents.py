@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import Alert, Delivery, Incident, Point, Run, Series, VectorPoint, Webhook
-from ..storage.codecs import decode_float, dump_json, iso_time, unpack
+from ..models import Alert, Delivery, Incident, Run, Series, VectorPoint, Webhook
+from ..storage import chunked_points
+from ..storage.codecs import dump_json, iso_time, unpack
 from ..storage.queries import events_of_kinds
 from .diagnosis import SEVERITY_ORDER, RunContext, diagnose
 from .rules import MISUSE_EVENTS, RULE_TYPES
@@ -306,15 +307,11 @@ class Incidents:
         ) -> list[tuple[int, float]]:
             if key not in series:
                 return []
-            query = (
-                select(Point.step, Point.value, Point.flag)
-                .where(
-                    Point.series_id == series[key], Point.rank == 0, Point.step >= start, Point.step <= end
-                )
-                .order_by(Point.step.desc() if latest else Point.step)
-                .limit(limit)
-            )
-            return [(step, decode_float(value, flag)) for step, value, flag in session.execute(query)]
+            if latest:
+                found = chunked_points.latest(session, series[key], 0, end)
+                return [] if found is None or found[0] < start else [found]
+            first = chunked_points.read_first(session, series[key], 0, start, end + 1, limit)
+            return list(zip(first.steps.tolist(), first.values.tolist(), strict=True))
 
         def latest(key: str, at: int) -> float | None:
             found = points(key, -1, at, limit=1, latest=True)
@@ -327,11 +324,9 @@ class Incidents:
         lr_start = first_step - 60
         lr_peak_before, lr_points_before = None, 0
         if "lr" in series:
-            lr_peak_before, lr_points_before = session.execute(
-                select(func.max(Point.value), func.count()).where(
-                    Point.series_id == series["lr"], Point.rank == 0, Point.step < lr_start
-                )
-            ).one()
+            lr_points_before, lr_peak_before = chunked_points.count_and_max_before(
+                session, series["lr"], 0, lr_start
+            )
         max_abs: list[tuple[str, float]] = []
         if "param/max_abs" in series:
             row = session.execute(

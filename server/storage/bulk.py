@@ -12,7 +12,7 @@ COPY with one statement instead of two to four, executemany took twice as long, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
 
@@ -102,5 +102,49 @@ def _insert(
         cursor.execute(
             f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters
         )
+    finally:
+        cursor.close()
+
+
+def _driver_sql(connection: Connection, sql: str) -> str:
+    """`sql` written with ? placeholders, in the driver's own style (psycopg: %s)."""
+    return sql if connection.dialect.name == "sqlite" else sql.replace("?", "%s")
+
+
+def fetch(executor: Session | Connection, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Plain tuples straight from the driver, skipping SQLAlchemy's Row objects: queries read tens of
+    thousands of rows and per-row wrapping cost more than the database's work. `sql` uses ?
+    placeholders; it runs in the executor's transaction."""
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    cursor = driver_cursor(connection)
+    try:
+        cursor.execute(_driver_sql(connection, sql), params)
+        return list(cursor.fetchall())
+    finally:
+        cursor.close()
+
+
+def fetch_lazily(
+    executor: Session | Connection, sql: str, params: Sequence[Any], size: int = 64
+) -> Iterator[tuple[Any, ...]]:
+    """fetch()'s rows, read from the driver `size` at a time: for a reader that may stop early."""
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    cursor = driver_cursor(connection)
+    try:
+        cursor.execute(_driver_sql(connection, sql), params)
+        while rows := cursor.fetchmany(size):
+            yield from rows
+    finally:
+        cursor.close()
+
+
+def execute_many(executor: Session | Connection, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    """One statement without results (a DELETE, an UPDATE) run for each parameter row."""
+    if not rows:
+        return
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    cursor = driver_cursor(connection)
+    try:
+        cursor.executemany(_driver_sql(connection, sql), rows)
     finally:
         cursor.close()

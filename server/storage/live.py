@@ -10,7 +10,6 @@ behind the others is still sent.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +17,8 @@ from sqlalchemy import Engine, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from ..errors import NotFound
-from ..models import AgentBatch, Event, Point, Run, Series
-from . import queries
-from .codecs import decode_float
+from ..models import AgentBatch, Event, PointChunk, Run, Series
+from . import chunked_points, queries
 
 __all__ = ["LiveCursor", "LiveEvent", "LiveReads", "LiveUpdate", "PointsChunk"]
 
@@ -131,21 +129,6 @@ def _series_and_ranks(session: Session, cursor: LiveCursor) -> tuple[dict[int, s
     return series, ranks
 
 
-def _statements(conditions: list[tuple[int, Any]]) -> Iterator[list[Any]]:
-    """(pairs covered, condition)s in groups covering about _PAIRS_PER_STATEMENT (key, rank) pairs
-    each: a statement's bound parameters stay far below SQLite's limit however many ranks a run has."""
-    group: list[Any] = []
-    pairs = 0
-    for size, condition in conditions:
-        if group and pairs + size > _PAIRS_PER_STATEMENT:
-            yield group
-            group, pairs = [], 0
-        group.append(condition)
-        pairs += size
-    if group:
-        yield group
-
-
 def _open_cursor(
     session: Session, run_id: str, keys: frozenset[str] | None, rank: int | None, since: int | None
 ) -> LiveCursor:
@@ -163,8 +146,8 @@ def _open_cursor(
         newest = session.execute(
             select(
                 *(
-                    select(func.max(Point.step))
-                    .where(Point.series_id == series_id, Point.rank == rank)
+                    select(func.max(PointChunk.last_step))
+                    .where(PointChunk.series_id == series_id, PointChunk.rank == rank)
                     .scalar_subquery()
                     for series_id, rank in chunk
                 )
@@ -214,52 +197,19 @@ def _new_points(
     session: Session, cursor: LiveCursor, series: dict[int, str], ranks: list[int], limit: int
 ) -> tuple[list[PointsChunk], dict[tuple[int, int], int], bool]:
     """Points after the cursor of their (key, rank), at most `limit` (then True: more are waiting),
-    and the steps the cursor moves to. Usually one statement: range probes of the primary key
-    (series_id, rank, step), OR-ed, unordered (an ORDER BY would make SQLite walk the whole index).
-    A backlog of more than `limit` points is then read pair by pair, each in step order."""
+    and the steps the cursor moves to: chunks ending after each pair's cursor, a few hundred pairs
+    per statement (chunked_points.read_after)."""
     afters = {
         (series_id, rank): cursor.points.get((series_id, rank), cursor.start)
         for series_id in sorted(series)
         for rank in ranks
     }
-    # Pairs with the same key and cursor share one condition (every rank of a key usually does).
-    ranks_after: dict[tuple[int, int], list[int]] = {}
-    for (series_id, rank), after in afters.items():
-        ranks_after.setdefault((series_id, after), []).append(rank)
-    conditions = [  # (pairs covered, condition)
-        (len(some_ranks), and_(Point.series_id == series_id, Point.rank.in_(some_ranks), Point.step > after))
-        for (series_id, after), group in ranks_after.items()
-        for some_ranks in queries.chunks(group, _PAIRS_PER_STATEMENT)
+    found, more = chunked_points.read_after(session, afters, limit)
+    chunks = [
+        PointsChunk(series[series_id], rank, points.steps.tolist(), points.values.tolist())
+        for (series_id, rank), points in sorted(found.items())
     ]
-    columns = (Point.series_id, Point.rank, Point.step, Point.value, Point.flag)
-    rows: list[Any] = []
-    for chunk in _statements(conditions):
-        rows.extend(session.execute(select(*columns).where(or_(*chunk)).limit(limit + 1 - len(rows))).all())
-        if len(rows) > limit:
-            break
-    more = len(rows) > limit
-    if more:
-        rows = []
-        for (series_id, rank), after in afters.items():
-            if len(rows) >= limit:
-                break
-            rows.extend(
-                session.execute(
-                    select(*columns)
-                    .where(Point.series_id == series_id, Point.rank == rank, Point.step > after)
-                    .order_by(Point.step)
-                    .limit(limit - len(rows))
-                ).all()
-            )
-    rows.sort(key=lambda row: (row.series_id, row.rank, row.step))
-    chunks: list[PointsChunk] = []
-    last_steps: dict[tuple[int, int], int] = {}
-    for row in rows:
-        if not chunks or chunks[-1].key != series[row.series_id] or chunks[-1].rank != row.rank:
-            chunks.append(PointsChunk(series[row.series_id], row.rank, [], []))
-        chunks[-1].steps.append(row.step)
-        chunks[-1].values.append(decode_float(row.value, row.flag))
-        last_steps[(row.series_id, row.rank)] = row.step
+    last_steps = {pair: int(points.steps[-1]) for pair, points in found.items()}
     return chunks, last_steps, more
 
 

@@ -29,13 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, case, func, select
+import numpy as np
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from ..errors import InvalidRequest, NotFound
-from ..models import AgentBatch, Event, Flag, HistogramPoint, Point, VectorPoint
-from . import queries
-from .codecs import decode_float, unpack
+from ..models import AgentBatch, Event, HistogramPoint, VectorPoint
+from . import chunked_points, queries
+from .codecs import unpack
 
 __all__ = [
     "COMBINES",
@@ -331,53 +332,48 @@ def _combined_series(
     series_id = queries.series_id(session, run_id, key, "scalar")
     if series_id is None:
         return CombinedSeries(key, mode, [], [], [], {}, downsampled=False)
-    in_range = queries.step_range(
-        select(Point).where(Point.series_id == series_id), Point.step, start, end
-    ).subquery()
-    extent = session.execute(
-        select(in_range.c.rank, func.count(), func.min(in_range.c.step), func.max(in_range.c.step))
-        .group_by(in_range.c.rank)
-        .order_by(in_range.c.rank)
-    ).all()
-    if not extent:
+    found = chunked_points.read(session, series_id, None, start, end)
+    if not found:
         return CombinedSeries(key, mode, [], [], [], {}, downsampled=False)
-    ranks = [row[0] for row in extent]
-    first, last = min(row[2] for row in extent), max(row[3] for row in extent)
-    value, flag = in_range.c.value, in_range.c.flag
-    grouped = (
-        select(
-            in_range.c.step,
-            func.count(),
-            func.sum(value * value),
-            func.sum(value),
-            func.min(value),
-            func.max(value),
-            func.sum(case((flag == Flag.NAN, 1), else_=0)),
-            func.sum(case((flag == Flag.POS_INF, 1), else_=0)),
-            func.sum(case((flag == Flag.NEG_INF, 1), else_=0)),
-        )
-        .group_by(in_range.c.step)
-        .having(func.count() == _expected_ranks(summary, mode, ranks))
-        .order_by(in_range.c.step)
+    ranks = sorted(found)
+    first = min(int(found[rank].steps[0]) for rank in ranks)
+    last = max(int(found[rank].steps[-1]) for rank in ranks)
+    all_values = np.concatenate([found[rank].values for rank in ranks])
+    steps_at, inverse, counts = np.unique(
+        np.concatenate([found[rank].steps for rank in ranks]), return_inverse=True, return_counts=True
+    )
+    # Per step over its ranks, as SQL aggregates would give them: sums, min and max of the finite
+    # values (±inf where there are none, which _combine_scalars reads as "no finite value").
+    finite = np.isfinite(all_values)
+    finite_values = np.where(finite, all_values, 0.0)
+    size = len(steps_at)
+    square_sum = np.bincount(inverse, weights=finite_values * finite_values, minlength=size)
+    total = np.bincount(inverse, weights=finite_values, minlength=size)
+    low = np.full(size, np.inf)
+    np.minimum.at(low, inverse, np.where(finite, all_values, np.inf))
+    high = np.full(size, -np.inf)
+    np.maximum.at(high, inverse, np.where(finite, all_values, -np.inf))
+    nans = np.bincount(inverse, weights=np.isnan(all_values), minlength=size)
+    pos = np.bincount(inverse, weights=all_values == np.inf, minlength=size)
+    neg = np.bincount(inverse, weights=all_values == -np.inf, minlength=size)
+    complete = np.flatnonzero(counts == _expected_ranks(summary, mode, ranks)).tolist()
+    step_list, n, sq, tot, lo, hi, na, po, ne = (
+        a.tolist() for a in (steps_at, counts, square_sum, total, low, high, nans, pos, neg)
     )
     combined = (
-        (row[0], _combine_scalars(mode, *row[1:]))
-        for row in session.execute(grouped.execution_options(yield_per=5000))
+        (step_list[i], _combine_scalars(mode, n[i], sq[i], tot[i], lo[i], hi[i], na[i], po[i], ne[i]))
+        for i in complete
     )
-    downsampled = max(row[1] for row in extent) > max_points
+    downsampled = max(len(found[rank]) for rank in ranks) > max_points
     points = _min_max_buckets(combined, first, last, max_points) if downsampled else list(combined)
     steps = [step for step, _ in points]
-    per_rank: dict[int, list[float]] = {rank: [math.nan] * len(steps) for rank in ranks}
-    index = {step: i for i, step in enumerate(steps)}
-    for chunk in queries.chunks(steps):
-        rows = session.execute(
-            select(Point.step, Point.rank, Point.value, Point.flag).where(
-                Point.series_id == series_id, Point.step.in_(chunk)
-            )
-        )
-        for step, rank, stored, stored_flag in rows:
-            if rank in per_rank:
-                per_rank[rank][index[step]] = decode_float(stored, stored_flag)
+    wanted = np.asarray(steps, dtype=np.int64)
+    per_rank: dict[int, list[float]] = {}
+    for rank in ranks:
+        stored = found[rank]
+        at = np.searchsorted(stored.steps, wanted).clip(0, max(len(stored) - 1, 0))
+        present = stored.steps[at] == wanted if len(stored) else np.zeros(len(wanted), bool)
+        per_rank[rank] = np.where(present, stored.values[at], np.nan).tolist()
     return CombinedSeries(key, mode, ranks, steps, [v for _, v in points], per_rank, downsampled)
 
 
@@ -570,24 +566,27 @@ def _disagreements(
     series_id = queries.series_id(session, run_id, SKIPPED_KEY, "scalar")
     if series_id is None:
         return [], 0
-    skipped = case((Point.value >= 0.5, 1), else_=0)
-    query = (
-        queries.step_range(select(Point.step).where(Point.series_id == series_id), Point.step, start, end)
-        .group_by(Point.step)
-        .having(func.count() > 1, func.min(skipped) != func.max(skipped))
-    )
-    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    steps = list(session.scalars(query.order_by(Point.step).limit(limit)))
-    found: dict[int, Disagreement] = {}
+    found = chunked_points.read(session, series_id, None, start, end)
+    ranks = sorted(found)
+    all_steps = np.concatenate([found[rank].steps for rank in ranks]) if ranks else np.empty(0, np.int64)
+    all_ranks = np.concatenate([np.full(len(found[rank]), rank) for rank in ranks]) if ranks else all_steps
+    skipped = (
+        np.concatenate([found[rank].values >= 0.5 for rank in ranks]) if ranks else np.empty(0, bool)
+    )  # NaN compares False: a non-finite reading counts as applied, as before
+    steps_at, inverse, counts = np.unique(all_steps, return_inverse=True, return_counts=True)
+    skipped_count = np.bincount(inverse, weights=skipped, minlength=len(steps_at))
+    mixed = (counts > 1) & (skipped_count > 0) & (skipped_count < counts)
+    total = int(mixed.sum())
+    steps = steps_at[mixed][:limit].tolist()
+    shown = np.flatnonzero(np.isin(all_steps, steps))
+    shown = shown[np.lexsort((all_ranks[shown], all_steps[shown]))]
+    found_at: dict[int, Disagreement] = {}
+    for step, rank, skip in zip(
+        all_steps[shown].tolist(), all_ranks[shown].tolist(), skipped[shown].tolist(), strict=True
+    ):
+        entry = found_at.setdefault(step, Disagreement(step, [], []))
+        (entry.skipped_ranks if skip else entry.applied_ranks).append(rank)
     for chunk in queries.chunks(steps):
-        rows = session.execute(
-            select(Point.step, Point.rank, Point.value)
-            .where(Point.series_id == series_id, Point.step.in_(chunk))
-            .order_by(Point.step, Point.rank)
-        )
-        for step, rank, value in rows:
-            entry = found.setdefault(step, Disagreement(step, [], []))
-            (entry.skipped_ranks if value is not None and value >= 0.5 else entry.applied_ranks).append(rank)
         events = session.execute(
             select(Event.step, Event.data_json)
             .where(Event.run_id == run_id, Event.kind == "skip", Event.step.in_(chunk))
@@ -595,6 +594,6 @@ def _disagreements(
         )
         for step, data_json in events:
             names = json.loads(data_json).get("non_finite_layers") or []
-            layers = found[step].layers
+            layers = found_at[step].layers
             layers.extend(str(name) for name in names if str(name) not in layers)
-    return [found[step] for step in steps], total
+    return [found_at[step] for step in steps], total

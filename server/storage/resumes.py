@@ -28,7 +28,6 @@ from sqlalchemy.orm import Session
 from ..models import (
     Event,
     HistogramPoint,
-    Point,
     PointRollup,
     RunResume,
     Series,
@@ -36,7 +35,7 @@ from ..models import (
     VectorRollup,
 )
 from ..schemas import BatchIn, EventIn
-from . import rollups
+from . import chunked_points, rollups
 
 RESUME_EVENT = "resume"
 SEQ_COUNTER_BITS = 20  # the agent's seq layout: (namespace << 20) | counter (gradwatch._sender)
@@ -90,7 +89,8 @@ def clip(batch: BatchIn, cutoff: int) -> BatchIn:
     )
 
 
-_MODELS: dict[str, Any] = {"scalar": Point, "vector": VectorPoint, "histogram": HistogramPoint}
+# Points are chunked (storage.chunked_points); the per-step tables are read and cut here directly.
+_MODELS: dict[str, Any] = {"vector": VectorPoint, "histogram": HistogramPoint}
 
 
 def _previous_last_step(session: Session, run_id: str, rank: int, ids: dict[str, list[int]]) -> int | None:
@@ -101,6 +101,7 @@ def _previous_last_step(session: Session, run_id: str, rank: int, ids: dict[str,
         for kind, model in _MODELS.items()
         for series_id in ids[kind]
     ]
+    steps.extend(chunked_points.last_step(session, series_id, rank) for series_id in ids["scalar"])
     steps.append(
         session.scalar(select(func.max(Event.step)).where(Event.run_id == run_id, Event.rank == rank))
     )
@@ -112,12 +113,13 @@ def supersede(session: Session, run_id: str, rank: int, step: int) -> int | None
     """Delete the rank's data at `step` and after (points, vectors, histograms, events) and bring the
     rollups in line; returns the rank's last stored step before (None: nothing was stored)."""
     rows = session.execute(select(Series.id, Series.kind).where(Series.run_id == run_id)).all()
-    ids: dict[str, list[int]] = {kind: [] for kind in _MODELS}
+    ids: dict[str, list[int]] = {kind: [] for kind in ("scalar", *_MODELS)}
     for series_id, kind in rows:
         ids.setdefault(kind, []).append(series_id)
     previous = _previous_last_step(session, run_id, rank, ids)
     if previous is None or previous < step:
         return previous  # a continuation: nothing to replace
+    chunked_points.delete_from(session, ids["scalar"], rank, step)
     for kind, model in _MODELS.items():
         if ids[kind]:
             session.execute(

@@ -28,8 +28,8 @@ import numpy as np
 from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
-from ..models import Point, PointRollup, VectorPoint, VectorRollup
-from . import bulk
+from ..models import PointRollup, VectorPoint, VectorRollup
+from . import bulk, chunked_points
 
 BASE = 32
 LEVELS = 3
@@ -118,35 +118,20 @@ def combine(parts: list[SummaryRow]) -> SummaryRow:
     return (*low[LOW_STEP:HIGH_STEP], *high_fields, sum(p[POINT_COUNT] for p in parts))
 
 
-def _fetch(executor: Executor, sql: str, params: list[Any]) -> Sequence[tuple[Any, ...]]:
-    """Plain tuples straight from the driver, skipping SQLAlchemy's Row objects: queries read tens of
-    thousands of rows and per-row wrapping cost more than the database's work. `sql` uses ?
-    placeholders (rewritten for psycopg); it runs in the executor's transaction."""
-    connection = executor.connection() if isinstance(executor, Session) else executor
-    if connection.dialect.name != "sqlite":
-        sql = sql.replace("?", "%s")
-    cursor = bulk.driver_cursor(connection)
-    try:
-        cursor.execute(sql, params)
-        return cursor.fetchall()
-    finally:
-        cursor.close()
-
-
 def _in(ids: list[int]) -> str:
     return ", ".join("?" for _ in ids)
 
 
 def _read_points(
     executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
-) -> Sequence[tuple[Any, ...]]:
+) -> list[tuple[Any, ...]]:
     """(series_id, step, value, flag) of the points with lo <= step < hi."""
-    return _fetch(
-        executor,
-        f"SELECT series_id, step, value, flag FROM points WHERE series_id IN ({_in(series_ids)})"
-        " AND rank = ? AND step >= ? AND step < ?",
-        [*series_ids, rank, lo, hi],
-    )
+    return [
+        (sid, *row)
+        for sid in series_ids
+        for points in chunked_points.read(executor, sid, [rank], lo, hi).values()
+        for row in chunked_points.rows(points)
+    ]
 
 
 # The point_rollups columns that hold a Summary's fields, in field order (point_count is `count`).
@@ -157,7 +142,7 @@ def _read_point_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
 ) -> Sequence[tuple[Any, ...]]:
     """(series_id, bucket, *Summary fields) rows of `level` whose bucket lies in [lo, hi)."""
-    return _fetch(
+    return bulk.fetch(
         executor,
         f"SELECT series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups"
         f" WHERE series_id IN ({_in(series_ids)})"
@@ -281,7 +266,7 @@ def _read_vector_rows(
     executor: Executor, series_ids: list[int], rank: int, lo: int, hi: int
 ) -> Sequence[tuple[Any, ...]]:
     """(series_id, step, data) of the rows with lo <= step < hi."""
-    return _fetch(
+    return bulk.fetch(
         executor,
         f"SELECT series_id, step, data FROM vector_points WHERE series_id IN ({_in(series_ids)})"
         " AND rank = ? AND step >= ? AND step < ?",
@@ -293,7 +278,7 @@ def _read_vector_rollups(
     executor: Executor, series_ids: list[int], rank: int, level: int, lo: int, hi: int
 ) -> Sequence[tuple[Any, ...]]:
     """(series_id, bucket, first_step, count, data) rows of `level` whose bucket lies in [lo, hi)."""
-    return _fetch(
+    return bulk.fetch(
         executor,
         f"SELECT series_id, bucket, first_step, count, data FROM vector_rollups WHERE series_id IN"
         f" ({_in(series_ids)}) AND rank = ? AND level = ? AND bucket >= ? AND bucket < ?",
@@ -483,28 +468,50 @@ def refresh_vectors(executor: Executor, rank: int, steps_by_series: Mapping[int,
 # -- maintenance when a batch only adds points --------------------------------------------------------
 
 
-def any_stored_points(executor: Executor, rank: int, series_ids: list[int], lo: int, hi: int) -> bool:
-    """Whether any of these series already holds a point with lo <= step <= hi (one index probe)."""
-    return bool(
-        _fetch(
-            executor,
-            f"SELECT 1 FROM points WHERE series_id IN ({_in(series_ids)})"
-            " AND rank = ? AND step >= ? AND step <= ? LIMIT 1",
-            [*series_ids, rank, lo, hi],
+def _level_one(series_id: int, points: chunked_points.Points) -> Iterable[tuple[tuple[int, int], SummaryRow]]:
+    """((series, bucket), Summary) of each level-1 bucket the points fall in, computed with numpy (a
+    batch holds hundreds of thousands of points): the lowest point is the first non-finite one, else
+    the smallest value (earliest on ties); the highest the largest finite value (latest on ties),
+    else the lowest again."""
+    steps, values = points.steps, points.values
+    buckets = steps // BASE
+    starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])  # steps ascend: buckets too
+    ends = np.r_[starts[1:], len(steps)]
+    group = np.repeat(np.arange(len(starts)), ends - starts)
+    finite = np.isfinite(values)
+    ordered = np.where(finite, values, -np.inf)
+    # Within each group, ascending by (finite?, value, step): non-finite points first by step.
+    order = np.lexsort((steps, ordered, finite, group))
+    low = order[starts]
+    high = order[ends - 1]
+    no_finite = ~finite[high]
+    high[no_finite] = low[no_finite]
+    flag = chunked_points.flags(values)
+    stored: list[float | None] = np.where(finite, values, np.nan).tolist()
+    for i in np.flatnonzero(~finite).tolist():
+        stored[i] = None
+    low_l, high_l, flag_l, steps_l = low.tolist(), high.tolist(), flag.tolist(), steps.tolist()
+    counts = (ends - starts).tolist()
+    for g, bucket in enumerate(buckets[starts].tolist()):
+        lo, hi = low_l[g], high_l[g]
+        yield (
+            (series_id, bucket),
+            (steps_l[lo], stored[lo], flag_l[lo], steps_l[hi], stored[hi], flag_l[hi], counts[g]),
         )
-    )
 
 
-def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, Any, int]]) -> None:
-    """Fold (series_id, step, value, flag) points that overwrote nothing into the pyramid: each
-    touched bucket's summary becomes combine(stored summary, the batch's summary), at every level,
-    with one read and one write. (The lowest/highest of a union is the lowest/highest of the parts;
-    that holds only for new points, so a batch that rewrote steps goes through refresh_points.)"""
-    if not rows:
+def merge_new_points(executor: Executor, rank: int, new: Mapping[int, chunked_points.Points]) -> None:
+    """Fold points that overwrote nothing (series id -> points) into the pyramid: each touched
+    bucket's summary becomes combine(stored summary, the batch's summary), at every level, with one
+    read and one write. (The lowest/highest of a union is the lowest/highest of the parts; that
+    holds only for new points, so a batch that rewrote steps goes through refresh_points.)"""
+    new = {sid: points for sid, points in new.items() if len(points)}
+    if not new:
         return
     batch: dict[tuple[int, int, int], SummaryRow] = {}  # (level, series, bucket) -> summary
-    groups: dict[tuple[int, int], list[SummaryRow]] = defaultdict(list)
-    _group_points(groups, rows, BASE)
+    groups: dict[tuple[int, int], list[SummaryRow]] = {
+        key: [summary] for sid, points in new.items() for key, summary in _level_one(sid, points)
+    }
     for level in range(1, LEVELS + 1):
         if level > 1:
             groups = defaultdict(list)
@@ -524,7 +531,7 @@ def merge_new_points(executor: Executor, rank: int, rows: list[tuple[int, int, A
             f" ({_in(series_ids)}) AND rank = ? AND level = ? AND bucket >= ? AND bucket <= ?"
         )
         params += [*series_ids, rank, level, min(buckets), max(buckets)]
-    stored = _fetch(executor, " UNION ALL ".join(selects), params)
+    stored = bulk.fetch(executor, " UNION ALL ".join(selects), params)
     for level, sid, bucket, *fields in stored:
         mine = batch.get((level, sid, bucket))
         if mine is not None:
@@ -547,18 +554,36 @@ _REBUILD_CHUNK = 65_536  # steps per refresh: bounded memory for any series leng
 
 
 def rebuild_all(connection: Connection) -> None:
-    """Roll up every stored series (the migration that introduced rollups; repairs)."""
-    for model, refresh in ((Point, refresh_points), (VectorPoint, refresh_vectors)):
-        pairs = connection.execute(select(model.series_id, model.rank).distinct()).all()
-        for series_id, rank in pairs:
-            steps = (
-                connection.execute(
-                    select(model.step)
-                    .where(model.series_id == series_id, model.rank == rank)
-                    .order_by(model.step)
-                )
-                .scalars()
-                .all()
+    """Roll up every stored series (repairs)."""
+    for series_id, rank in list(chunked_points.iterate_pairs(connection)):
+        refresh_points_of(connection, series_id, rank)
+    rebuild_vectors(connection)
+
+
+def rebuild_vectors(connection: Connection) -> None:
+    """Roll up every stored per-layer vector (migration 0004, which introduced rollups)."""
+    pairs = connection.execute(select(VectorPoint.series_id, VectorPoint.rank).distinct()).all()
+    for series_id, rank in pairs:
+        steps = (
+            connection.execute(
+                select(VectorPoint.step)
+                .where(VectorPoint.series_id == series_id, VectorPoint.rank == rank)
+                .order_by(VectorPoint.step)
             )
-            for start in range(0, len(steps), _REBUILD_CHUNK):
-                refresh(connection, rank, {series_id: steps[start : start + _REBUILD_CHUNK]})
+            .scalars()
+            .all()
+        )
+        for start in range(0, len(steps), _REBUILD_CHUNK):
+            refresh_vectors(connection, rank, {series_id: steps[start : start + _REBUILD_CHUNK]})
+
+
+def refresh_points_of(executor: Executor, series_id: int, rank: int) -> None:
+    """Recompute every rollup bucket of one (series, rank) from its points, a window at a time."""
+    extent = chunked_points.extent(executor, series_id, rank, None, None)
+    if extent is None:
+        return
+    first, last = extent
+    for lo in range(first - first % _REBUILD_CHUNK, last + 1, _REBUILD_CHUNK):
+        found = chunked_points.read(executor, series_id, [rank], lo, lo + _REBUILD_CHUNK).get(rank)
+        if found is not None:
+            refresh_points(executor, rank, {series_id: found.steps.tolist()})

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 from sqlalchemy import Engine, and_, case, delete, func, or_, select, text, update
@@ -28,9 +26,8 @@ from ..errors import Conflict, InvalidRequest, NotFound
 from ..models import (
     AgentBatch,
     Event,
-    Flag,
     HistogramPoint,
-    Point,
+    PointChunk,
     PointRollup,
     Run,
     RunResume,
@@ -40,8 +37,8 @@ from ..models import (
     VectorRollup,
 )
 from ..schemas import BatchIn, RunIn
-from . import bulk, liveness, queries, resumes, rollups
-from .codecs import decode_float, dump_json, encode_float, pack, unpack
+from . import bulk, chunked_points, liveness, queries, resumes, rollups
+from .codecs import decode_float, dump_json, pack, unpack
 from .live import LiveReads
 from .ranks import RankReads
 
@@ -121,28 +118,15 @@ class HistogramsResult:
     non_finite: list[int]
 
 
-def _point_rows(batch: BatchIn, series_ids: dict[str, int]) -> list[tuple[int, int, int, float | None, int]]:
-    """(series_id, rank, step, value, flag) rows of a batch's scalars. A step repeated for a key within
-    the batch keeps its last value (one row per key for the database's upsert)."""
-    rows: list[tuple[int, int, int, float | None, int]] = []
-    seen_keys: set[str] = set()
-    repeated = False
+def _batch_points(batch: BatchIn, series_ids: dict[str, int]) -> dict[int, chunked_points.Points]:
+    """The batch's scalars as points per series id. A key sent twice in the batch is one series (a
+    step repeated for a key keeps its last value)."""
+    by_series: dict[int, tuple[list[int], list[float]]] = {}
     for series in batch.scalars:
-        series_id = series_ids[series.key]
-        repeated = repeated or series.key in seen_keys or len(set(series.steps)) != len(series.steps)
-        seen_keys.add(series.key)
-        if all(map(math.isfinite, series.values)):  # the common case, at C speed
-            rows.extend(
-                zip(repeat(series_id), repeat(batch.rank), series.steps, series.values, repeat(Flag.FINITE))
-            )
-        else:
-            rows.extend(
-                (series_id, batch.rank, step, *encode_float(value))
-                for step, value in zip(series.steps, series.values, strict=True)  # validated to pair up
-            )
-    if repeated:
-        rows = list({(row[0], row[2]): row for row in rows}.values())
-    return rows
+        steps, values = by_series.setdefault(series_ids[series.key], ([], []))
+        steps.extend(series.steps)
+        values.extend(series.values)
+    return {sid: chunked_points.Points.of(steps, values) for sid, (steps, values) in by_series.items()}
 
 
 def _status_values(batch: BatchIn, resumed: bool) -> dict[str, Any]:
@@ -347,7 +331,7 @@ class Store:
             if session.get(Run, run_id, with_for_update=True) is None:
                 raise NotFound(f"run {run_id!r} does not exist")
             series_ids = select(Series.id).where(Series.run_id == run_id)
-            for table in (Point, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
+            for table in (PointChunk, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
             for model in (Series, Event, AgentBatch, RunTag, RunResume):
                 session.execute(delete(model).where(model.run_id == run_id))
@@ -406,30 +390,21 @@ class Store:
                 batch = resumes.with_resume_facts(batch, resume, facts)
 
             series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
-            point_rows = _point_rows(batch, series_ids)
-            steps_by_series: dict[int, list[int]] = {}
-            for series in batch.scalars:
-                steps_by_series.setdefault(series_ids[series.key], []).extend(series.steps)
-            last_step = max((max(steps) for steps in steps_by_series.values() if steps), default=-1)
-            if point_rows:
-                series_with_points = sorted(steps_by_series)
-                first_step = min(min(steps) for steps in steps_by_series.values() if steps)
+            new_points = _batch_points(batch, series_ids)
+            point_count = sum(map(len, new_points.values()))
+            last_step = max((int(p.steps[-1]) for p in new_points.values() if len(p)), default=-1)
+            if point_count:
                 # Points that overwrite nothing (the normal case: a run moving forward) are folded
-                # into the rollups; a batch that rewrites steps (a resumed run) recomputes them.
-                appending = not rollups.any_stored_points(
-                    session, batch.rank, series_with_points, first_step, last_step
+                # into the rollups; a series whose stored steps the batch rewrote (a resumed run)
+                # has them recomputed.
+                rewritten = chunked_points.write(session, batch.rank, new_points)
+                rollups.merge_new_points(
+                    session, batch.rank, {sid: p for sid, p in new_points.items() if sid not in rewritten}
                 )
-                point_columns = ("series_id", "rank", "step", "value", "flag")
-                if appending:  # nothing stored at these steps: no conflict to check for
-                    bulk.insert(session, Point.__table__, point_columns, point_rows)
-                    rollups.merge_new_points(
-                        session, batch.rank, [(r[0], r[2], r[3], r[4]) for r in point_rows]
+                if rewritten:
+                    rollups.refresh_points(
+                        session, batch.rank, {sid: new_points[sid].steps.tolist() for sid in rewritten}
                     )
-                else:
-                    bulk.upsert(
-                        session, Point.__table__, point_columns, ("series_id", "rank", "step"), point_rows
-                    )
-                    rollups.refresh_points(session, batch.rank, steps_by_series)
             if batch.events:
                 session.execute(
                     Event.__table__.insert(),
@@ -463,7 +438,7 @@ class Store:
             session.execute(update(Run).where(Run.id == run_id).values(**values))
             for hook in self.after_ingest:
                 hook(session, run_id, batch)
-            result = IngestResult(duplicate=False, points=len(point_rows), events=len(batch.events))
+            result = IngestResult(duplicate=False, points=point_count, events=len(batch.events))
         for notify in self.after_commit:
             notify(run_id, batch)
         return result
@@ -660,7 +635,9 @@ class Store:
         with self._transaction() as session:
             queries.require_run(session, run_id)
             series_id = queries.series_id(session, run_id, key)
-            extent = None if series_id is None else self._extent(session, Point, series_id, rank, start, end)
+            extent = (
+                None if series_id is None else chunked_points.extent(session, series_id, rank, start, end)
+            )
             if series_id is None or extent is None:
                 return SeriesResult([], [], downsampled=False)
             first, last = extent
@@ -676,16 +653,10 @@ class Store:
                         [decode_float(v, f) for _, v, f in kept],
                         downsampled=True,
                     )
-            rows = session.execute(
-                select(Point.step, Point.value, Point.flag)
-                .where(
-                    Point.series_id == series_id, Point.rank == rank, Point.step >= first, Point.step <= last
-                )
-                .order_by(Point.step)
-            ).all()
-        return SeriesResult(
-            [row.step for row in rows], [decode_float(row.value, row.flag) for row in rows], False
-        )
+            points = chunked_points.read(session, series_id, [rank], first, last + 1).get(rank)
+        if points is None:
+            return SeriesResult([], [], False)
+        return SeriesResult(points.steps.tolist(), points.values.tolist(), False)
 
     @staticmethod
     def _extent(
@@ -718,13 +689,8 @@ class Store:
     @staticmethod
     def _run_record(session: Session, run: Run) -> RunRecord:
         skips = session.scalar(select(func.count()).where(Event.run_id == run.id, Event.kind == "skip")) or 0
-        scale_row = session.execute(
-            select(Point.value, Point.flag)
-            .join(Series, Series.id == Point.series_id)
-            .where(Series.run_id == run.id, Series.key == SCALE_KEY, Point.rank == 0)
-            .order_by(Point.step.desc())
-            .limit(1)
-        ).first()
+        scale_id = queries.series_id(session, run.id, SCALE_KEY)
+        scale = None if scale_id is None else chunked_points.latest(session, scale_id, 0, 2**62)
         return RunRecord(
             id=run.id,
             project=run.project,
@@ -739,6 +705,6 @@ class Store:
             config=json.loads(run.config_json),
             metadata=json.loads(run.metadata_json),
             skips=skips,
-            scale=decode_float(scale_row.value, scale_row.flag) if scale_row else None,
+            scale=None if scale is None else scale[1],
             status_reason=run.status_reason,
         )

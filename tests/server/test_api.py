@@ -381,7 +381,7 @@ def test_deleting_a_run_while_its_agents_write_leaves_no_orphan_rows(database_ur
     assert errors == []
     engine = make_engine(database_url)
     with engine.connect() as connection:
-        for table in ("points", "point_rollups", "series", "agent_batches"):
+        for table in ("point_chunks", "point_rollups", "series", "agent_batches"):
             assert connection.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0, table
     engine.dispose()
 
