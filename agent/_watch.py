@@ -263,11 +263,19 @@ class Watcher:
     def _reset_step_state(self) -> None:
         self._grad_norms_seen = False  # per-layer norms / histograms already taken this step
         self._global_norm: Any = None
+        self._global_norm_given = False  # set_global_norm() was called: no norm of our own
         self._optimizer_stepped = False
         self._snapshot: _quantities.Snapshot | None = None
         self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
         self._loss_count = 0
         self._backwards = 0  # backward passes that reached the last parameter this step
+
+    def set_global_norm(self, norm: Any) -> None:
+        """This step's pre-clip global gradient norm as the training framework computed it (DeepSpeed's
+        engine: a number, or a 0-dim tensor kept on its device), recorded as grad/global_norm in place
+        of the Watcher's own; None: no global norm is recorded for this step."""
+        self._global_norm = norm
+        self._global_norm_given = True
 
     # -- gradient observations --------------------------------------------------------------------
 
@@ -456,11 +464,12 @@ class Watcher:
         sink = self.sink
         step = sink.step
         options = self.options
-        if self._global_norm is None:
+        if self._global_norm is None and not self._global_norm_given:
             # No clip call and no sampled per-layer norms: one fused norm over the gradients (at this
             # point unscaled; unchanged since backward, as nothing clipped them).
             self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
-        sink.add_scalar("grad/global_norm", step, self._global_norm)
+        if self._global_norm is not None:
+            sink.add_scalar("grad/global_norm", step, self._global_norm)
         if self._loss_count:
             sink.add_scalar("amp/loss", step, self._loss_sum / self._loss_count)
         micro_batches = self._backwards or self._loss_count
