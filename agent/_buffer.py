@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+_first, _second = itemgetter(0), itemgetter(1)  # of (step, value) points, at C speed
+
 # (key, step, start offset in the flat tensor, shape: () scalar, (n,) vector, (rows, columns) matrix)
 _Slot = tuple[str, int, int, tuple[int, ...]]
 
@@ -40,9 +42,12 @@ class Resolved:
 
         fields: dict[str, Any] = {
             "scalars": [
-                {"key": key, "steps": list(steps), "values": wire_values(list(values))}
+                {
+                    "key": key,
+                    "steps": list(map(_first, points)),
+                    "values": wire_values(list(map(_second, points))),
+                }
                 for key, points in public(self.scalars)
-                for steps, values in [zip(*points, strict=True)]
             ],
             "events": [json_safe(event) for event in self.events],
         }
@@ -115,7 +120,7 @@ class Packet:
             else:
                 points.extend(zip(steps, values, strict=True))
         for points in scalars.values():
-            points.sort(key=itemgetter(0))  # stable (a step logged twice keeps its order); O(n) when sorted
+            points.sort(key=_first)  # stable (a step logged twice keeps its order); O(n) when sorted
         resolved = Resolved(scalars, vectors, matrices, list(self.events))
         for derive in self.derivers:
             derive(resolved)

@@ -47,6 +47,7 @@ from ._transport import Backoff, Transport, TransportError
 from ._wire import (
     HEALTH_PREFIX,
     MAX_BATCH_VALUES,
+    VALUES_F64,
     SeqAllocator,
     batch_points,
     dumps,
@@ -54,7 +55,9 @@ from ._wire import (
     halve_by_steps,
     last_step,
     merge_fragments,
+    pack_values,
     split_by_steps,
+    unpack_values,
 )
 
 logger = logging.getLogger("gradwatch")
@@ -66,6 +69,8 @@ PROGRESS_EVERY = 3.0
 # An idle run (a long evaluation, a checkpoint save) still tells the server it is alive this often:
 # the server marks a run whose ranks all stayed silent for crashed_after_s (5 min) "crashed".
 KEEPALIVE_S = 60.0
+# Sealed batches the collector encodes ahead of the uploader (each at most max_batch_points points).
+ENCODE_AHEAD = 2
 _UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # the server (or its proxy) is away or busy
 _AUTH = frozenset({401, 403})
 
@@ -194,6 +199,8 @@ class Sender:
         self._failing = False  # the last upload attempt failed and may be retried
         self._server_wait = 0.0  # seconds the server asked the last failed attempt to wait (Retry-After)
         self._newest_step = 0  # the largest step sealed so far (a notice about a stepless batch)
+        self._packed = False  # the server reads values_f64 (it said so when the run was created)
+        self._encoded: dict[int, bytes] = {}  # seq -> JSON of a sealed batch, encoded ahead (_encode_ahead)
         self._sealed_at: float | None = None  # when a batch was last sealed (None: never yet)
         self._run_created = False
         self._warned: set[str] = set()
@@ -393,6 +400,7 @@ class Sender:
                     if not closing:
                         self._keep_alive_if_due()
                 self.spool.sync_due()  # outside the lock: an fsync must not hold up the uploader
+                self._encode_ahead()
             except Exception as exc:  # noqa: BLE001 - the worker must not die silently
                 self._error(exc, "collector")
             if closing:
@@ -420,6 +428,23 @@ class Sender:
             self._pending_points += batch_points(fragment)
             self._changed.notify_all()
 
+    def _encode_ahead(self) -> None:
+        """Encode the next sealed batches while the uploader waits for the server's answer to the one
+        in flight (the JSON of 50,000 points takes tens of milliseconds): the uploader then sends
+        bytes, and the agent's encoding overlaps the server's storing instead of alternating with it."""
+        if self._failing or getattr(self.transport, "send_encoded", None) is None:
+            return
+        with self._lock:
+            for seq in [seq for seq in self._encoded if not self.spool.holds(seq)]:
+                del self._encoded[seq]  # stored, split or dead-lettered meanwhile
+            upcoming = self.spool.upcoming(ENCODE_AHEAD)
+            todo = [(seq, batch) for seq, batch in upcoming if seq not in self._encoded]
+        for seq, batch in todo:
+            body = dumps(batch).encode()  # outside the lock: the uploader goes on
+            with self._lock:
+                if self.spool.holds(seq):
+                    self._encoded[seq] = body
+
     def _seal_if_due(self, closing: bool) -> None:
         """(under _lock) Seal pending data into the spool when it must not wait for the uploader."""
         if not self._pending or not self._released.is_set():
@@ -437,6 +462,8 @@ class Sender:
         for group in group_fragments(fragments, self._max_batch_points):
             for data in split_by_steps(merge_fragments(group), self._max_batch_points, MAX_BATCH_VALUES):
                 points = batch_points(data)
+                if self._packed:
+                    data = pack_values(data)
                 batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
                 self._add_health(batch)
                 self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
@@ -489,6 +516,7 @@ class Sender:
                 )
         except Exception as exc:  # noqa: BLE001
             self._error(exc, "spool")
+        self._create_run_early()
         while True:
             try:
                 if not self._upload_once():
@@ -497,6 +525,18 @@ class Sender:
                 self._error(exc, "uploader")
                 if self._wait(1.0):
                     return
+
+    def _create_run_early(self) -> None:
+        """Create the run on the server before the first batch is sealed: the run shows from the start,
+        and its answer says which batch encodings the server reads (values_f64), which batches sealed
+        afterwards use. A failure is left to the first batch's attempt, which retries and reports it."""
+        if self.transport is None or self._run_created:
+            return
+        try:
+            self._adopt(self.transport.create_run(self.run_document))
+            self._run_created = True
+        except Exception:
+            logger.debug("gradwatch: run %s: creating it early failed", self.run_id, exc_info=True)
 
     def _stopped(self) -> bool:
         return self._stop.is_set() or time.monotonic() >= self._deadline
@@ -518,7 +558,9 @@ class Sender:
                     return False
                 self._changed.wait(0.5)
         seq, batch, points = head
-        outcome = self._attempt(batch)
+        with self._lock:
+            encoded = self._encoded.pop(seq, None)
+        outcome = self._attempt(batch if encoded is None else encoded)
         with self._lock:
             if outcome == _SENT:
                 self._stored(seq, points)
@@ -628,7 +670,7 @@ class Sender:
     def _split(self, seq: int, batch: dict[str, Any] | bytes) -> bool:
         """(under _lock) Replace a batch the server found too large (413) by two halves; False when
         it holds a single step."""
-        data = json.loads(batch) if isinstance(batch, bytes) else batch
+        data = unpack_values(json.loads(batch) if isinstance(batch, bytes) else batch)
         halves = halve_by_steps({k: v for k, v in data.items() if k not in ("rank", "seq")})
         if halves is None:
             return False
@@ -698,6 +740,8 @@ class Sender:
     def _adopt(self, created: Any) -> None:
         """Send to the id the server gave the run: it differs from ours only when another project had
         our id already (the server never lets one project squat another's ids)."""
+        features = created.get("wire_features") if isinstance(created, dict) else None
+        self._packed = isinstance(features, list) and VALUES_F64 in features
         given = created.get("id") if isinstance(created, dict) else None
         if isinstance(given, str) and given and given != self.run_id:
             logger.warning(

@@ -479,6 +479,15 @@ class Spool:
             )
         return None
 
+    def upcoming(self, limit: int) -> list[tuple[int, dict[str, Any]]]:
+        """(seq, batch) of the next `limit` batches held in memory, in the order they go out."""
+        waiting = (e for e in self._entries.values() if e.batch is not None)
+        first = heapq.nsmallest(limit, waiting, key=lambda e: (e.order, e.seq))
+        return [(e.seq, e.batch) for e in first if e.batch is not None]
+
+    def holds(self, seq: int) -> bool:
+        return seq in self._entries
+
     def order_of(self, seq: int) -> int | None:
         entry = self._entries.get(seq)
         return None if entry is None else entry.order
