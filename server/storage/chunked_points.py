@@ -17,9 +17,10 @@ than TOP_UP_BELOW points takes the next batch's points of its series when they c
 run that logs a point a second still ends up with chunks of hundreds of points, not rows of one.
 
 Encoding (reversible, NaN payloads and ±Inf kept): steps as int64 differences from the first step,
-values as float64 with their bytes grouped by significance (all first bytes, then all second bytes…:
-the exponent bytes of a series are alike and compress well), each deflated (zlib level 1). A leading
-byte names the codec, so another can be added without a migration.
+values as float64. A chunk of TOP_UP_BELOW points or more is deflated (zlib level 1), its values'
+bytes grouped by significance first (all first bytes, then all second bytes…: the exponent bytes of
+a series are alike and compress well); a smaller one, rewritten by each top-up, is stored plain. A
+leading byte names the codec, so another can be added without a migration.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ MAX_CHUNK_POINTS = 4096
 TOP_UP_BELOW = 512
 
 Executor = Session | Connection
-_CODEC = b"\x01"  # zlib(level 1) of int64 step differences / byte-grouped float64 values
+# The first byte of step_data and value_data: how the rest is stored (int64 step differences,
+# float64 values; deflated: the values' bytes grouped by significance first, zlib level 1).
+_PLAIN = b"\x00"
+_DEFLATED = b"\x01"
 _COLUMNS = ("series_id", "rank", "first_step", "last_step", "count", "step_data", "value_data")
 _STORED = "first_step, last_step, count, step_data, value_data"  # what a reader decodes
 
@@ -111,6 +115,8 @@ class Points:
         """These points with `newer`'s added, newer winning at a step both hold."""
         if not len(self):
             return newer
+        if len(newer) and newer.steps[0] > self.steps[-1]:  # the usual top-up: newer comes after
+            return concat([self, newer])
         kept = ~np.isin(self.steps, newer.steps, assume_unique=True)
         steps = np.concatenate([self.steps[kept], newer.steps])
         order = np.argsort(steps, kind="stable")
@@ -149,25 +155,37 @@ def rows(points: Points) -> list[tuple[int, float | None, int]]:
 
 
 def _encode(points: Points) -> tuple[bytes, bytes]:
-    deltas = np.diff(points.steps, prepend=points.steps[:1]).astype("<i8")
+    """(step_data, value_data) of a chunk: deflated when it holds TOP_UP_BELOW points or more; a
+    smaller one (a tail that later batches top up, rewritten each time) is stored plain, since a
+    zlib call costs tens of microseconds before it compresses anything."""
+    deltas = np.empty(len(points.steps), dtype="<i8")
+    deltas[0] = 0
+    np.subtract(points.steps[1:], points.steps[:-1], out=deltas[1:])
+    if len(points) < TOP_UP_BELOW:
+        return _PLAIN + deltas.tobytes(), _PLAIN + points.values.astype("<f8").tobytes()
     grouped = points.values.astype("<f8").view(np.uint8).reshape(-1, 8).T
     return (
-        _CODEC + zlib.compress(deltas.tobytes(), 1),
-        _CODEC + zlib.compress(np.ascontiguousarray(grouped).tobytes(), 1),
+        _DEFLATED + zlib.compress(deltas.tobytes(), 1),
+        _DEFLATED + zlib.compress(np.ascontiguousarray(grouped).tobytes(), 1),
     )
 
 
 def decode(first_step: int, step_data: bytes, value_data: bytes) -> Points:
     """The points of a stored chunk row (its first_step, step_data and value_data columns)."""
     step_data, value_data = bytes(step_data), bytes(value_data)  # psycopg gives memoryviews
-    if step_data[:1] != _CODEC or value_data[:1] != _CODEC:
+    codec = step_data[:1]
+    if codec != value_data[:1] or codec not in (_PLAIN, _DEFLATED):
         raise ValueError(f"point chunk at step {first_step} has an unknown encoding")
-    deltas = np.frombuffer(zlib.decompress(step_data[1:]), dtype="<i8")
+    if codec == _PLAIN:
+        deltas = np.frombuffer(step_data, dtype="<i8", offset=1)
+        values = np.frombuffer(value_data, dtype="<f8", offset=1)
+    else:
+        deltas = np.frombuffer(zlib.decompress(step_data[1:]), dtype="<i8")
+        grouped = np.frombuffer(zlib.decompress(value_data[1:]), dtype=np.uint8).reshape(8, -1)
+        values = np.ascontiguousarray(grouped.T).view("<f8").reshape(-1)
     steps = np.cumsum(deltas, dtype=np.int64)
     steps += first_step
-    grouped = np.frombuffer(zlib.decompress(value_data[1:]), dtype=np.uint8).reshape(8, -1)
-    values = np.ascontiguousarray(grouped.T).view("<f8").reshape(-1).astype(np.float64, copy=False)
-    return Points(steps, values)
+    return Points(steps, values.astype(np.float64, copy=False))
 
 
 def _decoded(row: Sequence[Any]) -> Points:

@@ -468,15 +468,24 @@ def refresh_vectors(executor: Executor, rank: int, steps_by_series: Mapping[int,
 # -- maintenance when a batch only adds points --------------------------------------------------------
 
 
-def _level_one(series_id: int, points: chunked_points.Points) -> Iterable[tuple[tuple[int, int], SummaryRow]]:
-    """((series, bucket), Summary) of each level-1 bucket the points fall in, computed with numpy (a
-    batch holds hundreds of thousands of points): the lowest point is the first non-finite one, else
-    the smallest value (earliest on ties); the highest the largest finite value (latest on ties),
-    else the lowest again."""
-    steps, values = points.steps, points.values
+def _level_one(new: Mapping[int, chunked_points.Points]) -> Iterable[tuple[tuple[int, int], SummaryRow]]:
+    """((series, bucket), Summary) of each level-1 bucket the points of a batch fall in, for all its
+    series at once with numpy (a batch holds up to hundreds of thousands of points, and numpy's cost
+    per call would dominate per series): the lowest point is the first non-finite one, else the
+    smallest value (earliest on ties); the highest the largest finite value (latest on ties), else
+    the lowest again."""
+    ids = sorted(sid for sid, points in new.items() if len(points))
+    if not ids:
+        return
+    steps = np.concatenate([new[sid].steps for sid in ids])
+    values = np.concatenate([new[sid].values for sid in ids])
+    series = np.repeat(np.asarray(ids, dtype=np.int64), [len(new[sid]) for sid in ids])
     buckets = steps // BASE
-    starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])  # steps ascend: buckets too
-    ends = np.r_[starts[1:], len(steps)]
+    # Series one after another, each in step order: (series, bucket) ascends, groups are contiguous.
+    change = np.ones(len(steps), dtype=bool)
+    change[1:] = (buckets[1:] != buckets[:-1]) | (series[1:] != series[:-1])
+    starts = np.flatnonzero(change)
+    ends = np.append(starts[1:], len(steps))
     group = np.repeat(np.arange(len(starts)), ends - starts)
     finite = np.isfinite(values)
     ordered = np.where(finite, values, -np.inf)
@@ -492,12 +501,10 @@ def _level_one(series_id: int, points: chunked_points.Points) -> Iterable[tuple[
         stored[i] = None
     low_l, high_l, flag_l, steps_l = low.tolist(), high.tolist(), flag.tolist(), steps.tolist()
     counts = (ends - starts).tolist()
-    for g, bucket in enumerate(buckets[starts].tolist()):
+    keys = zip(series[starts].tolist(), buckets[starts].tolist(), strict=True)
+    for g, key in enumerate(keys):
         lo, hi = low_l[g], high_l[g]
-        yield (
-            (series_id, bucket),
-            (steps_l[lo], stored[lo], flag_l[lo], steps_l[hi], stored[hi], flag_l[hi], counts[g]),
-        )
+        yield key, (steps_l[lo], stored[lo], flag_l[lo], steps_l[hi], stored[hi], flag_l[hi], counts[g])
 
 
 def merge_new_points(executor: Executor, rank: int, new: Mapping[int, chunked_points.Points]) -> None:
@@ -509,9 +516,7 @@ def merge_new_points(executor: Executor, rank: int, new: Mapping[int, chunked_po
     if not new:
         return
     batch: dict[tuple[int, int, int], SummaryRow] = {}  # (level, series, bucket) -> summary
-    groups: dict[tuple[int, int], list[SummaryRow]] = {
-        key: [summary] for sid, points in new.items() for key, summary in _level_one(sid, points)
-    }
+    groups: dict[tuple[int, int], list[SummaryRow]] = {key: [summary] for key, summary in _level_one(new)}
     for level in range(1, LEVELS + 1):
         if level > 1:
             groups = defaultdict(list)
