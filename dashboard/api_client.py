@@ -230,6 +230,21 @@ class ApiClient:
         body = self._request("GET", _run_path(run_id, "events"), params, run_id=run_id)
         return list(body.get("data", [])), int(body.get("count", 0))
 
+    def event_page(
+        self, run_id: str, *, after_id: int | None = None, limit: int = 10_000
+    ) -> tuple[list[Json], int, int | None]:
+        """(events, how many the run has in all, the cursor to read on from): without after_id the
+        first `limit` in step order, with it those stored after the previous answer's cursor, in
+        the order they were stored. The cursor is None when the server gives none (an older server,
+        or `limit` cut a list in step order short)."""
+        params: dict[str, Any] = {"limit": limit}
+        if after_id is not None:
+            params["after_id"] = after_id
+        body = self._request("GET", _run_path(run_id, "events"), params, run_id=run_id)
+        last_id = body.get("last_id")
+        cursor = last_id if isinstance(last_id, int) and not isinstance(last_id, bool) else None
+        return list(body.get("data", [])), int(body.get("count", 0)), cursor
+
     # -- alerts ------------------------------------------------------------------------------------
 
     def alerts(

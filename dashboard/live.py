@@ -15,7 +15,10 @@ redraws in full, downsampled again by the server.
 
 The cursor (a dcc.Store on the page) records what is on screen: per series the last step shown, per
 chart its trace uids and tick/range facts, the number of skip markers and the points appended since
-the last full redraw. It is plain JSON.
+the last full redraw, and the run's `run_signature` when it was drawn: a tick whose run has the same
+signature has nothing new, and asks for nothing more. It is plain JSON.
+
+The per-layer heatmaps grow the same way, a column per new step (`append_columns_patch`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ import plotly.graph_objects as go
 
 __all__ = [
     "APPENDED_ATTRIBUTES",
+    "MAX_APPENDED_COLUMNS",
     "MAX_APPENDED_POINTS",
     "advance",
+    "append_columns_patch",
     "append_patch",
     "can_append",
     "chart_shape",
     "fetch_starts",
     "full_cursor",
     "last_step",
+    "run_signature",
 ]
 
 MAX_APPENDED_POINTS = 2000
+MAX_APPENDED_COLUMNS = 500  # heatmap steps appended before a full redraw (downsampled by the server)
 # Per-point arrays of a trace; all of them grow together.
 APPENDED_ATTRIBUTES = ("x", "y", "customdata", "hovertext", "text")
 
@@ -76,6 +83,12 @@ def full_cursor(
         "skips": skips,
         "appended": 0,
     }
+
+
+def run_signature(run: Mapping[str, Any]) -> list[Any]:
+    """What changes in a run object whenever the run has new data or a new status: [status,
+    updated_at, last_step]. Equal signatures: nothing to fetch."""
+    return [run.get("status"), run.get("updated_at"), run.get("last_step")]
 
 
 def can_append(cursor: Any, run_id: str) -> bool:
@@ -146,6 +159,32 @@ def append_patch(shape: Mapping[str, Any], new_points: go.Figure) -> Any:
     for trace in new_points.data:
         index = uids.index(trace.uid)
         for attribute in APPENDED_ATTRIBUTES:
+            values = trace[attribute]
+            if isinstance(values, (list, tuple)):
+                patch["data"][index][attribute].extend(list(values))
+    return patch
+
+
+def append_columns_patch(shape: Mapping[str, Any], new_columns: go.Figure) -> Any:
+    """A dash.Patch appending the steps of `new_columns` (a layer heatmap of the new steps only,
+    built by the same builder) to the heatmap described by `shape` (chart_shape of it, plus its
+    "layers"): x and z (one row per step) of the cells, x, y and hover of the non-finite markers.
+
+    dash.no_update when there is nothing to append; None when the heatmap must be redrawn: other
+    layers, or a non-finite trace the heatmap does not have yet.
+    """
+    if not new_columns.data:
+        return dash.no_update
+    uids = list(shape.get("uids") or [])
+    if any(trace.uid not in uids for trace in new_columns.data):
+        return None
+    if list(new_columns.data[0].y or ()) != list(shape.get("layers") or ()):
+        return None
+    patch = dash.Patch()
+    for trace in new_columns.data:
+        index = uids.index(trace.uid)
+        attributes = ("x", "z") if trace.type == "heatmap" else APPENDED_ATTRIBUTES
+        for attribute in attributes:
             values = trace[attribute]
             if isinstance(values, (list, tuple)):
                 patch["data"][index][attribute].extend(list(values))

@@ -1,4 +1,10 @@
-"""Per-layer heatmaps: a quantity by layer (y, in model order, the first at the top) and step (x)."""
+"""Per-layer heatmaps: a quantity by layer (y, in model order, the first at the top) and step (x).
+
+z holds one row per step (the API's shape, drawn with plotly's `transpose`), so a live run's new
+steps are appended to x and z as they are (see `live.append_columns_patch`). The traces carry uids:
+"cells" (the heatmap), "non-finite-NaN" / "-Infinity" / "--Infinity" (red markers over such cells)
+and "non-finite-steps" (a red column over a step where every layer is non-finite).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import plotly.graph_objects as go
 from ._common import base_layout, empty_figure, is_step, non_finite_of
 
 NON_FINITE_CELL_COLOR = "#ef4444"
+NON_FINITE_KINDS = ("NaN", "Infinity", "-Infinity")
 # Per-layer heatmaps grow with the layer count, within bounds; past the cap rows get thinner and
 # tick labels are thinned to one per HEATMAP_TICK_PX.
 HEATMAP_ROW_PX = 16
@@ -20,6 +27,8 @@ HEATMAP_MIN_HEIGHT_PX = 260
 HEATMAP_MAX_HEIGHT_PX = 900
 HEATMAP_TICK_PX = 13
 MAX_TICK_LABEL_CHARS = 40
+HEATMAP_LABEL_CHAR_PX = 6  # the width of a tick label's character at 10 px, generously
+HEATMAP_MAX_LABEL_PX = 16 + HEATMAP_LABEL_CHAR_PX * MAX_TICK_LABEL_CHARS
 
 
 def heatmap_height(layer_count: int) -> int:
@@ -43,7 +52,8 @@ def layer_heatmap_figure(
     log_scale: colour by log10 of the value (norms and update ratios span decades); the colour bar
         is labelled in powers of ten and hover shows 10^x. Zeros and negatives are then blank cells.
     value_range: fixed colour range (in value units), e.g. (0, 1) for fractions; None: from the data.
-    NaN/±Inf cells are red square markers over the heatmap, hover "<layer> NaN at step N".
+    NaN/±Inf cells are red square markers over the heatmap, hover "<layer> NaN at step N"; a step
+    where every layer is non-finite is one red column.
     Layer names are escaped; more layers than fit get thinned tick labels (every name stays in hover).
     """
     layers, steps, rows = _matrix(vectors)
@@ -51,25 +61,7 @@ def layer_heatmap_figure(
         return empty_figure(title, uirevision=uirevision)
     labels = [html.escape(name) for name in layers]
     height = heatmap_height(len(layers))
-    # z[layer][step]: plotly heatmaps take rows along y. A 200-layer × 500-step heatmap is 100k
-    # cells, so the common case (a finite float) takes the fast path; the rest are looked at once.
-    width = len(layers)
-    padded = [row[:width] if len(row) >= width else row + [None] * (width - len(row)) for row in rows]
-    cell = _log10_cell if log_scale else _linear_cell
-    z = [[cell(value) for value in column] for column in zip(*padded, strict=True)]
-    bad_cells: list[tuple[int, str, str]] = []
-    for column, row in enumerate(padded):
-        if all(
-            (value.__class__ is float or value.__class__ is int) and math.isfinite(value) for value in row
-        ):
-            continue
-        for index, raw in enumerate(row):
-            label = non_finite_of(raw)
-            if label is not None:
-                bad_cells.append((steps[column], labels[index], label))
-
-    figure = go.Figure()
-    base_layout(figure, title, uirevision)
+    z, bad_cells, bad_steps = heatmap_cells(layers, steps, rows, log_scale=log_scale)
     colorbar: dict[str, Any] = {"title": {"text": value_label, "side": "right"}, "thickness": 12, "len": 0.9}
     heatmap: dict[str, Any] = {}
     if log_scale:
@@ -89,43 +81,31 @@ def layer_heatmap_figure(
         if log_scale:
             low_value, high_value = math.log10(low_value), math.log10(high_value)
         heatmap.update(zmin=low_value, zmax=high_value)
-    figure.add_trace(
-        go.Heatmap(
-            x=steps,
-            y=labels,
-            z=z,
-            colorscale="Viridis",
-            colorbar=colorbar,
-            hoverongaps=False,
-            name=value_label,
-            hovertemplate="%{y}<br>step %{x}<br>" + hover_value + "<extra></extra>",
-            # z is built above from checked floats: plotly's per-cell validation would only cost
-            # time (about 0.3 s per 100k cells) on every refresh.
-            _validate=False,
+    traces: list[dict[str, Any]] = [
+        {
+            "type": "heatmap",
+            "uid": "cells",
+            "x": steps,
+            "y": labels,
+            "z": z,
+            "transpose": True,  # z[step][layer], as the API sends it
+            "zsmooth": "fast",
+            "colorscale": "Viridis",
+            "colorbar": colorbar,
+            "hoverongaps": False,
+            "name": value_label,
+            "hovertemplate": "%{y}<br>step %{x}<br>" + hover_value + "<extra></extra>",
             **heatmap,
-        )
-    )
-    if bad_cells:
-        row_px = (height - HEATMAP_MARGIN_PX) / len(labels)
-        figure.add_trace(
-            go.Scatter(
-                x=[step for step, _, _ in bad_cells],
-                y=[label for _, label, _ in bad_cells],
-                hovertext=[f"{label}<br>{kind} at step {step}" for step, label, kind in bad_cells],
-                hoverinfo="text",
-                mode="markers",
-                marker={
-                    "symbol": "square",
-                    "size": max(4, min(10, row_px)),
-                    "color": NON_FINITE_CELL_COLOR,
-                    "line": {"width": 0},
-                },
-                name="non-finite",
-                showlegend=False,
-            )
-        )
+        }
+    ]
+    traces += non_finite_traces(bad_cells, bad_steps, labels, (height - HEATMAP_MARGIN_PX) / len(labels))
+    # Unvalidated: z is built above from checked floats, and plotly's checks and copies of 100k cells
+    # would cost about 0.6 s per heatmap on every refresh.
+    figure = go.Figure(data=traces, _validate=False)
+    base_layout(figure, title, uirevision)
     tick_stride = max(1, math.ceil(len(labels) / max(1, (height - HEATMAP_MARGIN_PX) // HEATMAP_TICK_PX)))
     shown = labels[::tick_stride]
+    ticktext = [_shorten(label) for label in shown]
     figure.layout.yaxis.update(
         type="category",
         # First layer at the top. Not autorange="reversed": refreshes keep the user's zoom by not
@@ -134,13 +114,17 @@ def layer_heatmap_figure(
         categoryarray=labels[::-1],
         tickmode="array",
         tickvals=shown,
-        ticktext=[_shorten(label) for label in shown],
+        ticktext=ticktext,
         title=None,
         showgrid=False,
         tickfont={"size": 10},
     )
-    figure.layout.xaxis.update(showgrid=False)
-    figure.update_layout(height=height, margin={"l": 60, "r": 20, "t": 48, "b": 40})
+    figure.layout.xaxis.update(showgrid=False, automargin=False)
+    # Margins fixed from the labels rather than by plotly's automargin, which draws the plot again
+    # once it has measured them (about 0.3 s of the browser's time per 100k-cell heatmap).
+    left = min(HEATMAP_MAX_LABEL_PX, 16 + HEATMAP_LABEL_CHAR_PX * max(len(text) for text in ticktext))
+    figure.layout.yaxis.update(automargin=False)
+    figure.update_layout(height=height, margin={"l": left, "r": 20, "t": 48, "b": 40})
     if len(layers) > len(shown):
         figure.update_layout(
             annotations=[
@@ -158,6 +142,82 @@ def layer_heatmap_figure(
             ]
         )
     return figure
+
+
+def heatmap_cells(
+    layers: list[str], steps: list[int], rows: list[list[Any]], *, log_scale: bool
+) -> tuple[list[list[float | None]], list[tuple[int, str, str]], list[int]]:
+    """(z: one row per step of the colour values, log10 with `log_scale`; the non-finite cells as
+    (step, escaped layer name, "NaN"/"Infinity"/"-Infinity"); the steps where every layer is
+    non-finite, which are drawn as one red column each rather than cell by cell). Rows are padded or
+    cut to the layers."""
+    width = len(layers)
+    cell = _log10_cell if log_scale else _linear_cell
+    z: list[list[float | None]] = []
+    bad_cells: list[tuple[int, str, str]] = []
+    bad_steps: list[int] = []
+    for step, row in zip(steps, rows, strict=True):
+        padded = row[:width] if len(row) >= width else row + [None] * (width - len(row))
+        z.append([cell(value) for value in padded])
+        # A 200-layer × 500-step heatmap is 100k cells: the common row (finite floats) is looked at once.
+        if all(
+            (value.__class__ is float or value.__class__ is int) and math.isfinite(value) for value in padded
+        ):
+            continue
+        found = [(index, non_finite_of(raw)) for index, raw in enumerate(padded)]
+        if width > 1 and all(label is not None for _, label in found):
+            bad_steps.append(step)
+            continue
+        bad_cells.extend(
+            (step, html.escape(layers[index]), label) for index, label in found if label is not None
+        )
+    return z, bad_cells, bad_steps
+
+
+def non_finite_traces(
+    bad_cells: list[tuple[int, str, str]], bad_steps: list[int], labels: list[str], row_px: float
+) -> list[dict[str, Any]]:
+    """Red square markers over NaN/Inf cells, one trace per kind (uid "non-finite-NaN"…), hover
+    "<layer><br>NaN at step N"; a red column over each step where every layer is non-finite (uid
+    "non-finite-steps"). Hover comes from templates: no per-point text to send."""
+    traces = []
+    for kind in NON_FINITE_KINDS:
+        cells = [(step, label) for step, label, found in bad_cells if found == kind]
+        if not cells:
+            continue
+        traces.append(
+            {
+                "type": "scatter",
+                "uid": f"non-finite-{kind}",
+                "x": [step for step, _ in cells],
+                "y": [label for _, label in cells],
+                "hovertemplate": "%{y}<br>" + kind + " at step %{x}<extra></extra>",
+                "mode": "markers",
+                "marker": {
+                    "symbol": "square",
+                    "size": max(4, min(10, row_px)),
+                    "color": NON_FINITE_CELL_COLOR,
+                    "line": {"width": 0},
+                },
+                "name": "non-finite",
+                "showlegend": False,
+            }
+        )
+    if bad_steps:
+        traces.append(
+            {
+                "type": "scatter",
+                "uid": "non-finite-steps",
+                "x": [value for step in bad_steps for value in (step, step, None)],
+                "y": [value for _ in bad_steps for value in (labels[0], labels[-1], None)],
+                "hovertemplate": f"all {len(labels)} layers non-finite at step %{{x}}<extra></extra>",
+                "mode": "lines",
+                "line": {"color": NON_FINITE_CELL_COLOR, "width": 3},
+                "name": "non-finite",
+                "showlegend": False,
+            }
+        )
+    return traces
 
 
 def layer_names_of(vectors: Mapping[str, Any] | None) -> list[str]:

@@ -5,9 +5,12 @@ layer's histogram at a step and over steps; events and alerts; config and metada
 ?step=N (alert links) marks step N from the start; clicking a step (a table row, a heatmap cell, the
 histogram over steps) marks it on every chart and shows that step's histogram.
 
-A live run page polls every RUN_REFRESH_MS for the points after the last step shown and appends them
-to the charts (see `live`), redrawing in full only when appending could not draw the same; heatmaps
-and histograms, heavier and slower to change, every LAYERS_REFRESH_MS.
+A live run page polls every RUN_REFRESH_MS: one request for the run; only when its signature moved
+(new data, a new status: `live.run_signature`) the points after the last step shown (appended to the
+charts, see `live`; redrawn in full only when appending could not draw the same), the agent's
+counters after the last ones shown, the events stored since (`event_log`: new skips are appended to
+the scale chart), the alerts and the incidents. Heatmaps and histograms, heavier and slower to
+change, every LAYERS_REFRESH_MS, the same way (`run_layers`).
 
 Callbacks stay thin: fetch with the ApiClient (independent calls together, on the app's workers),
 draw with `figures`, lay out with `run_views`.
@@ -15,7 +18,9 @@ draw with `figures`, lay out with `run_views`.
 
 from __future__ import annotations
 
+import hashlib
 import html as html_text
+import json
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,10 @@ from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from .. import figures, live, verdict
 from ..api_client import ApiClient, ApiError, RunNotFound
-from ..views import GRAPH_CONFIG, RunHref, error_banner, keep_view
+from ..event_log import EventLog
+from ..views import GRAPH_CONFIG, RunHref, error_banner, keep_view, run_status
+from . import run_layers
+from .run_layers import LAYER_HEATMAPS, heatmap_cursor_id
 from .run_views import AGENT_HEALTH_KEYS, EVENTS_TABLE_ROWS, events_table, run_details, run_header, world_size
 
 if TYPE_CHECKING:
@@ -51,18 +59,6 @@ SAFE_BAND_SERIES = ("safe_min", "safe_max")
 # Drawn from GET /runs/{id}/ranks/series (combined over the ranks) when a run's gradients are sharded.
 COMBINED_WHEN_SHARDED = ("grad_norm", "grad_norm_post_clip")
 LINE_CHARTS = ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph")
-# Per-layer heatmaps: graph id → (vector key, title, colour-bar label, log colour scale, fixed range).
-LAYER_HEATMAPS = {
-    "grad-norm-heatmap": ("grad/norm", "Gradient norm per layer", "‖g‖", True, None),
-    "update-ratio-heatmap": ("update/ratio", "Update ratio per layer (‖Δw‖/‖w‖)", "ratio", True, None),
-    "underflow-heatmap": (
-        "grad/underflow_frac",
-        "fp16 underflow fraction per layer",
-        "fraction",
-        False,
-        (0, 1),
-    ),
-}
 STEP_GRAPHS = (*LINE_CHARTS, *LAYER_HEATMAPS, "hist-time-graph")
 # What one refresh of the page updates, by name: the line charts by their graph ids.
 REFRESH_OUTPUTS = {
@@ -71,7 +67,6 @@ REFRESH_OUTPUTS = {
     "timeline": Output("events-table", "children"),
     "stop_polling": Output("refresh", "disabled"),
     "stop_polling_layers": Output("layers-refresh", "disabled"),
-    "scale_series": Output("scale-series", "data"),
     "cursor": Output("live-cursor", "data"),
 }
 UNCHANGED = dict.fromkeys(REFRESH_OUTPUTS, dash.no_update)
@@ -105,9 +100,18 @@ def layout(api: ApiClient, run_id: str, selected_step: int | None = None) -> htm
 # -- callbacks -------------------------------------------------------------------------------------
 
 
-def register(app: dash.Dash, api: ApiClient, background: Background, run_href: RunHref) -> None:
+def register(
+    app: dash.Dash,
+    api: ApiClient,
+    background: Background,
+    run_href: RunHref,
+    event_log: EventLog | None = None,
+) -> None:
     """The run page's callbacks; `background` runs a refresh's independent API calls together,
-    `run_href(run_id, step)` links a run page at a step (the incidents' links)."""
+    `run_href(run_id, step)` links a run page at a step (the incidents' links), `event_log` keeps
+    the runs' events between refreshes (one of its own by default)."""
+    event_log = event_log if event_log is not None else EventLog()
+    run_layers.register(app, api)
 
     @app.callback(
         output=REFRESH_OUTPUTS,
@@ -120,63 +124,90 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
         try:
             run = api.get_run(run_id)
             ended = run.get("status") != "running"
-            starts = None if ended or not live.can_append(cursor, run_id) else live_starts(cursor)
-            last_step = run.get("last_step")
-            if not isinstance(last_step, int):
-                last_step = 0
-            health_start = max(0, last_step - HEALTH_WINDOW_STEPS)
+            signature = [*live.run_signature(run), run_status(run)]
+            appendable = not ended and live.can_append(cursor, run_id)
+            if appendable and cursor.get("run") == signature:
+                return {**UNCHANGED, "stop_polling": False, "stop_polling_layers": False}  # nothing new
+            starts = live_starts(cursor) if appendable else None
             # A sharded run's ranks each measure their own shard: its global norm is theirs combined.
             ranks = api.ranks(run_id) if world_size(run) > 1 else None
             sharded = bool(ranks and ranks.get("gradients") == "sharded")
             calls = series_calls(run_id, starts, sharded)
+            shown_health = _shown_health(cursor if appendable else None, run)
             calls.update(
                 {
-                    "health/" + name: partial(api.series, run_id, key, start=health_start)
+                    "health/" + name: partial(api.series, run_id, key, start=shown_health[name][0])
                     for name, key in AGENT_HEALTH_KEYS.items()
                 }
             )
-            calls["events"] = lambda: api.events(run_id)
+            calls["events"] = lambda: event_log.read(api, run_id)  # only what is new, when it can
             calls["alerts"] = lambda: run_alerts(run_id)
             calls["incidents"] = lambda: run_incidents(run_id)
             fetched = background.fetch_all(calls)
-            events, event_count = fetched["events"]
+            events, event_count, continued = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
             resumes = [event for event in events if event.get("kind") == "resume"]
-            appended = None if starts is None else append_new_points(cursor, fetched, skips, resumes)
+            # Continued: the events shown before, then those stored since, so the new skips are last.
+            new_skips = skips[cursor.get("skips", 0) :] if appendable and continued else None
+            appended = None
+            if starts is not None and new_skips is not None:
+                appended = append_new_points(cursor, fetched, skips, resumes, new_skips)
             if starts is not None and appended is None:
                 fetched.update(background.fetch_all(series_calls(run_id, None, sharded)))
         except RunNotFound:
+            event_log.forget(run_id)
             header = error_banner(f"Run “{run_id}” no longer exists.")
             return {**UNCHANGED, "header": header, "stop_polling": True, "stop_polling_layers": True}
         except ApiError as exc:
             # Keep what is drawn and keep polling: the server may be restarting.
             header = error_banner(exc)
             return {**UNCHANGED, "header": header, "stop_polling": False, "stop_polling_layers": False}
-        health = {name: _latest(fetched["health/" + name]) for name in AGENT_HEALTH_KEYS}
+        health = _latest_health(shown_health, fetched)
         alerts, alerts_error = fetched["alerts"]
         # The verdict and incidents sit in the header's slot: right below the header, above the charts.
         incidents, run_verdict, incidents_error = fetched["incidents"]
+        header = run_header(run, {name: value for name, (_, value) in health.items()}, ranks)
+        # What the verdict and the timeline show: when a live tick leaves it as it was, only the
+        # header line is sent (a patch of the slot's first child) and the timeline not at all.
+        shown = {
+            "verdict": _digest([run_verdict, incidents, str(incidents_error or "")]),
+            "timeline": _digest([event_count, events[-EVENTS_TABLE_ROWS:], alerts, str(alerts_error or "")]),
+        }
+        before = cursor.get("shown") if appendable else None
+        before = before if isinstance(before, dict) else {}
+        header_update: Any = [
+            header,
+            verdict.verdict_banner(run_verdict, incidents, incidents_error),
+            verdict.incidents_section(incidents, run_href),
+        ]
+        if before.get("verdict") == shown["verdict"]:
+            header_update = dash.Patch()
+            header_update[0] = header
+        timeline: Any = dash.no_update
+        if before.get("timeline") != shown["timeline"]:
+            # In step order (the events read since the last refresh come in the order they were stored).
+            timeline = events_table(sorted(events, key=_step_of), event_count, alerts, alerts_error)
         updates = {
-            "header": [
-                run_header(run, health, ranks),
-                verdict.verdict_banner(run_verdict, incidents, incidents_error),
-                verdict.incidents_section(incidents, run_href),
-            ],
-            "timeline": events_table(events, event_count, alerts, alerts_error),
+            "header": header_update,
+            "timeline": timeline,
             "stop_polling": ended,
             "stop_polling_layers": ended,
         }
+        live_facts = {"run": signature, "health": health, "shown": shown}
         if appended is not None:
-            charts, scale_data, new_cursor = appended
-            return {**updates, **charts, "scale_series": scale_data, "cursor": new_cursor}
+            charts, new_cursor = appended
+            return {**updates, **charts, "cursor": {**new_cursor, **live_facts}}
         marker = figures.step_marker_shapes(selected_step)
         drawn = {name: fetched[name] for name in SERIES_KEYS}
         charts = _line_charts(drawn, skips, run_id, resumes)
         return {
             **updates,
             **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
-            "scale_series": _compact_series(fetched["scale"]),
-            "cursor": {**live.full_cursor(run_id, charts, drawn, len(skips)), "resumes": len(resumes)},
+            "cursor": {
+                **live.full_cursor(run_id, charts, drawn, len(skips)),
+                "resumes": len(resumes),
+                **live_facts,
+            },
         }
 
     def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
@@ -207,106 +238,6 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
             return (*api.run_incidents(run_id), None)
         except ApiError as exc:
             return [], None, exc
-
-    @app.callback(
-        output={
-            "heatmaps": [Output(graph_id, "figure") for graph_id in LAYER_HEATMAPS],
-            "layer_options": Output("hist-layer", "options"),
-            "layer": Output("hist-layer", "value"),
-        },
-        inputs=[Input("layers-refresh", "n_intervals")],
-        state=[
-            State("run-id", "data"),
-            State("selected-step", "data"),
-            State("hist-layer", "value"),
-            State("hist-layer", "options"),
-        ],
-    )
-    def refresh_layers(
-        _n_intervals: int | None, run_id: str, selected_step: Any, layer: str | None, shown: Any
-    ) -> dict[str, Any]:
-        try:
-            fetched = background.fetch_all(
-                {graph_id: partial(api.vectors, run_id, spec[0]) for graph_id, spec in LAYER_HEATMAPS.items()}
-            )
-        except ApiError as exc:
-            message = keep_view(figures.empty_figure("Per-layer data", str(exc), uirevision=run_id))
-            heatmaps = [message] * len(LAYER_HEATMAPS)
-            return {"heatmaps": heatmaps, "layer_options": dash.no_update, "layer": dash.no_update}
-        marker = figures.step_marker_shapes(selected_step)
-        heatmaps = []
-        for graph_id, (_, title, label, log_scale, value_range) in LAYER_HEATMAPS.items():
-            figure = figures.layer_heatmap_figure(
-                fetched[graph_id],
-                title,
-                label,
-                log_scale=log_scale,
-                value_range=value_range,
-                uirevision=run_id,
-            )
-            heatmaps.append(keep_view(_with_shapes(figure, marker)))
-        layers = next((names for names in map(figures.layer_names_of, fetched.values()) if names), [])
-        options = [{"label": name, "value": name} for name in layers]
-        value = layer if layer in layers else (layers[0] if layers else None)
-        # Unchanged picker: no update, so the histogram is not fetched again for nothing.
-        return {
-            "heatmaps": heatmaps,
-            "layer_options": options if options != shown else dash.no_update,
-            "layer": value if value != layer else dash.no_update,
-        }
-
-    @app.callback(
-        output={
-            "step_options": Output("hist-step", "options"),
-            "step": Output("hist-step", "value"),
-            "at_step": Output("hist-graph", "figure"),
-            "over_steps": Output("hist-time-graph", "figure"),
-        },
-        inputs=[
-            Input("hist-layer", "value"),
-            Input("hist-step", "value"),
-            Input("selected-step", "data"),
-            Input("layers-refresh", "n_intervals"),
-            Input("scale-series", "data"),
-        ],
-        state=[State("run-id", "data")],
-    )
-    def show_histogram(
-        layer: str | None,
-        step: Any,
-        selected_step: Any,
-        _n_intervals: int | None,
-        scale_series: Any,
-        run_id: str,
-    ) -> dict[str, Any]:
-        if not layer:
-            return _no_histogram("no per-layer histograms recorded (yet)", run_id)
-        try:
-            histograms = api.histograms(run_id, layer)
-            steps = figures.histogram_steps(histograms)
-            if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
-                step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival
-            elif step not in steps:
-                step = steps[-1] if steps else None
-            # The exact scale at that step (the stored series may be downsampled).
-            at_step = (
-                api.series(run_id, SERIES_KEYS["scale"], start=step, end=step + 1)
-                if step is not None
-                else None
-            )
-        except ApiError as exc:
-            return _no_histogram(str(exc), run_id)
-        scale = _latest(at_step) if _latest(at_step) is not None else _value_at(scale_series, step)
-        bar = figures.histogram_figure(histograms, step, scale, uirevision=f"{run_id}/{layer}")
-        over_time = figures.histogram_time_figure(histograms, scale_series, uirevision=f"{run_id}/{layer}")
-        over_time.update_layout(shapes=figures.step_marker_shapes(selected_step))
-        # Both as updates that keep the user's zoom: a live run redraws them as the scale moves.
-        return {
-            "step_options": [{"label": f"step {value:,}", "value": value} for value in reversed(steps)],
-            "step": step,
-            "at_step": keep_view(bar),
-            "over_steps": keep_view(over_time),
-        }
 
     @app.callback(
         Output("selected-step", "data"),
@@ -349,39 +280,62 @@ def append_new_points(
     fetched: dict[str, Any],
     skips: list[dict[str, Any]],
     resumes: list[dict[str, Any]] | None = None,
-) -> tuple[dict[str, Any], Any, dict[str, Any]] | None:
-    """(chart patches by graph id, scale-series patch, cursor) that append the new points; None when
-    the charts must be redrawn in full (new skip markers, a resume -- it rewrote steps already drawn --,
-    a downsampled slice, anything `live` refuses to append)."""
+    new_skips: list[dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(chart patches by graph id, cursor) that append the new points and the
+    skip markers of `new_skips` (the skip events stored since the last refresh); None when the
+    charts must be redrawn in full (skips other than those, a resume -- it rewrote steps already
+    drawn --, a downsampled slice, anything `live` refuses to append, the first skip marker)."""
     new = {name: fetched[name] for name in SERIES_KEYS}
-    if len(skips) != cursor.get("skips") or len(resumes or ()) != cursor.get("resumes", 0):
+    new_skips = new_skips or []
+    if len(skips) != cursor.get("skips", 0) + len(new_skips):
+        return None
+    if len(resumes or ()) != cursor.get("resumes", 0):
         return None
     if any(series.get("downsampled") for series in new.values()):
         return None
-    new_points = _line_charts(new, [], cursor["run_id"])  # the same builders, on the new points only
+    # The same builders, on the new points (and skips) only.
+    new_points = _line_charts(new, new_skips, cursor["run_id"])
     patches = {
         graph_id: live.append_patch(cursor["charts"][graph_id], figure)
         for graph_id, figure in new_points.items()
     }
     if any(patch is None for patch in patches.values()):
         return None
-    scale_data: Any = dash.no_update
-    if new["scale"].get("steps"):
-        scale_data = dash.Patch()
-        scale_data["steps"].extend(new["scale"]["steps"])
-        scale_data["values"].extend(new["scale"]["values"])
     counted = [name for name in SERIES_KEYS if name not in SAFE_BAND_SERIES]
-    return patches, scale_data, live.advance(cursor, new, counted)
+    return patches, {**live.advance(cursor, new, counted), "skips": len(skips)}
 
 
-def _no_histogram(message: str, run_id: str) -> dict[str, Any]:
-    """show_histogram's result when there is no histogram to draw: `message` in both charts."""
-    return {
-        "step_options": [],
-        "step": None,
-        "at_step": figures.empty_figure("Gradient histogram", message, uirevision=run_id),
-        "over_steps": figures.empty_figure("Gradient histogram over steps", message, uirevision=run_id),
-    }
+def _digest(value: Any) -> str:
+    """A short fingerprint of JSON-able `value`: equal fingerprints, the same view."""
+    text = json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _step_of(event: dict[str, Any]) -> int:
+    step = event.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def _shown_health(cursor: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, list[Any]]:
+    """Per AGENT_HEALTH_KEYS name, [the first step to fetch, the latest value shown]: after the last
+    step shown on a live page, else the last HEALTH_WINDOW_STEPS steps of the run."""
+    shown = cursor.get("health") if isinstance(cursor, dict) else None
+    if isinstance(shown, dict) and all(isinstance(shown.get(name), list) for name in AGENT_HEALTH_KEYS):
+        return {name: list(shown[name]) for name in AGENT_HEALTH_KEYS}
+    last_step = run.get("last_step")
+    start = max(0, last_step - HEALTH_WINDOW_STEPS) if isinstance(last_step, int) else 0
+    return {name: [start, None] for name in AGENT_HEALTH_KEYS}
+
+
+def _latest_health(shown: dict[str, list[Any]], fetched: dict[str, Any]) -> dict[str, list[Any]]:
+    """The agent's counters after a refresh: the newest fetched value of each, else the one shown."""
+    health = {}
+    for name, (start, value) in shown.items():
+        series = fetched["health/" + name]
+        last = live.last_step(series)
+        health[name] = [start, value] if last is None else [last + 1, _latest(series)]
+    return health
 
 
 # -- layout and drawing (pure: data in, components and figures out) --------------------------------
@@ -405,8 +359,9 @@ def run_layout(
         [
             dcc.Store(id="run-id", data=run_id),
             dcc.Store(id="selected-step", data=selected_step),
-            dcc.Store(id="scale-series", data=None),  # shared by the scale chart and the histograms
             dcc.Store(id="live-cursor", data=None),  # what the line charts show, for live appends
+            *(dcc.Store(id=heatmap_cursor_id(graph_id), data=None) for graph_id in LAYER_HEATMAPS),
+            dcc.Store(id="hist-cursor", data=None),  # what the histogram shows
             html.Div(run_header(run, {}), id="run-header"),
             run_details(run),
             html.Div(
@@ -511,30 +466,7 @@ def _with_shapes(figure: go.Figure, shapes: list[dict[str, Any]]) -> go.Figure:
     return figure
 
 
-def _compact_series(series: Any) -> dict[str, Any] | None:
-    """Just the steps and values of an API series, for a dcc.Store."""
-    if not isinstance(series, dict):
-        return None
-    return {"steps": series.get("steps") or [], "values": series.get("values") or []}
-
-
 def _latest(series: Any) -> Any:
     """The last value of an API series, or None."""
     values = series.get("values") if isinstance(series, dict) else None
     return values[-1] if isinstance(values, list) and values else None
-
-
-def _value_at(series: Any, step: Any) -> Any:
-    """The value of an API series at `step`, or the last one before it; None when there is none."""
-    if not isinstance(series, dict) or not isinstance(step, int):
-        return None
-    found = None
-    for at, value in zip(series.get("steps") or [], series.get("values") or [], strict=False):
-        if isinstance(at, int) and at <= step:
-            found = value
-    return found
-
-
-def _nearest_step(steps: list[int], step: int) -> int | None:
-    """The step of `steps` closest to `step` (the earlier one on a tie)."""
-    return min(steps, key=lambda candidate: (abs(candidate - step), candidate)) if steps else None

@@ -3,10 +3,16 @@ open alerts, scale, skips); tick runs to compare them.
 
 The server pages the list in its own order (newest first) and filters by status and tag; a search or
 another order is applied to the newest RUNS_SEARCH_LIMIT runs it sends.
+
+Every RUNS_LIST_REFRESH_MS the list reads its page of runs; only when a run shown changed (new data,
+a new status: its update time moves), the count changed, or RUNS_LIST_FULL_REFRESH_S passed (a run
+turning silent or crashing for want of a heartbeat moves no update time) are the open alerts read
+and the table drawn again.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import dash
@@ -23,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["layout", "register"]
 
 RUNS_LIST_REFRESH_MS = 5000
+RUNS_LIST_FULL_REFRESH_S = 60.0
 RUNS_PAGE_SIZE = 25
 RUNS_SEARCH_LIMIT = 500  # with a search or a sort the API cannot do, the newest this many are searched
 MAX_OPEN_ALERTS = 1000  # open alerts read for the runs list's badges (the API's largest page)
@@ -47,6 +54,7 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
         Output("runs-table", "children"),
         Output("runs-pager", "children"),
         Output("runs-total", "data"),
+        Output("runs-seen", "data"),
         Input("runs-refresh", "n_intervals"),
         Input("runs-search", "value"),
         Input("runs-sort", "value"),
@@ -54,6 +62,7 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
         Input("runs-status", "value"),
         Input("runs-tag", "value"),
         State("selected-runs", "data"),
+        State("runs-seen", "data"),
     )
     def refresh_runs(
         _n_intervals: int | None,
@@ -63,6 +72,7 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
         statuses: list[str] | None,
         tag: str | None,
         selected: Any,
+        seen: Any = None,
     ) -> tuple[Any, ...]:
         search = (search or "").strip().lower()
         sort = sort if sort in RUNS_SORTS else "newest"
@@ -70,7 +80,6 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
         # Status and tag filter on the server; search and the other orders within what it sends.
         wanted_statuses = [s for s in statuses or [] if s in RUN_STATUSES]
         wanted_tags = [t for t in (tag or "").replace(",", " ").split() if t]
-        open_alerts = background.submit(open_alerts_by_run)
         try:
             if not search and sort == "newest":  # the API's own order: page on the server
                 runs, count = api.list_runs(
@@ -88,11 +97,20 @@ def register(app: dash.Dash, api: ApiClient, background: Background, run_href: R
                 matching, searched_all = len(found), count <= len(fetched)
                 runs = found[page * RUNS_PAGE_SIZE : (page + 1) * RUNS_PAGE_SIZE]
         except ApiError as exc:
-            return error_banner(exc), None, 0
+            return error_banner(exc), None, 0, None
+        changes = [count, [[run.get("id"), run.get("updated_at"), run.get("status")] for run in runs]]
+        if (
+            ctx.triggered_id == "runs-refresh"
+            and isinstance(seen, dict)
+            and seen.get("changes") == changes
+            and time.time() - float(seen.get("read_at") or 0) < RUNS_LIST_FULL_REFRESH_S
+        ):
+            raise dash.exceptions.PreventUpdate  # the runs shown are as they were: nothing more read
+        open_alerts = background.submit(open_alerts_by_run)
         chosen = set(selected or [])
         pager = _pager_text(page, len(runs), matching, count, searched_all)
         table = _runs_table(runs, run_href, chosen, searching=bool(search), open_alerts=open_alerts.result())
-        return table, pager, matching
+        return table, pager, matching, {"changes": changes, "read_at": time.time()}
 
     def open_alerts_by_run() -> dict[str, list[dict[str, Any]]] | None:
         """Open (firing, unacknowledged) alerts by run id; None when the API cannot say."""
@@ -205,6 +223,7 @@ def layout() -> html.Div:
             ),
             dcc.Store(id="runs-page", data=0),
             dcc.Store(id="runs-total", data=0),
+            dcc.Store(id="runs-seen", data=None),  # the runs shown (id, update time, status) when drawn
             dcc.Interval(id="runs-refresh", interval=RUNS_LIST_REFRESH_MS),
         ]
     )

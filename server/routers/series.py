@@ -1,6 +1,7 @@
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import Field
 
 from ..deps import PrincipalDep, StoreDep, authorize_run
 from ..errors import InvalidRequest
@@ -14,10 +15,21 @@ from ..schemas import (
     VectorsOut,
     json_float,
 )
+from ..storage.events import EventReads
 
 router = APIRouter(prefix="/api/v1/runs", tags=["series"])
 compare_router = APIRouter(prefix="/api/v1/compare", tags=["series"])
 MAX_COMPARED_RUNS = 50
+
+
+class EventPageOut(EventList):
+    """GET /runs/{id}/events: the events, how many match, and the cursor to read on from."""
+
+    last_id: int | None = Field(
+        default=None,
+        description="pass as after_id to get only the events stored after these; null when limit cut "
+        "a list in step order short",
+    )
 
 
 @compare_router.get("")
@@ -137,10 +149,21 @@ def list_events(
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
-) -> EventList:
-    """Events in step order (e.g. kind=skip for skipped optimizer steps)."""
+    after_id: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            description="only the events stored after the one with this id (a previous answer's "
+            "last_id), in the order they were stored; count still counts every match",
+        ),
+    ] = None,
+) -> EventPageOut:
+    """Events in step order (e.g. kind=skip for skipped optimizer steps); with after_id, only those
+    stored after a previous answer's (live pages)."""
     authorize_run(store, principal, run_id, "read")
-    records, total = store.events(run_id, kind, start, end, limit)
-    return EventList(
-        data=[EventOut(step=e.step, kind=e.kind, rank=e.rank, data=e.data) for e in records], count=total
+    page = EventReads(store.engine).page(run_id, kind, start, end, limit, after_id)
+    return EventPageOut(
+        data=[EventOut(step=e.step, kind=e.kind, rank=e.rank, data=e.data) for e in page.events],
+        count=page.count,
+        last_id=page.last_id,
     )

@@ -671,19 +671,6 @@ class Store:
             return None
         return first, session.scalar(query.order_by(model.step.desc()).limit(1))
 
-    def events(
-        self, run_id: str, kind: str | None, start: int | None, end: int | None, limit: int
-    ) -> tuple[list[EventRecord], int]:
-        with self._transaction() as session:
-            queries.require_run(session, run_id)
-            query = select(Event).where(Event.run_id == run_id)
-            if kind is not None:
-                query = query.where(Event.kind == kind)
-            query = queries.step_range(query, Event.step, start, end)
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.scalars(query.order_by(Event.step, Event.id).limit(limit)).all()
-            return [EventRecord(e.step, e.kind, e.rank, json.loads(e.data_json)) for e in rows], total
-
     # -- helpers ----------------------------------------------------------------------------------
 
     @staticmethod

@@ -108,13 +108,20 @@ class FakeApi:
         self.combined: dict = {}  # key -> {"steps", "values"} from /ranks/series
         self.requests: list[httpx.Request] = []
 
+    def run_now(self) -> dict:
+        """The run as the server would answer now: updated_at moves whenever its data changes (a live
+        page asks for more only then)."""
+        version = sum(len(series.get("steps", [])) for series in self.series.values())
+        version += len(self.events) + sum(len(vectors.get("steps", [])) for vectors in self.vectors.values())
+        return {**self.run, "updated_at": f"{self.run['updated_at'][:19]}.{version:06d}+00:00"}
+
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         path, run_path = request.url.path, f"/api/v1/runs/{self.run['id']}"
         if path == "/api/v1/runs":
             return httpx.Response(200, json={"data": [self.run], "count": 1})
         if path == run_path:
-            return httpx.Response(200, json=self.run)
+            return httpx.Response(200, json=self.run_now())
         if path == run_path + "/keys":
             kind = request.url.params.get("kind", "scalar")
             keys = {"scalar": sorted(self.series), "vector": sorted(self.vectors), "histogram": ["grad/hist"]}
@@ -122,6 +129,13 @@ class FakeApi:
         if path == run_path + "/vectors":
             key = request.url.params["key"]
             body = self.vectors.get(key, {"layers": [], "steps": [], "values": []})
+            start, end = int(request.url.params.get("start", 0)), request.url.params.get("end")
+            rows = [
+                (step, row)
+                for step, row in zip(body["steps"], body["values"], strict=True)
+                if step >= start and (end is None or step < int(end))
+            ]
+            body = {**body, "steps": [step for step, _ in rows], "values": [row for _, row in rows]}
             return httpx.Response(200, json={"key": key, "rank": 0, "downsampled": False, **body})
         if path == run_path + "/ranks":
             return httpx.Response(200, json=self.ranks)
@@ -179,7 +193,14 @@ class FakeApi:
             ]
             return httpx.Response(200, json={"data": alerts, "count": len(alerts)})
         if path == run_path + "/events":
-            return httpx.Response(200, json={"data": self.events, "count": len(self.events)})
+            # An event's id is its place in the list plus one: appended events are "stored after".
+            after_id = request.url.params.get("after_id")
+            if after_id is None:
+                data = sorted(self.events, key=lambda event: event.get("step", 0))
+                return httpx.Response(200, json={"data": data, "count": len(data), "last_id": len(data)})
+            data = self.events[int(after_id) :]
+            last_id = max(int(after_id), len(self.events))
+            return httpx.Response(200, json={"data": data, "count": len(self.events), "last_id": last_id})
         return httpx.Response(404, json={"detail": "run 'unknown' does not exist"})
 
 
@@ -262,22 +283,24 @@ def render(client, pathname, search=""):
     )
 
 
-RUNS_OUTPUTS = ["runs-table.children", "runs-pager.children", "runs-total.data"]
+RUNS_OUTPUTS = ["runs-table.children", "runs-pager.children", "runs-total.data", "runs-seen.data"]
 
 
-def refresh_runs(client, search=None, sort="newest", page=0, selected=(), statuses=None, tag=None):
+def refresh_runs(
+    client, search=None, sort="newest", page=0, selected=(), statuses=None, tag=None, seen=None, tick=None
+):
     return dash_call(
         client,
         RUNS_OUTPUTS,
         [
-            (("runs-refresh", "n_intervals"), None),
+            (("runs-refresh", "n_intervals"), tick),
             (("runs-search", "value"), search),
             (("runs-sort", "value"), sort),
             (("runs-page", "data"), page),
             (("runs-status", "value"), statuses),
             (("runs-tag", "value"), tag),
         ],
-        state=[(("selected-runs", "data"), list(selected))],
+        state=[(("selected-runs", "data"), list(selected)), (("runs-seen", "data"), seen)],
     )
 
 
@@ -290,7 +313,6 @@ REFRESH_OUTPUTS = [
     "events-table.children",
     "refresh.disabled",
     "layers-refresh.disabled",
-    "scale-series.data",
     "live-cursor.data",
 ]
 

@@ -22,20 +22,33 @@ def test_layer_heatmap_has_layers_in_model_order_top_down_and_log10_values():
     assert list(heatmap.y) == escaped
     assert list(figure.layout.yaxis.categoryarray) == escaped[::-1]  # first layer at the top
     assert list(heatmap.x) == [0, 10, 13, 20]
-    assert heatmap.z[0][0] == -1.0 and heatmap.z[2][1] == round(math.log10(2.0), 3)
-    assert heatmap.z[0][3] is None  # a zero norm has no log: a blank cell, not an error
+    assert heatmap.transpose  # z holds one row per step, as the API sends it (live steps append)
+    assert heatmap.z[0][0] == -1.0 and heatmap.z[1][2] == round(math.log10(2.0), 3)
+    assert heatmap.z[3][0] is None  # a zero norm has no log: a blank cell, not an error
     assert "1e0" in heatmap.colorbar.ticktext
 
 
 def test_layer_heatmap_marks_non_finite_cells_with_their_layer_and_step():
     figure = figures.layer_heatmap_figure(GRAD_NORMS, "g", "‖g‖")
 
-    markers = trace_named(figure, "non-finite")
-    assert list(markers.x) == [13, 13]
-    assert list(markers.y) == ["fc1.weight", "fc1.bias"]
-    assert markers.marker.color == layers.NON_FINITE_CELL_COLOR
-    assert "NaN at step 13" in markers.hovertext[0] and "Infinity" in markers.hovertext[1]
-    assert figure.data[0].z[0][2] is None
+    nan, infinity = (trace for trace in figure.data if trace.name == "non-finite")
+    assert (list(nan.x), list(nan.y)) == ([13], ["fc1.weight"])
+    assert (list(infinity.x), list(infinity.y)) == ([13], ["fc1.bias"])
+    assert nan.marker.color == infinity.marker.color == layers.NON_FINITE_CELL_COLOR
+    # Hover from a template per kind: "fc1.weight<br>NaN at step 13", with no text per point to send.
+    assert "NaN at step %{x}" in nan.hovertemplate and "Infinity at step" in infinity.hovertemplate
+    assert nan.hovertext is None
+    assert figure.data[0].z[2][0] is None
+
+
+def test_a_step_where_every_layer_is_non_finite_is_one_red_column():
+    vectors = {"layers": ["a", "b", "c"], "steps": [0, 1, 2], "values": [[1.0] * 3, ["NaN"] * 3, [2.0] * 3]}
+    figure = figures.layer_heatmap_figure(vectors, "g", "‖g‖")
+
+    column = next(trace for trace in figure.data if trace.uid == "non-finite-steps")
+    assert list(column.x) == [1, 1, None] and list(column.y) == ["a", "c", None]
+    assert "all 3 layers non-finite at step" in column.hovertemplate
+    assert [trace.uid for trace in figure.data] == ["cells", "non-finite-steps"]
 
 
 def test_fraction_heatmap_has_a_fixed_linear_range():
@@ -43,7 +56,7 @@ def test_fraction_heatmap_has_a_fixed_linear_range():
     figure = figures.layer_heatmap_figure(fractions, "u", "fraction", log_scale=False, value_range=(0, 1))
     heatmap = figure.data[0]
     assert (heatmap.zmin, heatmap.zmax) == (0, 1)
-    assert [row[0] for row in heatmap.z] == [0.25, 1.0]
+    assert list(heatmap.z[0]) == [0.25, 1.0]
 
 
 def test_many_layers_stay_readable():

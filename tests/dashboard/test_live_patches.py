@@ -133,8 +133,9 @@ def test_live_refresh_fetches_from_the_last_step_shown_and_appends():
     assert set(operations_of(second, "loss-graph")) == {"Extend"}
     assert set(operations_of(second, "scale-graph")) == {"Extend"}
     assert "lr-graph" not in second  # nothing new: no update
-    scale_store = second["scale-series"]["data"]["operations"]
-    assert [op["params"]["value"] for op in scale_store] == [[3], [65536.0]]
+    assert "events-table" not in second  # the same events and alerts: the timeline is left as it is
+    header_ops = second["run-header"]["children"]["operations"]
+    assert [op["location"] for op in header_ops] == [[0]]  # only the header line, not the verdict
     assert second["live-cursor"]["data"]["last"]["loss"] == 3
 
 
@@ -160,3 +161,46 @@ def test_live_refresh_redraws_in_full_when_appending_would_not_be_right(change):
     assert "Extend" not in operations_of(second, "loss-graph")
     assert apply_patch(second["loss-graph"]["figure"])["data"][0]["x"][0] == 0  # the whole series
     assert second["live-cursor"]["data"]["appended"] == 0
+
+
+def test_a_live_tick_with_no_news_asks_only_for_the_run():
+    api = live_api()
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    ).server.test_client()
+    cursor = refresh(client)["live-cursor"]["data"]
+    api.requests.clear()
+
+    quiet = refresh(client, cursor=cursor)
+
+    assert [r.url.path for r in api.requests] == ["/api/v1/runs/r1"]
+    assert "live-cursor" not in quiet and "loss-graph" not in quiet  # nothing redrawn
+
+
+def test_a_live_tick_reads_events_and_agent_counters_after_those_shown():
+    api = live_api()
+    api.events = [skip_event(1, 65536.0, 32768.0)]
+    api.series["agent/sent"] = {"steps": [0, 2], "values": [10.0, 30.0]}
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    ).server.test_client()
+    cursor = refresh(client)["live-cursor"]["data"]
+    assert cursor["health"]["sent"] == [3, 30.0]
+
+    grow(api, "loss", 3, 1.4)
+    grow(api, "amp/scale", 3, 32768.0)
+    api.events.append(skip_event(3, 65536.0, 32768.0))
+    api.requests.clear()
+    second = refresh(client, cursor=cursor)
+
+    asked = {r.url.path.rsplit("/", 1)[-1]: r.url.params for r in api.requests}
+    assert asked["events"]["after_id"] == "1"  # only the events stored since
+    sent = next(r for r in api.requests if r.url.params.get("key") == "agent/sent")
+    assert sent.url.params["start"] == "3"
+    # The new skip joins the skip markers drawn: appended, not redrawn.
+    extended = {
+        tuple(op["location"]): op["params"]["value"] for op in second["scale-graph"]["figure"]["operations"]
+    }
+    skipped = [location for location in extended if location[-1] == "x" and extended[location] == [3]]
+    assert len(skipped) == 2  # the scale line's new point and the new skip marker
+    assert second["live-cursor"]["data"]["skips"] == 2

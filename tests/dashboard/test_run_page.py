@@ -54,10 +54,6 @@ def test_refresh_draws_the_figures_and_keeps_polling_a_running_run(dash_client, 
     assert figures.NO_DATA_TEXT in [annotation["text"] for annotation in lr["layout"]["annotations"]]
     assert "fc1.weight" in json.dumps(response["events-table"]["children"])
     assert response["refresh"]["disabled"] is False
-    assert response["scale-series"]["data"] == {
-        "steps": SCALE_SERIES["steps"],
-        "values": SCALE_SERIES["values"],
-    }
     full_series = [
         r for r in fake_api.requests if r.url.path.endswith("/series") and "start" not in r.url.params
     ]
@@ -216,56 +212,120 @@ def test_a_sharded_run_draws_its_global_norm_combined_over_the_ranks(fake_api):
 # -- per-layer heatmaps and histograms -------------------------------------------------------------
 
 
-LAYER_OUTPUTS = [
-    "grad-norm-heatmap.figure",
-    "update-ratio-heatmap.figure",
-    "underflow-heatmap.figure",
-    "hist-layer.options",
-    "hist-layer.value",
-]
+HEATMAPS = ("grad-norm-heatmap", "update-ratio-heatmap", "underflow-heatmap")
 
 
-def refresh_layers(client, layer=None, selected_step=None, options=None):
-    return dash_call(
+def refresh_heatmap(client, graph_id="grad-norm-heatmap", selected_step=None, live_cursor=None, drawn=None):
+    """One heatmap's refresh; its figure and cursor: {"figure": ..., "cursor": ...}."""
+    response = dash_call(
         client,
-        LAYER_OUTPUTS,
+        [f"{graph_id}.figure", f"{graph_id}-cursor.data"],
         [(("layers-refresh", "n_intervals"), None)],
         state=[
             (("run-id", "data"), "r1"),
             (("selected-step", "data"), selected_step),
-            (("hist-layer", "value"), layer),
-            (("hist-layer", "options"), options),
+            (("live-cursor", "data"), live_cursor),
+            ((f"{graph_id}-cursor", "data"), drawn),
         ],
+    )
+    return {
+        "figure": response.get(graph_id, {}).get("figure"),
+        "cursor": response.get(f"{graph_id}-cursor", {}).get("data"),
+    }
+
+
+def fill_layer_picker(client, options=None):
+    return dash_call(
+        client,
+        ["hist-layer.options", "hist-layer.value"],
+        [(("layers-refresh", "n_intervals"), 1)],
+        state=[(("run-id", "data"), "r1"), (("hist-layer", "options"), options)],
     )
 
 
-def test_layers_refresh_draws_heatmaps_and_offers_the_layers(dash_client, fake_api):
-    response = refresh_layers(dash_client, selected_step=13)
+def test_layers_refresh_draws_each_heatmap_and_fills_an_empty_layer_picker(dash_client, fake_api):
+    drawn = {graph_id: refresh_heatmap(dash_client, graph_id, selected_step=13) for graph_id in HEATMAPS}
 
-    heatmap = apply_patch(response["grad-norm-heatmap"]["figure"])
+    heatmap = apply_patch(drawn["grad-norm-heatmap"]["figure"])
     assert heatmap["data"][0]["y"][2] == "&lt;b&gt;head&lt;/b&gt;.weight"
     assert heatmap["layout"]["shapes"][0]["x0"] == 13  # the selected step stays marked
-    assert figures.NO_DATA_TEXT in json.dumps(response["update-ratio-heatmap"]["figure"])
-    assert [option["label"] for option in response["hist-layer"]["options"]] == LAYERS  # text, not HTML
-    assert response["hist-layer"]["value"] == "fc1.weight"
+    assert drawn["grad-norm-heatmap"]["cursor"]["last"] == 20
+    assert figures.NO_DATA_TEXT in json.dumps(drawn["update-ratio-heatmap"]["figure"])
     assert {r.url.params["max_steps"] for r in fake_api.requests if r.url.path.endswith("/vectors")} == {
         "500"
     }
-    options = response["hist-layer"]["options"]
-    unchanged = refresh_layers(dash_client, layer="fc1.bias", options=options)
-    assert "hist-layer" not in unchanged  # same layers, a valid choice: the picker is left alone
+    response = fill_layer_picker(dash_client)
+    assert [option["label"] for option in response["hist-layer"]["options"]] == LAYERS  # text, not HTML
+    assert response["hist-layer"]["value"] == "fc1.weight"
+    fake_api.requests.clear()
+    unchanged = dash_client.post(
+        "/_dash-update-component",
+        json={
+            "output": "..hist-layer.options...hist-layer.value..",
+            "outputs": [
+                {"id": "hist-layer", "property": "options"},
+                {"id": "hist-layer", "property": "value"},
+            ],
+            "inputs": [{"id": "layers-refresh", "property": "n_intervals", "value": 2}],
+            "state": [
+                {"id": "run-id", "property": "data", "value": "r1"},
+                {"id": "hist-layer", "property": "options", "value": response["hist-layer"]["options"]},
+            ],
+            "changedPropIds": ["layers-refresh.n_intervals"],
+        },
+    )
+    assert unchanged.status_code == 204 and fake_api.requests == []  # a filled picker: nothing asked
 
 
-HISTOGRAM_OUTPUTS = ["hist-step.options", "hist-step.value", "hist-graph.figure", "hist-time-graph.figure"]
+def test_a_live_heatmap_asks_only_for_new_steps_and_appends_them(dash_client, fake_api):
+    first = refresh_heatmap(dash_client, live_cursor={"run": ["running", "t0", 20], "resumes": 0})
+    fake_api.requests.clear()
+    same = refresh_heatmap(
+        dash_client, live_cursor={"run": ["running", "t0", 20], "resumes": 0}, drawn=first["cursor"]
+    )
+    assert fake_api.requests == [] and same == {"figure": None, "cursor": None}  # no news: nothing asked
+
+    vectors = fake_api.vectors["grad/norm"]
+    fake_api.vectors["grad/norm"] = {
+        **vectors,
+        "steps": [*vectors["steps"], 30],
+        "values": [*vectors["values"], [0.5, 0.05, 5.0]],
+    }
+    grown = refresh_heatmap(
+        dash_client, live_cursor={"run": ["running", "t1", 30], "resumes": 0}, drawn=first["cursor"]
+    )
+    asked = [r.url.params.get("start") for r in fake_api.requests if r.url.path.endswith("/vectors")]
+    assert asked == ["21"]  # after the last step drawn
+    operations = grown["figure"]["operations"]
+    assert {(tuple(op["location"]), op["operation"]) for op in operations} == {
+        (("data", 0, "x"), "Extend"),
+        (("data", 0, "z"), "Extend"),
+    }
+    assert operations[0]["params"]["value"] == [30] and grown["cursor"]["last"] == 30
+
+    resumed = refresh_heatmap(
+        dash_client, live_cursor={"run": ["running", "t2", 30], "resumes": 1}, drawn=grown["cursor"]
+    )
+    assert apply_patch(resumed["figure"])["data"][0]["x"][0] == 0  # a resume: drawn again in full
 
 
-def show_histogram(client, layer, step=None, selected_step=None, trigger="hist-layer"):
+HISTOGRAM_OUTPUTS = [
+    "hist-step.options",
+    "hist-step.value",
+    "hist-graph.figure",
+    "hist-time-graph.figure",
+    "hist-cursor.data",
+]
+
+
+def show_histogram(
+    client, layer, step=None, selected_step=None, trigger="hist-layer", live_cursor=None, drawn=None
+):
     inputs = [
         (("hist-layer", "value"), layer),
         (("hist-step", "value"), step),
         (("selected-step", "data"), selected_step),
         (("layers-refresh", "n_intervals"), None),
-        (("scale-series", "data"), SCALE_SERIES),
     ]
     body_inputs = sorted(inputs, key=lambda item: item[0][0] != trigger)  # the trigger goes first
     response = client.post(
@@ -274,10 +334,16 @@ def show_histogram(client, layer, step=None, selected_step=None, trigger="hist-l
             "output": ".." + "...".join(HISTOGRAM_OUTPUTS) + "..",
             "outputs": [dict(zip(("id", "property"), o.split("."), strict=True)) for o in HISTOGRAM_OUTPUTS],
             "inputs": [{"id": i, "property": p, "value": v} for (i, p), v in inputs],
-            "state": [{"id": "run-id", "property": "data", "value": "r1"}],
+            "state": [
+                {"id": "run-id", "property": "data", "value": "r1"},
+                {"id": "live-cursor", "property": "data", "value": live_cursor},
+                {"id": "hist-cursor", "property": "data", "value": drawn},
+            ],
             "changedPropIds": [f"{i}.{p}" for (i, p), _ in body_inputs[:1]],
         },
     )
+    if response.status_code == 204:
+        return None  # no update
     assert response.status_code == 200, response.data
     return response.json["response"]
 
@@ -299,3 +365,21 @@ def test_histogram_of_the_chosen_layer_at_the_latest_step_then_at_a_selected_ste
 def test_histogram_of_an_unknown_layer_says_so(dash_client):
     response = show_histogram(dash_client, "gone.weight")
     assert "not one of" in json.dumps(response["hist-graph"]["figure"])
+
+
+def test_a_live_tick_reads_the_histogram_again_only_when_the_run_has_news(dash_client, fake_api):
+    live_cursor = {"run": ["running", "t0", 20]}
+    drawn = show_histogram(dash_client, "fc1.bias", live_cursor=live_cursor)["hist-cursor"]["data"]
+    fake_api.requests.clear()
+    tick = show_histogram(
+        dash_client, "fc1.bias", trigger="layers-refresh", live_cursor=live_cursor, drawn=drawn
+    )
+    assert tick is None and fake_api.requests == []
+    news = show_histogram(
+        dash_client,
+        "fc1.bias",
+        trigger="layers-refresh",
+        live_cursor={"run": ["running", "t1", 30]},
+        drawn=drawn,
+    )
+    assert news["hist-step"]["value"] == 20

@@ -8,10 +8,12 @@ import httpx
 import pytest
 from dashboard_support import (
     RUN,
+    RUNS_OUTPUTS,
     FakeApi,
     alert,
     app_client,
     apply_patch,
+    callback_outputs,
     dash_call,
     refresh_runs,
     render,
@@ -177,3 +179,36 @@ def test_compare_page_overlays_the_chosen_key_of_each_run(dash_client, fake_api)
     asked = [r.url for r in fake_api.requests if r.url.path == "/api/v1/compare"]
     assert [url.params.get_list("run") for url in asked] == [["r1", "missing"], ["r1"]]
     assert not [r for r in fake_api.requests if r.url.path.endswith("/series")]
+
+
+def test_a_runs_list_tick_reads_the_list_again_only_when_a_run_changed(dash_client, fake_api):
+    first = refresh_runs(dash_client)
+    seen = first["runs-seen"]["data"]
+    fake_api.requests.clear()
+
+    body = {
+        "output": ".." + "...".join(callback_outputs(dash_client, RUNS_OUTPUTS)) + "..",
+        "outputs": [dict(zip(("id", "property"), o.split("."), strict=True)) for o in RUNS_OUTPUTS],
+        "inputs": [
+            {"id": "runs-refresh", "property": "n_intervals", "value": 1},
+            {"id": "runs-search", "property": "value", "value": None},
+            {"id": "runs-sort", "property": "value", "value": "newest"},
+            {"id": "runs-page", "property": "data", "value": 0},
+            {"id": "runs-status", "property": "value", "value": None},
+            {"id": "runs-tag", "property": "value", "value": None},
+        ],
+        "state": [
+            {"id": "selected-runs", "property": "data", "value": []},
+            {"id": "runs-seen", "property": "data", "value": seen},
+        ],
+        "changedPropIds": ["runs-refresh.n_intervals"],
+    }
+    quiet = dash_client.post("/_dash-update-component", json=body)
+    assert quiet.status_code == 204  # nothing changed: nothing redrawn
+    assert [r.url.path for r in fake_api.requests] == ["/api/v1/runs"]  # the runs only: no alerts read
+
+    fake_api.run["updated_at"] = "2024-05-01T12:06:00+00:00"  # the run got data
+    fake_api.requests.clear()
+    changed = refresh_runs(dash_client, seen=seen, tick=2)
+    assert '"href": "/dashboard/runs/r1"' in json.dumps(changed["runs-table"])  # read and drawn again
+    assert any(r.url.path == "/api/v1/alerts" for r in fake_api.requests)

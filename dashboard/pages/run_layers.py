@@ -1,0 +1,241 @@
+"""The run page's per-layer part: the layer × step heatmaps (grad norm, update ratio, underflow
+fraction), the layer picker, and the chosen layer's histogram at a step and over steps.
+
+Each heatmap is a callback of its own, so the three are fetched, built and drawn side by side, and the
+histogram does not wait for them (the picker is filled when the page is built). A live run's heatmaps
+refresh every LAYERS_REFRESH_MS, and only when the run has news (its signature in the page's live
+cursor moved): they fetch the steps after the last one drawn and append them as columns (see
+`live.append_columns_patch`), redrawing in full after MAX_APPENDED_COLUMNS of them, after a resume
+(it rewrote steps already drawn), or when the layers change. The histogram is read again on such a
+tick too, or when another layer or step is picked; it reads the loss scale itself, for fp16's limits,
+instead of waiting for the line charts' copy.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import dash
+from dash import Input, Output, State, ctx
+
+from .. import figures, live
+from ..api_client import ApiClient, ApiError
+from ..views import keep_view
+
+__all__ = ["HEATMAP_CURSOR_SUFFIX", "LAYER_HEATMAPS", "heatmap_cursor_id", "register"]
+
+# Per-layer heatmaps: graph id → (vector key, title, colour-bar label, log colour scale, fixed range).
+LAYER_HEATMAPS = {
+    "grad-norm-heatmap": ("grad/norm", "Gradient norm per layer", "‖g‖", True, None),
+    "update-ratio-heatmap": ("update/ratio", "Update ratio per layer (‖Δw‖/‖w‖)", "ratio", True, None),
+    "underflow-heatmap": (
+        "grad/underflow_frac",
+        "fp16 underflow fraction per layer",
+        "fraction",
+        False,
+        (0, 1),
+    ),
+}
+HEATMAP_CURSOR_SUFFIX = "-cursor"
+SCALE_KEY = "amp/scale"
+
+
+def heatmap_cursor_id(graph_id: str) -> str:
+    """The dcc.Store that records what heatmap `graph_id` shows (the run page's layout has one each)."""
+    return graph_id + HEATMAP_CURSOR_SUFFIX
+
+
+def register(app: dash.Dash, api: ApiClient) -> None:
+    """The heatmaps', layer picker's and histogram's callbacks."""
+    for graph_id, spec in LAYER_HEATMAPS.items():
+        _register_heatmap(app, api, graph_id, spec)
+
+    @app.callback(
+        Output("hist-layer", "options"),
+        Output("hist-layer", "value"),
+        Input("layers-refresh", "n_intervals"),
+        State("run-id", "data"),
+        State("hist-layer", "options"),
+        prevent_initial_call=True,
+    )
+    def fill_layer_picker(_n_intervals: int | None, run_id: str, shown: Any) -> tuple[Any, Any]:
+        # The layout fills the picker; a live run that had no layers then gets them here, once.
+        if shown:
+            raise dash.exceptions.PreventUpdate
+        try:
+            vectors = api.vectors(run_id, LAYER_HEATMAPS["grad-norm-heatmap"][0], max_steps=1, end=0)
+        except ApiError:
+            raise dash.exceptions.PreventUpdate from None
+        layers = figures.layer_names_of(vectors)
+        if not layers:
+            raise dash.exceptions.PreventUpdate
+        return [{"label": name, "value": name} for name in layers], layers[0]
+
+    @app.callback(
+        output={
+            "step_options": Output("hist-step", "options"),
+            "step": Output("hist-step", "value"),
+            "at_step": Output("hist-graph", "figure"),
+            "over_steps": Output("hist-time-graph", "figure"),
+            "drawn": Output("hist-cursor", "data"),
+        },
+        inputs=[
+            Input("hist-layer", "value"),
+            Input("hist-step", "value"),
+            Input("selected-step", "data"),
+            Input("layers-refresh", "n_intervals"),
+        ],
+        state=[
+            State("run-id", "data"),
+            State("live-cursor", "data"),
+            State("hist-cursor", "data"),
+        ],
+    )
+    def show_histogram(
+        layer: str | None,
+        step: Any,
+        selected_step: Any,
+        _n_intervals: int | None,
+        run_id: str,
+        cursor: Any,
+        drawn: Any,
+    ) -> dict[str, Any]:
+        signature = cursor.get("run") if isinstance(cursor, dict) else None
+        if ctx.triggered_id == "layers-refresh" and drawn == [run_id, layer, signature]:
+            raise dash.exceptions.PreventUpdate  # a live tick, and the run has no news
+        if not layer:
+            return _no_histogram("no per-layer histograms recorded (yet)", run_id)
+        try:
+            # The loss scale for fp16's limits, read here rather than waiting for the line charts'
+            # (so the histogram loads alongside them).
+            histograms, scale_series = api.histograms(run_id, layer), api.series(run_id, SCALE_KEY)
+            steps = figures.histogram_steps(histograms)
+            if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
+                step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival
+            elif step not in steps:
+                step = steps[-1] if steps else None
+            # The exact scale at that step (the stored series may be downsampled).
+            at_step = api.series(run_id, SCALE_KEY, start=step, end=step + 1) if step is not None else None
+        except ApiError as exc:
+            return _no_histogram(str(exc), run_id)
+        scale = latest(at_step) if latest(at_step) is not None else _value_at(scale_series, step)
+        bar = figures.histogram_figure(histograms, step, scale, uirevision=f"{run_id}/{layer}")
+        over_time = figures.histogram_time_figure(histograms, scale_series, uirevision=f"{run_id}/{layer}")
+        over_time.update_layout(shapes=figures.step_marker_shapes(selected_step))
+        # Both as updates that keep the user's zoom: a live run redraws them as the scale moves.
+        return {
+            "step_options": [{"label": f"step {value:,}", "value": value} for value in reversed(steps)],
+            "step": step,
+            "at_step": keep_view(bar),
+            "over_steps": keep_view(over_time),
+            "drawn": [run_id, layer, signature],
+        }
+
+
+def _register_heatmap(app: dash.Dash, api: ApiClient, graph_id: str, spec: tuple[Any, ...]) -> None:
+    key, title, label, log_scale, value_range = spec
+    build = partial(
+        figures.layer_heatmap_figure, value_label=label, log_scale=log_scale, value_range=value_range
+    )
+
+    @app.callback(
+        Output(graph_id, "figure"),
+        Output(heatmap_cursor_id(graph_id), "data"),
+        Input("layers-refresh", "n_intervals"),
+        State("run-id", "data"),
+        State("selected-step", "data"),
+        State("live-cursor", "data"),
+        State(heatmap_cursor_id(graph_id), "data"),
+    )
+    def refresh_heatmap(
+        _n_intervals: int | None, run_id: str, selected_step: Any, run_cursor: Any, cursor: Any
+    ) -> tuple[Any, Any]:
+        run_cursor = run_cursor if isinstance(run_cursor, dict) else {}
+        signature, resumes = run_cursor.get("run"), run_cursor.get("resumes", 0)
+        appendable = (
+            isinstance(cursor, dict)
+            and cursor.get("run_id") == run_id
+            and cursor.get("resumes") == resumes
+            and cursor.get("appended", 0) < live.MAX_APPENDED_COLUMNS
+            and isinstance(cursor.get("last"), int)
+        )
+        if appendable and cursor.get("signature") == signature:
+            return dash.no_update, dash.no_update  # nothing new since it was drawn: nothing asked
+        try:
+            if appendable:
+                new = api.vectors(run_id, key, start=cursor["last"] + 1)
+                patch = (
+                    None if new.get("downsampled") else _append(cursor, build(new, title, uirevision=run_id))
+                )
+                if patch is not None:
+                    return patch, _advanced(cursor, new, signature)
+            vectors = api.vectors(run_id, key)
+        except ApiError as exc:
+            message = figures.empty_figure(title, str(exc), uirevision=run_id)
+            return keep_view(message), None
+        figure = build(vectors, title, uirevision=run_id)
+        marker = figures.step_marker_shapes(selected_step)
+        if marker and figure.data:
+            figure.update_layout(shapes=marker)
+        drawn = {
+            "run_id": run_id,
+            "signature": signature,
+            "resumes": resumes,
+            "last": live.last_step(vectors),
+            "layers": list(figure.data[0].y) if figure.data else [],
+            "uids": [trace.uid for trace in figure.data],
+            "appended": 0,
+        }
+        return keep_view(figure), drawn
+
+
+def _append(cursor: dict[str, Any], new_columns: Any) -> Any:
+    """The patch appending `new_columns` to the heatmap `cursor` describes; None: redraw it."""
+    if not new_columns.data:
+        return dash.no_update
+    return live.append_columns_patch(cursor, new_columns)
+
+
+def _advanced(cursor: dict[str, Any], new: dict[str, Any], signature: Any) -> dict[str, Any]:
+    last = live.last_step(new)
+    steps = new.get("steps") or []
+    return {
+        **cursor,
+        "signature": signature,
+        "last": cursor["last"] if last is None else max(cursor["last"], last),
+        "appended": cursor.get("appended", 0) + len(steps),
+    }
+
+
+def _no_histogram(message: str, run_id: str) -> dict[str, Any]:
+    """show_histogram's result when there is no histogram to draw: `message` in both charts."""
+    return {
+        "step_options": [],
+        "step": None,
+        "at_step": figures.empty_figure("Gradient histogram", message, uirevision=run_id),
+        "over_steps": figures.empty_figure("Gradient histogram over steps", message, uirevision=run_id),
+        "drawn": None,
+    }
+
+
+def latest(series: Any) -> Any:
+    """The last value of an API series, or None."""
+    values = series.get("values") if isinstance(series, dict) else None
+    return values[-1] if isinstance(values, list) and values else None
+
+
+def _value_at(series: Any, step: Any) -> Any:
+    """The value of an API series at `step`, or the last one before it; None when there is none."""
+    if not isinstance(series, dict) or not isinstance(step, int):
+        return None
+    found = None
+    for at, value in zip(series.get("steps") or [], series.get("values") or [], strict=False):
+        if isinstance(at, int) and at <= step:
+            found = value
+    return found
+
+
+def _nearest_step(steps: list[int], step: int) -> int | None:
+    """The step of `steps` closest to `step` (the earlier one on a tie)."""
+    return min(steps, key=lambda candidate: (abs(candidate - step), candidate)) if steps else None
