@@ -7,7 +7,8 @@ executemany (in-process: no round trips); PostgreSQL gets a single INSERT ... SE
 with one array per column, so an upsert of any size is one round trip. (Measured for 1,000 rows
 against COPY into a staging table, executemany and a multi-row VALUES list: unnest was as fast as
 COPY with one statement instead of two to four, executemany took twice as long, and planning a
-1,000-row VALUES list several times as long.)
+1,000-row VALUES list several times as long.) Rows with binary columns go by executemany instead:
+a bytea[] array literal would be escaped byte by byte in Python.
 """
 
 from __future__ import annotations
@@ -92,15 +93,43 @@ def _insert(
         )
         return
     types = _array_types(table, tuple(columns))
+    cursor = driver_cursor(connection)
+    try:
+        if not all(numeric for _, numeric in types):
+            # Rows with binary columns (point chunks, vectors, histograms: tens of rows of kilobytes
+            # each): executemany, pipelined, sends bytes as they are, where a bytea[] literal would be
+            # escaped byte by byte in Python.
+            placeholders = ", ".join("%s" for _ in columns)
+            cursor.executemany(f"INSERT INTO {table.name} ({names}) VALUES ({placeholders}) {conflict}", rows)
+            return
+        arrays = ", ".join(f"%s::{array_type}" for array_type, _ in types)
+        parameters = [_numeric_array(column) for column in zip(*rows, strict=True)]
+        cursor.execute(
+            f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters
+        )
+    finally:
+        cursor.close()
+
+
+def delete_keys(
+    executor: Session | Connection, table: Table, key: Sequence[str], rows: Sequence[tuple[Any, ...]]
+) -> None:
+    """DELETE the rows of `table` whose `key` columns equal one of `rows` (tuples in `key` order), in
+    one statement: executemany on SQLite (in-process), a join with unnest(...) on PostgreSQL."""
+    if not rows:
+        return
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    if connection.dialect.name == "sqlite":
+        where = " AND ".join(f"{name} = ?" for name in key)
+        connection.exec_driver_sql(f"DELETE FROM {table.name} WHERE {where}", rows)
+        return
+    types = _array_types(table, tuple(key))
     arrays = ", ".join(f"%s::{array_type}" for array_type, _ in types)
-    parameters = [
-        _numeric_array(column) if numeric else list(column)
-        for column, (_, numeric) in zip(zip(*rows, strict=True), types, strict=True)
-    ]
     cursor = driver_cursor(connection)
     try:
         cursor.execute(
-            f"INSERT INTO {table.name} ({names}) SELECT * FROM unnest({arrays}) {conflict}", parameters
+            f"DELETE FROM {table.name} WHERE ({', '.join(key)}) IN (SELECT * FROM unnest({arrays}))",
+            [_numeric_array(column) for column in zip(*rows, strict=True)],
         )
     finally:
         cursor.close()
@@ -134,17 +163,5 @@ def fetch_lazily(
         cursor.execute(_driver_sql(connection, sql), params)
         while rows := cursor.fetchmany(size):
             yield from rows
-    finally:
-        cursor.close()
-
-
-def execute_many(executor: Session | Connection, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-    """One statement without results (a DELETE, an UPDATE) run for each parameter row."""
-    if not rows:
-        return
-    connection = executor.connection() if isinstance(executor, Session) else executor
-    cursor = driver_cursor(connection)
-    try:
-        cursor.executemany(_driver_sql(connection, sql), rows)
     finally:
         cursor.close()

@@ -208,7 +208,7 @@ def _in(items: Sequence[Any]) -> str:
     return ", ".join("?" for _ in items)
 
 
-_DELETE = "DELETE FROM point_chunks WHERE series_id = ? AND rank = ? AND first_step = ?"
+_KEY = ("series_id", "rank", "first_step")
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def write(executor: Executor, rank: int, new: Mapping[int, Points]) -> set[int]:
             points = concat([_decoded(row) for row in stored]).replaced_by(points)
             deletes.extend((sid, rank, row[1]) for row in stored)
         inserts.extend(_chunk_rows(sid, rank, points))
-    bulk.execute_many(executor, _DELETE, deletes)
+    bulk.delete_keys(executor, PointChunk.__table__, _KEY, deletes)
     bulk.insert(executor, PointChunk.__table__, _COLUMNS, inserts)
     return set(overlapping)
 
@@ -277,7 +277,7 @@ def delete_from(executor: Executor, series_ids: Sequence[int], rank: int, step: 
         f" WHERE series_id IN ({_in(ids)}) AND rank = ? AND last_step >= ?",
         [*ids, rank, step],
     )
-    bulk.execute_many(executor, _DELETE, [(row[0], rank, row[1]) for row in found])
+    bulk.delete_keys(executor, PointChunk.__table__, _KEY, [(row[0], rank, row[1]) for row in found])
     kept = [(row[0], _decoded(row).between(None, step)) for row in found if row[1] < step]
     bulk.insert(
         executor,
