@@ -3,9 +3,10 @@
     .venv/bin/python bench/agent_overhead.py            # the full benchmark (~11 min on the shared 2-CPU VM)
     .venv/bin/python bench/agent_overhead.py --quick    # tiny model, few rounds: a smoke test
 
-A small GPT-style decoder (torch.nn, ~14M parameters by default) is trained on CPU with AdamW,
-torch.autocast("cpu", dtype=torch.float16), a real torch.amp.GradScaler("cpu"), scaler.unscale_ and
-clip_grad_norm_(1.0) on synthetic tokens, under these configurations:
+A small GPT-style decoder (torch.nn, ~14M parameters by default) is trained on CPU with AdamW
+(fused by default, --optimizer), in fp32 by default or under torch.autocast("cpu") in fp16 / bf16
+(--precision), with a real torch.amp.GradScaler("cpu"), scaler.unscale_ and clip_grad_norm_(1.0) on
+synthetic tokens, under these configurations:
 
     base       no monitoring (the baseline)
     base2      no monitoring, a second, identical copy: the noise floor of the comparison itself
@@ -263,14 +264,17 @@ class Monitor:
 class Trainer:
     """A model, optimizer, scaler and synthetic data; step() runs one training step under a Monitor."""
 
-    def __init__(self, size: ModelSize, seed: int) -> None:
+    def __init__(self, size: ModelSize, seed: int, precision: str = "fp32", fused: bool = True) -> None:
         import torch
 
         self.torch = torch
         self.size = size
+        # fp32: no autocast (the GradScaler still scales, unscales and checks, as in a loop written
+        # for fp16 and run in fp32); fp16 / bf16: CPU autocast in that type.
+        self.autocast_dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         torch.manual_seed(seed)
         self.model = build_model(size)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1, fused=fused)
         self.scaler = torch.amp.GradScaler("cpu")
         generator = torch.Generator().manual_seed(seed + 1)
         self.batches = [
@@ -284,7 +288,9 @@ class Trainer:
         batch = self.batches[self.step_index % len(self.batches)]
         x, y = batch[:, :-1], batch[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(
+            "cpu", dtype=self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)
+        ):
             logits = self.model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, self.size.vocab), y.reshape(-1))
         monitor.on_loss(loss)
@@ -396,6 +402,7 @@ def worker_main(
     config: str,
     size: dict[str, int],
     seed: int,
+    recipe: tuple[str, bool],
     workdir: str,
     server_url: str | None,
     server_mode: str,
@@ -409,7 +416,7 @@ def worker_main(
         torch.set_num_threads(threads)
     try:
         timings = install_instrumentation() if instrument else None
-        trainer = Trainer(ModelSize(**size), seed)
+        trainer = Trainer(ModelSize(**size), seed, *recipe)
         monitor = Monitor(config, Path(workdir), server_url, server_mode)
         monitor.attach(trainer)
         n_params = sum(p.numel() for _, p in trainer.named_parameters)
@@ -484,6 +491,7 @@ class Worker:
                 config,
                 asdict(MODEL_SIZES[args.model_size]),
                 args.seed,
+                (args.precision, args.optimizer == "fused"),
                 str(workdir),
                 server_url,
                 args.server,
@@ -565,7 +573,9 @@ class SharedRunner:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.trainer = Trainer(MODEL_SIZES[args.model_size], args.seed)
+        self.trainer = Trainer(
+            MODEL_SIZES[args.model_size], args.seed, args.precision, args.optimizer == "fused"
+        )
         self.monitors = {c: Monitor(c, workdir, server_url, args.server) for c in configs}
         self.exclude = exclude_pids
         self.info = {
@@ -746,6 +756,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=None, help="untimed steps per configuration first (default 4)"
     )
     parser.add_argument(
+        "--gradwatch-warmup",
+        type=int,
+        default=None,
+        help="untimed steps of each gradwatch configuration first (default 200: past the run's dense "
+        "start, whose first 200 steps sample 5x as often; 0 = time the dense start too)",
+    )
+    parser.add_argument(
         "--model-size",
         choices=sorted(MODEL_SIZES),
         default=None,
@@ -786,6 +803,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "fp16", "bf16"),
+        default="fp32",
+        help="fp32 (default: no autocast, the issue's reference; fast on every CPU) or CPU autocast in "
+        "fp16 / bf16 (about 50x slower than fp32 on AVX2-only CPUs)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "default"),
+        default="fused",
+        help="AdamW(fused=True) (default) or torch's default AdamW implementation for CPU tensors",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 short rounds: a smoke test")
     args = parser.parse_args(argv)
@@ -793,6 +823,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds or (2 if quick else 10)
     args.steps_per_round = args.steps_per_round or (4 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 4)
+    if args.gradwatch_warmup is None:
+        args.gradwatch_warmup = 0 if quick else 200
     args.model_size = args.model_size or ("tiny" if quick else "small")
     args.settle = args.settle if args.settle is not None else (0.2 if quick else 0.3)
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (10 if quick else 100)
@@ -809,6 +841,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         configs.insert(0, "base")
     args.config_list = [c for c in CONFIGS if c in configs]
     return args
+
+
+def _warmup(args: argparse.Namespace, config: str) -> int:
+    """Untimed steps before a configuration's first block: a gradwatch run also passes its dense start
+    (the first dense_start_steps steps sample 5x as often), so the timed steps show the steady state."""
+    return max(args.warmup, args.gradwatch_warmup) if config.startswith("gw") else args.warmup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -833,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs, args, workdir, server_url, {server.pid} if server is not None else set()
             )
         for config in configs:
-            runner.block(config, args.warmup, 0.0)
+            runner.block(config, _warmup(args, config), 0.0)
         wall: dict[str, list[float]] = {c: [] for c in configs}  # mean step time per round (s)
         cpu: dict[str, list[float]] = {c: [] for c in configs}  # CPU seconds per step per round
         server_cpu: dict[str, list[float]] = {c: [] for c in configs}
@@ -869,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = server_url if config in configs else None
                 name = config if config in configs else config + "_off"
                 worker = Worker(context, name, args, workdir, url, instrument=True)
-                worker.call("steps", (args.warmup, 0.0))
+                worker.call("steps", (_warmup(args, name), 0.0))
                 profiles[name] = profile_run(worker, steps)
                 worker.close()
         elapsed = time.monotonic() - started
@@ -942,7 +980,8 @@ def report(
     out(f"- command: `{command.strip()}`")
     first_check = next(iter(checks.values()))
     out(
-        f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+        f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}, torch CPU "
+        f"capability {torch.backends.cpu.get_cpu_capability()}), "
         f"torch {torch.__version__}, {info['threads']} intra-op threads "
         f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Python {platform.python_version()}, "
         f"gradwatch at {git_state()}"
@@ -951,12 +990,14 @@ def report(
         f"- model: GPT-style decoder, vocab {size.vocab}, context {size.context}, width {size.width}, "
         f"{size.layers} layers, {size.heads} heads: {info['params'] / 1e6:.1f}M parameters in "
         f"{info['tensors']} tensors; batch {size.batch} x {size.context} tokens; "
-        f"fp16 autocast + GradScaler + AdamW + clip_grad_norm_(1.0)"
+        f"{args.precision}{' autocast' if args.precision != 'fp32' else ''} + GradScaler + "
+        f"{args.optimizer} AdamW + clip_grad_norm_(1.0)"
     )
     out(
         f"- isolation: {args.isolation}; online gradwatch server: "
         f"{'own process' if args.server == 'process' else 'thread in the training process'}, "
-        f"SQLite; settle pause {args.settle} s after each block; total time {elapsed:.0f} s\n"
+        f"SQLite; settle pause {args.settle} s after each block; gradwatch runs warmed up for "
+        f"{args.gradwatch_warmup} steps first; total time {elapsed:.0f} s\n"
     )
     out(
         "| configuration | step ms, median of rounds [min, max] | wall overhead [95% CI] | "
