@@ -133,14 +133,15 @@ def histogram_fractions(
         if scale_at is None:
             continue
         scale = scale_at.get(step, 1.0)
-        fractions = [_quantities.fp16_fractions(row, scale) for row in rows]
+        columns = _quantities.fp16_columns(scale) if scale > 0 and math.isfinite(scale) else None
+        fractions = [_quantities.fp16_fractions(row, scale, columns) for row in rows]
         for index, key in enumerate(
             ("grad/underflow_frac", "grad/precision_loss_frac", "grad/overflow_frac")
         ):
             vectors.setdefault(key, []).append((step, [f[index] for f in fractions]))
         total = [sum(column) for column in zip(*rows, strict=True)] if rows else []
         if total:
-            under, precision, over = _quantities.fp16_fractions(total, scale)
+            under, precision, over = _quantities.fp16_fractions(total, scale, columns)
             scalars.setdefault("grad/global_underflow_frac", []).append((step, under))
             scalars.setdefault("grad/global_precision_loss_frac", []).append((step, precision))
             scalars.setdefault("grad/global_overflow_frac", []).append((step, over))

@@ -4,8 +4,8 @@ No function here synchronises with the device (no .item(), .tolist(), .cpu(), no
 Python branching); each returns tensors that the StepBuffer later moves to the host in one transfer.
 Host-side derivations from the transferred values live at the bottom and run on the sender thread.
 
-On the device: layer_norms (grad/norm, param/norm, grad/global_norm), update_ratios (update/ratio),
-unchanged_counts (the counts behind update/rounded_away_frac), log2_histograms (grad/hist).
+On the device: layer_norms (grad/norm, param/norm, grad/global_norm), update_stats (update/ratio and
+the counts behind update/rounded_away_frac), log2_histograms (grad/hist).
 On the host: fp16_fractions (grad/underflow_frac, grad/precision_loss_frac, grad/overflow_frac),
 zero_fraction (grad/zero_frac), rounded_away_fraction (update/rounded_away_frac), safe_scale_band
 (amp/safe_scale_min, amp/safe_scale_max).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 # log2 histogram bins: bin e counts |g| in [2^(e-1), 2^e) (torch.frexp's exponent), e in
 # [EXPONENT_MIN, EXPONENT_MAX]; smaller magnitudes fall into the first bin, larger into the last.
@@ -78,47 +78,61 @@ def snapshot(params: Sequence[Any]) -> Snapshot:
     return Snapshot(params)
 
 
-def unchanged_counts(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) -> Any:
-    """Per layer, [elements whose stored value did not change in the step although their gradient
-    was non-zero and finite, elements with a non-zero finite gradient]: an int64 tensor [layers, 2].
+class UpdateStats(NamedTuple):
+    """What one optimizer step did to the weights, per layer (tensors on the device, no sync)."""
 
-    Exact equality of the stored values (W_after == W_before): for bf16/fp16 weights an update below
-    half an ulp of W is rounded away; for fp32 weights it is ~never. A layer without a gradient
-    (None, or a sparse one) gives [0, 0]. Call before update_ratios, which spends the snapshot.
-    Costs three elementwise passes per layer; meant for sampled steps.
+    ratios: Any  # float32 [layers]: ||W_after - W_before|| / ||W_before|| (update/ratio)
+    unchanged_counts: Any  # int64 [layers, 2]: [unchanged, non-zero gradient] (update/rounded_away_frac)
+
+
+def update_stats(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) -> UpdateStats:
+    """Update ratios and unchanged counts of the step taken since `before`; spends the snapshot.
+
+    Unchanged counts, per layer: [elements with a non-zero gradient whose stored value did not change,
+    elements with a non-zero gradient] (non-finite gradients count as non-zero; a layer without a
+    gradient, None or sparse, gives [0, 0]). How they are counted depends on the weight's storage:
+
+    - fewer than 32 bits (bf16, fp16, fp8): element by element (W_after == W_before where g != 0). An
+      update below half an ulp of the weight is rounded away: bf16's 8-bit mantissa loses any update
+      under 2^-9 of the weight, so this is where weights silently stop learning;
+    - fp32/fp64: the whole layer at once: every element with a gradient counts as unchanged when the
+      step left the layer exactly as it was (a learning rate of 0), none otherwise. Rounding an update
+      away takes a step below 2^-24 of the weight in fp32, which no working learning rate makes, and
+      the element-wise comparison would cost three passes over every fp32 weight.
+
+    The difference W_before - W_after is taken in place in the snapshot's copies (no second
+    model-sized allocation).
     """
     import torch
 
-    rows = []
     with torch.no_grad():
-        for p, g, copy in zip(params, grads, before.copies, strict=True):
+        device = before.norms.device
+        zero_row = torch.zeros(2, dtype=torch.int64, device=device)
+        rows: list[Any] = []
+        whole_layer: list[int] = []  # indices of the rows filled in from the layers' update norms
+        for i, (p, g, copy) in enumerate(zip(params, grads, before.copies, strict=True)):
             if g is None or g.layout != torch.strided:
-                rows.append(torch.zeros(2, dtype=torch.int64, device=copy.device))
+                rows.append(zero_row)
                 continue
             g = g.detach()
-            stepped = (g != 0) & torch.isfinite(g)
-            unchanged = (copy == p.detach()) & stepped
-            rows.append(torch.stack((unchanged.sum(), stepped.sum())))
-    device = before.norms.device
-    if not rows:
-        return torch.zeros(0, 2, dtype=torch.int64, device=device)
-    if len({row.device for row in rows}) > 1:  # model parallel: gather the counts on one device
-        rows = [row.to(device, non_blocking=True) for row in rows]
-    return torch.stack(rows)
-
-
-def update_ratios(params: Sequence[Any], before: Snapshot) -> Any:
-    """||W_after − W_before|| / ||W_before|| per layer, float32 (inf where W_before is all zeros).
-
-    The difference is taken in place in the snapshot's copies (no second model-sized allocation);
-    the snapshot is spent afterwards.
-    """
-    import torch
-
-    with torch.no_grad():
+            stepped = torch.count_nonzero(g)
+            if p.dtype.itemsize < 4:  # counted before the copies turn into differences below
+                unchanged = torch.count_nonzero((g != 0).logical_and_(copy == p.detach()))
+                rows.append(torch.stack((unchanged, stepped)).to(device, non_blocking=True))
+            else:
+                rows.append(stepped.to(device, non_blocking=True))
+                whole_layer.append(i)
         torch._foreach_sub_(before.copies, [p.detach() for p in params])  # W_before - W_after
         delta_norms = torch.stack(torch._foreach_norm(before.copies, 2, dtype=torch.float32))
-        return delta_norms / before.norms
+        ratios = delta_norms / before.norms
+        if whole_layer:
+            stepped = torch.stack([rows[i] for i in whole_layer])
+            index = torch.tensor(whole_layer, device=device)
+            unchanged = torch.where(delta_norms.index_select(0, index) == 0, stepped, 0)
+            for i, row in zip(whole_layer, torch.stack((unchanged, stepped), dim=1), strict=True):
+                rows[i] = row
+        counts = torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64, device=device)
+        return UpdateStats(ratios, counts)
 
 
 def _exponent_column_map(device: Any) -> Any:
@@ -144,8 +158,8 @@ def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
     NaN and ±Inf. Exact: every element is counted once, NaN/Inf are never dropped. A missing tensor
     (None) gives a zero row.
 
-    Cost: the exponent is read from the float32 bit pattern, so each layer takes three passes over
-    its gradient (shift, mask, bincount) and no float math.
+    Cost: the exponent is read from the float32 (or bfloat16) bit pattern, so each layer takes three
+    passes over its gradient (shift, cast to bytes, bincount) and no float math.
     """
     import torch
 
@@ -155,10 +169,15 @@ def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
             rows.append(torch.zeros(256, dtype=torch.int64, device=like.device))
             continue
         flat = t.detach().reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        biased_exponent = flat.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
-        counts = torch.bincount(biased_exponent, minlength=256)
+        if flat.dtype == torch.bfloat16:  # the upper half of a float32: same 8-bit exponent, same bias
+            biased_exponent = flat.view(torch.int16).bitwise_right_shift(7)
+        else:
+            if flat.dtype != torch.float32:
+                flat = flat.float()
+            biased_exponent = flat.view(torch.int32).bitwise_right_shift(23)
+        # The cast to uint8 keeps the low 8 bits (the sign, shifted in above, falls away): the
+        # biased exponent, in a quarter of the bytes that bincount then reads.
+        counts = torch.bincount(biased_exponent.to(torch.uint8), minlength=256)
         rows.append(counts.to(like.device, non_blocking=True))
     out = torch.zeros(len(rows), N_BINS + 2, dtype=torch.int64, device=like.device)
     out.index_add_(1, _exponent_column_map(like.device), torch.stack(rows))
@@ -176,29 +195,43 @@ def _bin_upper_edge(column: int) -> float:
     return 2.0 ** (column + EXPONENT_MIN)
 
 
-def fp16_fractions(row: Sequence[float], scale: float) -> tuple[float, float, float]:
+def fp16_columns(scale: float) -> tuple[int, int, int]:
+    """The histogram columns that fp16_fractions sums at loss scale `scale`: (underflow_end,
+    precision_loss_end, overflow_start). Columns [0, underflow_end) underflow (|g·S| < 2^-24),
+    [0, precision_loss_end) lose precision (|g·S| < 2^-14), [overflow_start, N_BINS) overflow
+    (|g·S| > 65504). A bin straddling a threshold counts on the safe side. Computed once per scale:
+    every layer of a step shares it."""
+    underflow_end = precision_loss_end = 0
+    while underflow_end < N_BINS and _bin_upper_edge(underflow_end) * scale <= FP16_SMALLEST_SUBNORMAL:
+        underflow_end += 1
+    while precision_loss_end < N_BINS and _bin_upper_edge(precision_loss_end) * scale <= FP16_SMALLEST_NORMAL:
+        precision_loss_end += 1
+    overflow_start = N_BINS
+    while overflow_start > 0 and _bin_lower_edge(overflow_start - 1) * scale > FP16_MAX:
+        overflow_start -= 1
+    return underflow_end, precision_loss_end, overflow_start
+
+
+def fp16_fractions(
+    row: Sequence[float], scale: float, columns: tuple[int, int, int] | None = None
+) -> tuple[float, float, float]:
     """(underflow, precision-loss, overflow) fractions of one layer's non-zero finite gradients at
     loss scale `scale`: |g·S| < 2^-24, |g·S| < 2^-14, |g·S| > 65504.
 
     Counted from whole bins, so exact when S is a power of two (GradScaler's scales are); otherwise
     a bin straddling a threshold is counted on the safe side (not underflowing / not overflowing).
-    NaN when the layer has no non-zero finite gradient.
+    NaN when the layer has no non-zero finite gradient. `columns`: fp16_columns(scale), when the
+    caller has it already (one per step, not one per layer).
     """
     counted = sum(row[:N_BINS])
     if counted == 0 or not (scale > 0 and math.isfinite(scale)):
         return math.nan, math.nan, math.nan
-    underflow = precision_loss = overflow = 0.0
-    for column in range(N_BINS):
-        count = row[column]
-        if not count:
-            continue
-        if _bin_upper_edge(column) * scale <= FP16_SMALLEST_SUBNORMAL:
-            underflow += count
-        if _bin_upper_edge(column) * scale <= FP16_SMALLEST_NORMAL:
-            precision_loss += count
-        if _bin_lower_edge(column) * scale > FP16_MAX:
-            overflow += count
-    return underflow / counted, precision_loss / counted, overflow / counted
+    underflow_end, precision_loss_end, overflow_start = columns or fp16_columns(scale)
+    return (
+        sum(row[:underflow_end]) / counted,
+        sum(row[:precision_loss_end]) / counted,
+        sum(row[overflow_start:N_BINS]) / counted,
+    )
 
 
 def zero_fraction(row: Sequence[float]) -> float:
@@ -220,12 +253,7 @@ def safe_scale_band(rows: Sequence[Sequence[float]]) -> tuple[float, float]:
     g_min is taken as the lower edge of the smallest non-empty bin and g_max as the upper edge of the
     largest, so the band is conservative (never wider than the true one). NaN when nothing counted.
     """
-    lowest = highest = None
-    for row in rows:
-        for column in range(N_BINS):
-            if row[column]:
-                lowest = column if lowest is None else min(lowest, column)
-                highest = column if highest is None else max(highest, column)
-    if lowest is None or highest is None:
+    occupied = [c for c, column in enumerate(zip(*rows, strict=True)) if c < N_BINS and any(column)]
+    if not occupied:
         return math.nan, math.nan
-    return FP16_SMALLEST_SUBNORMAL / _bin_lower_edge(lowest), FP16_MAX / _bin_upper_edge(highest)
+    return FP16_SMALLEST_SUBNORMAL / _bin_lower_edge(occupied[0]), FP16_MAX / _bin_upper_edge(occupied[-1])

@@ -299,13 +299,17 @@ class Watcher:
         self._grad_norms_seen = True
         step = self.sink.step
         options = self.options
+        norms_due = options.due(options.layer_norms_every, step)
+        histograms_due = self.histograms_here and options.due(options.histograms_every, step)
+        if not (norms_due or histograms_due):
+            return  # most steps: nothing per layer, not even the list of gradients
         grads = self._grads()
-        if options.due(options.layer_norms_every, step):
+        if norms_due:
             per_layer = _quantities.layer_norms(grads, self._like)
             self.sink.add_tensor("grad/norm", step, per_layer)
             self._global_norm = _quantities.global_norm(per_layer)
             self._report_missing_gradients(grads)
-        if self.histograms_here and options.due(options.histograms_every, step):
+        if histograms_due:
             self.sink.add_tensor("grad/hist", step, _quantities.log2_histograms(grads, self._like))
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
@@ -371,13 +375,10 @@ class Watcher:
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
         step = self.sink.step
         if self._snapshot is not None:
-            params = self._local_params()
-            # Counted before update_ratios, which turns the snapshot's copies into the differences.
-            self.sink.add_tensor(
-                UNCHANGED_COUNTS, step, _quantities.unchanged_counts(params, self._grads(), self._snapshot)
-            )
-            self.sink.add_tensor("update/ratio", step, _quantities.update_ratios(params, self._snapshot))
+            update = _quantities.update_stats(self._local_params(), self._grads(), self._snapshot)
             self._snapshot = None
+            self.sink.add_tensor(UNCHANGED_COUNTS, step, update.unchanged_counts)
+            self.sink.add_tensor("update/ratio", step, update.ratios)
         if self.scaler is None:
             self._finish_step()
             self.sink.step_recorded()

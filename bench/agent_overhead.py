@@ -342,7 +342,7 @@ INSTRUMENTED = [
     ("quantities", "global_norm", "  _quantities.global_norm", False),
     ("quantities", "log2_histograms", "  _quantities.log2_histograms", False),
     ("quantities", "snapshot", "  _quantities.snapshot", False),
-    ("quantities", "update_ratios", "  _quantities.update_ratios", False),
+    ("quantities", "update_stats", "  _quantities.update_stats (ratios + unchanged counts)", False),
 ]
 
 

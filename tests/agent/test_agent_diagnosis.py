@@ -36,34 +36,40 @@ class PartlyUsed(nn.Module):
         return out + self.side(x) if self.use_side else out
 
 
-def _stepped_mask(grad):
-    return (grad != 0) & torch.isfinite(grad)
-
-
-# -- 1. rounded-away updates --------------------------------------------------------------------------
-
-
-def test_unchanged_counts_match_elementwise_comparison():
+def test_unchanged_counts_are_elementwise_for_low_precision_weights_and_whole_layer_for_fp32():
     torch.manual_seed(0)
-    params = [torch.randn(64, dtype=torch.bfloat16), torch.randn(10), torch.randn(3)]
-    grads = [torch.randn(64) * 1e-4, torch.randn(10), None]
+    params = [
+        torch.randn(64, dtype=torch.bfloat16),  # tiny updates, mostly rounded away
+        torch.randn(32, dtype=torch.float16),  # normal updates: a few round away
+        torch.randn(10),  # fp32, updated: nothing unchanged, whatever a few elements do
+        torch.randn(6),  # fp32, left as it was (a learning rate of 0)
+        torch.randn(3),  # no gradient
+        torch.randn(5),  # an all-zero gradient
+    ]
+    grads = [torch.randn(64) * 1e-4, torch.randn(32), torch.randn(10), torch.randn(6), None, torch.zeros(5)]
     grads[0][:5] = 0.0
-    grads[1][2] = float("nan")
+    grads[1][3] = float("nan")  # a non-finite gradient counts as non-zero
+    grads[2][:4] = 0.0
+    originals = [p.clone() for p in params]
     before = q.snapshot(params)
     with torch.no_grad():
         params[0].sub_(grads[0].to(torch.bfloat16) * 0.01)  # mostly below half an ulp: rounded away
-        params[1].sub_(torch.nan_to_num(grads[1]))
-    counts = q.unchanged_counts(params, grads, before).tolist()
-    originals = before.copies
-    for p, g, copy, (unchanged, stepped) in zip(params, grads, originals, counts, strict=True):
-        if g is None:
-            assert (unchanged, stepped) == (0, 0)
-            continue
-        mask = _stepped_mask(g)
-        assert stepped == mask.sum().item()
-        assert unchanged == ((copy == p) & mask).sum().item()
-    assert counts[0][0] > 0, "a bf16 weight with tiny updates keeps most of its values"
-    assert counts[1] == [0, 9]
+        params[1].sub_(torch.nan_to_num(grads[1]).to(torch.float16) * 1e-3)
+        params[2].sub_(grads[2] * 1e-9)  # below half an fp32 ulp for most elements: still "changed"
+        params[2][-1] += 1.0
+    stats = q.update_stats(params, grads, before)
+    counts = stats.unchanged_counts.tolist()
+    for i in (0, 1):  # element by element
+        stepped = grads[i] != 0
+        assert counts[i] == [((originals[i] == params[i]) & stepped).sum().item(), stepped.sum().item()]
+    assert counts[0][0] > 30, "a bf16 weight with tiny updates keeps most of its values"
+    assert counts[2] == [0, 6]  # fp32: the layer changed, so no element counts as rounded away
+    assert counts[3] == [6, 6]  # fp32 left exactly as it was
+    assert counts[4] == counts[5] == [0, 0]
+    ratios = stats.ratios.tolist()
+    for i, (p, old) in enumerate(zip(params, originals, strict=True)):
+        expected = ((old.double() - p.double()).norm() / old.double().norm()).item()
+        assert ratios[i] == pytest.approx(expected, rel=1e-3, abs=1e-12), i
     assert q.rounded_away_fraction(0, 0) != q.rounded_away_fraction(0, 0)  # NaN
     assert q.rounded_away_fraction(3, 4) == 0.75
 
@@ -89,8 +95,8 @@ def _bf16_training(steps, run=None, lr=1e-3, options=None):
         row = []
         for n, p in model.named_parameters():
             g = grads[n]
-            stepped = 0 if g is None else _stepped_mask(g).sum().item()
-            unchanged = 0 if g is None else ((before[n] == p.detach()) & _stepped_mask(g)).sum().item()
+            stepped = 0 if g is None else (g != 0).sum().item()
+            unchanged = 0 if g is None else ((before[n] == p.detach()) & (g != 0)).sum().item()
             row.append(unchanged / stepped if stepped else math.nan)
         reference.append(row)
     return model, names, reference
