@@ -410,9 +410,10 @@ MISSING_GRAPHS = (
 
 def load_times(
     browser: object, url: str, run_id: str, repeats: int, api: ApiCounter, cpu: Cpu
-) -> list[tuple[float, float, float, int, Traffic]]:
+) -> list[tuple[float, float, float, int, Traffic, float]]:
     """Per page load: (seconds to all graphs with data, seconds to the last callback answer, server
-    CPU seconds, bytes of the callback answers, the API traffic of the load)."""
+    CPU seconds, bytes of the callback answers, the API traffic of the load, the 1-minute load
+    average when it ended: the machine is shared)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     loads = []
@@ -442,7 +443,10 @@ def load_times(
         server_after = cpu.read()[0]
         traffic = api.reset()
         last_answer = max((at for at, _ in answers), default=started) - started
-        loads.append((drawn, last_answer, server_after - server_before, sum(s for _, s in answers), traffic))
+        answer_bytes = sum(s for _, s in answers)
+        loads.append(
+            (drawn, last_answer, server_after - server_before, answer_bytes, traffic, os.getloadavg()[0])
+        )
         if errors:
             raise RuntimeError(f"page errors: {errors}")
         page.close()
@@ -545,13 +549,15 @@ def main() -> int:
                     )
                 finish_run(server.url, run_id)
                 loads = load_times(browser, server.url, run_id, args.repeats, api, cpu)
-                for index, (seconds, last_answer, server_cpu_s, answer_bytes, traffic) in enumerate(loads):
+                for index, (seconds, last_answer, server_cpu_s, answer_bytes, traffic, load) in enumerate(
+                    loads
+                ):
                     say(
                         f"load {index + 1}: all {len(GRAPHS)} graphs with data after {seconds:.2f} s "
                         f"(last callback answer at {last_answer:.2f} s, {answer_bytes / 1e6:.2f} MB of "
                         f"answers; {sum(traffic.requests.values())} API requests, "
                         f"{sum(traffic.bytes.values()) / 1e6:.2f} MB; "
-                        f"server process CPU {server_cpu_s:.2f} s)"
+                        f"server process CPU {server_cpu_s:.2f} s; load average {load:.1f})"
                     )
                 floor = api_alone(loads[-1][4].urls, api)
                 walls = [load[0] for load in loads]

@@ -165,27 +165,32 @@ def append_patch(shape: Mapping[str, Any], new_points: go.Figure) -> Any:
     return patch
 
 
-def append_columns_patch(shape: Mapping[str, Any], new_columns: go.Figure) -> Any:
-    """A dash.Patch appending the steps of `new_columns` (a layer heatmap of the new steps only,
-    built by the same builder) to the heatmap described by `shape` (chart_shape of it, plus its
-    "layers"): x and z (one row per step) of the cells, x, y and hover of the non-finite markers.
+def append_columns_patch(shape: Mapping[str, Any], new_traces: list[dict[str, Any]]) -> Any:
+    """A dash.Patch appending new steps to a layer heatmap: `new_traces` are
+    figures.layer_heatmap_columns of them (its "live-cells" trace, then non-finite markers), `shape`
+    the drawn heatmap's trace uids ({"uids": [...]}). The live cells grow by columns (x, and each
+    layer's row of z and hovertext), the markers by points.
 
-    dash.no_update when there is nothing to append; None when the heatmap must be redrawn: other
-    layers, or a non-finite trace the heatmap does not have yet.
+    dash.no_update when there is nothing to append; None when the heatmap must be redrawn: a
+    non-finite trace the heatmap does not have yet.
     """
-    if not new_columns.data:
+    live_cells = new_traces[0] if new_traces else {}
+    if not live_cells.get("x"):
         return dash.no_update
     uids = list(shape.get("uids") or [])
-    if any(trace.uid not in uids for trace in new_columns.data):
-        return None
-    if list(new_columns.data[0].y or ()) != list(shape.get("layers") or ()):
+    if any(trace.get("uid") not in uids for trace in new_traces):
         return None
     patch = dash.Patch()
-    for trace in new_columns.data:
-        index = uids.index(trace.uid)
-        attributes = ("x", "z") if trace.type == "heatmap" else APPENDED_ATTRIBUTES
-        for attribute in attributes:
-            values = trace[attribute]
+    for trace in new_traces:
+        index = uids.index(trace["uid"])
+        if trace.get("type") == "heatmap":
+            patch["data"][index]["x"].extend(list(trace["x"]))
+            for attribute in ("z", "hovertext"):
+                for row, values in enumerate(trace[attribute]):
+                    patch["data"][index][attribute][row].extend(list(values))
+            continue
+        for attribute in APPENDED_ATTRIBUTES:
+            values = trace.get(attribute)
             if isinstance(values, (list, tuple)):
                 patch["data"][index][attribute].extend(list(values))
     return patch

@@ -186,15 +186,16 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-def keep_view(figure: go.Figure) -> dash.Patch:
-    """`figure` as an update that replaces traces and layout but keeps the axis ranges on screen.
+def keep_view(figure: go.Figure | dict[str, Any]) -> dash.Patch:
+    """`figure` (a plotly Figure, or a figure dict as plotly.js reads it) as an update that replaces
+    traces and layout but keeps the axis ranges on screen.
 
     dcc.Graph (Dash 4) writes every zoom and pan into its own `figure` prop, so sending a whole new
     figure would count as the app resetting the ranges, and `uirevision` alone could not keep the
     user's view on refresh. Ranges of fixed axes (the hidden marker axis) are the figure's own and
-    are sent. `uirevision` still keeps legend clicks.
+    are sent. `uirevision` still keeps legend clicks. A dict is used as it is (not copied).
     """
-    spec = figure.to_plotly_json()
+    spec = figure if isinstance(figure, dict) else figure.to_plotly_json()
     layout = spec.get("layout", {})
     patch = dash.Patch()
     patch["data"] = spec.get("data", [])

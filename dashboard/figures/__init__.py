@@ -2,7 +2,7 @@
 
     lines        loss, loss scale (skipped steps, fp16 safe band), gradient norm, learning rate; compare;
                  resume markers (add_resume_markers)
-    layers       per-layer heatmaps (layer × step)
+    layers       per-layer heatmaps (layer × step), as plain dicts: one image each
     histograms   a layer's |g| histogram at a step and over steps, with fp16's limits at the scale
     _common      what they share: reading API values, the house layout, the empty figure, step marker
 
@@ -23,6 +23,7 @@ from ._common import (
     COMPARE_COLORS,
     NO_DATA_TEXT,
     empty_figure,
+    empty_figure_dict,
     finite_or_none,
     format_scale,
     layer_names,
@@ -30,7 +31,13 @@ from ._common import (
     summarize_layers,
 )
 from .histograms import fp16_thresholds, histogram_figure, histogram_steps, histogram_time_figure
-from .layers import heatmap_height, layer_heatmap_figure, layer_names_of
+from .layers import (
+    heatmap_height,
+    heatmap_placeholder,
+    layer_heatmap_columns,
+    layer_heatmap_figure,
+    layer_names_of,
+)
 from .lines import (
     add_resume_markers,
     compare_figure,
@@ -46,14 +53,17 @@ __all__ = [
     "add_resume_markers",
     "compare_figure",
     "empty_figure",
+    "empty_figure_dict",
     "finite_or_none",
     "format_scale",
     "fp16_thresholds",
     "grad_norm_figure",
     "heatmap_height",
+    "heatmap_placeholder",
     "histogram_figure",
     "histogram_steps",
     "histogram_time_figure",
+    "layer_heatmap_columns",
     "layer_heatmap_figure",
     "layer_names",
     "layer_names_of",

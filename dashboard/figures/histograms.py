@@ -13,12 +13,12 @@ import plotly.graph_objects as go
 from ._common import (
     ALERT_COLOR,
     LINE_COLOR,
-    base_layout,
     empty_figure,
     finite_or_none,
     format_scale,
     is_int,
     is_step,
+    new_figure,
     positive_points,
 )
 
@@ -63,8 +63,7 @@ def histogram_figure(
     at_step, counts, zeros, non_finite = chosen
     exponents = _exponents(histograms)
     layer = html.escape(str(histograms.get("layer", ""))) if isinstance(histograms, Mapping) else ""
-    figure = go.Figure()
-    base_layout(figure, f"{title} · {layer} · step {at_step:,}", uirevision)
+    figure = new_figure(f"{title} · {layer} · step {at_step:,}", uirevision)
     used = [e for e, count in zip(exponents, counts, strict=True) if count]
     lines = fp16_thresholds(scale)
     low, high = (min(used), max(used)) if used else (-30, 0)
@@ -74,15 +73,16 @@ def histogram_figure(
     # highest: the axis autoscales to them, also after the app's zoom-keeping updates.
     shown = [(e, count) for e, count in zip(exponents, counts, strict=True) if low - 2 <= e <= high + 1]
     figure.add_trace(
-        go.Bar(
-            x=[e - 0.5 for e, _ in shown],
-            y=[count for _, count in shown],
-            width=1,
-            marker={"color": LINE_COLOR},
-            name="count",
-            customdata=[e for e, _ in shown],
-            hovertemplate="|g| in [2^(%{customdata}-1), 2^%{customdata})<br>%{y} values<extra></extra>",
-        )
+        {
+            "type": "bar",
+            "x": [e - 0.5 for e, _ in shown],
+            "y": [count for _, count in shown],
+            "width": 1,
+            "marker": {"color": LINE_COLOR},
+            "name": "count",
+            "customdata": [e for e, _ in shown],
+            "hovertemplate": "|g| in [2^(%{customdata}-1), 2^%{customdata})<br>%{y} values<extra></extra>",
+        }
     )
     shapes, annotations = [], []
     if lines:
@@ -116,9 +116,11 @@ def histogram_figure(
             )
     figure.update_layout(shapes=shapes, annotations=annotations, bargap=0)
     figure.layout.xaxis.update(
-        title="log2 |g| (unscaled)", range=[low - 2, high + 1], dtick=4 if high - low > 24 else 2
+        title={"text": "log2 |g| (unscaled)"}, range=[low - 2, high + 1], dtick=4 if high - low > 24 else 2
     )
-    figure.layout.yaxis.update(title="values", type="log" if max(counts, default=0) > 1000 else "linear")
+    figure.layout.yaxis.update(
+        title={"text": "values"}, type="log" if max(counts, default=0) > 1000 else "linear"
+    )
     figure.layout.title.text += f"<br><sup>zeros {zeros:,} · NaN/Inf {non_finite:,}</sup>"
     figure.update_layout(margin={"t": 72})
     return figure
@@ -147,38 +149,39 @@ def histogram_time_figure(
     z = [
         [round(math.log10(counts[i]), 3) if counts[i] > 0 else None for _, counts, _, _ in rows] for i in kept
     ]
-    figure = go.Figure()
-    base_layout(figure, title, uirevision)
+    figure = new_figure(title, uirevision)
     figure.add_trace(
-        go.Heatmap(
-            x=steps,
-            y=[exponents[i] - 0.5 for i in kept],
-            z=z,
-            customdata=[[exponents[i]] * len(steps) for i in kept],
-            colorscale="Blues",
-            colorbar={"title": {"text": "count", "side": "right"}, "thickness": 12, "tickprefix": "1e"},
-            hoverongaps=False,
-            name="count",
-            hovertemplate="step %{x}<br>|g| in [2^(%{customdata}-1), 2^%{customdata})"
+        {
+            "type": "heatmap",
+            "x": steps,
+            "y": [exponents[i] - 0.5 for i in kept],
+            "z": z,
+            "customdata": [[exponents[i]] * len(steps) for i in kept],
+            "colorscale": "Blues",
+            "colorbar": {"title": {"text": "count", "side": "right"}, "thickness": 12, "tickprefix": "1e"},
+            "hoverongaps": False,
+            "name": "count",
+            "hovertemplate": "step %{x}<br>|g| in [2^(%{customdata}-1), 2^%{customdata})"
             "<br>count 10^%{z:.2f}<extra></extra>",
-        )
+        }
     )
     scale_steps, scale_values = positive_points(scale_series)
     if scale_steps:
         for index, name in ((0, "fp16 underflow"), (1, "fp16 overflow")):
             limits = [fp16_thresholds(value) for value in scale_values]
             figure.add_trace(
-                go.Scatter(
-                    x=scale_steps,
-                    y=[limit[index] if limit else None for limit in limits],
-                    mode="lines",
-                    line={"color": ALERT_COLOR, "width": 1.5, "dash": "dot", "shape": "hv"},
-                    name=name,
-                    hovertemplate=name + " at step %{x}: 2^%{y:.0f}<extra></extra>",
-                )
+                {
+                    "type": "scatter",
+                    "x": scale_steps,
+                    "y": [limit[index] if limit else None for limit in limits],
+                    "mode": "lines",
+                    "line": {"color": ALERT_COLOR, "width": 1.5, "dash": "dot", "shape": "hv"},
+                    "name": name,
+                    "hovertemplate": name + " at step %{x}: 2^%{y:.0f}<extra></extra>",
+                }
             )
         figure.update_layout(showlegend=True)
-    figure.layout.yaxis.update(title="log2 |g|", range=[low - 1, high])
+    figure.layout.yaxis.update(title={"text": "log2 |g|"}, range=[low - 1, high])
     figure.layout.xaxis.update(showgrid=False)
     return figure
 

@@ -24,12 +24,12 @@ from ._common import (
     FIGURE_HEIGHT_PX,
     LINE_COLOR,
     POST_CLIP_COLOR,
-    base_layout,
     empty_figure,
     finite_or_none,
     format_scale,
     is_step,
     layer_names,
+    new_figure,
     non_finite_of,
     positive_points,
     series_points,
@@ -71,20 +71,20 @@ def grad_norm_figure(
     if figure.data:
         figure.data[0].name = "pre-clip"
     else:  # only the post-clip norm so far: replace the "no data yet" placeholder
-        figure = go.Figure()
-        base_layout(figure, "Gradient norm (global, unscaled)", uirevision)
-        figure.layout.yaxis.update(title="‖g‖₂", type="log" if log_y else "linear")
+        figure = new_figure("Gradient norm (global, unscaled)", uirevision)
+        figure.layout.yaxis.update(title={"text": "‖g‖₂"}, type="log" if log_y else "linear")
     figure.add_trace(
-        go.Scatter(
-            x=steps,
-            y=values,
-            mode="lines",
-            line={"color": POST_CLIP_COLOR, "width": 1.2},
-            connectgaps=False,
-            name="post-clip",
-            uid="post-clip",
-            hovertemplate="step %{x}<br>post-clip %{y:.6g}<extra></extra>",
-        )
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": values,
+            "mode": "lines",
+            "line": {"color": POST_CLIP_COLOR, "width": 1.2},
+            "connectgaps": False,
+            "name": "post-clip",
+            "uid": "post-clip",
+            "hovertemplate": "step %{x}<br>post-clip %{y:.6g}<extra></extra>",
+        }
     )
     figure.update_layout(showlegend=True)
     return figure
@@ -127,68 +127,71 @@ def scale_figure(
     if not any(value is not None for value in values) and not skips:
         return empty_figure(title, uirevision=uirevision)
 
-    figure = go.Figure()
-    base_layout(figure, title, uirevision)
+    figure = new_figure(title, uirevision)
     band = _band_points(*(safe_band or (None, None)), last_step=max(steps, default=None))
     if band:
         band_steps = [step for step, _, _ in band]
         figure.add_trace(
-            go.Scatter(
-                x=band_steps,
-                y=[low for _, low, _ in band],
-                mode="lines",
-                line={"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
-                name="safe band (low)",
-                uid="safe-band-low",
-                showlegend=False,
-                hovertemplate="step %{x}<br>safe scale ≥ %{y:.3g}<extra></extra>",
-            )
+            {
+                "type": "scatter",
+                "x": band_steps,
+                "y": [low for _, low, _ in band],
+                "mode": "lines",
+                "line": {"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
+                "name": "safe band (low)",
+                "uid": "safe-band-low",
+                "showlegend": False,
+                "hovertemplate": "step %{x}<br>safe scale ≥ %{y:.3g}<extra></extra>",
+            }
         )
         figure.add_trace(
-            go.Scatter(
-                x=band_steps,
-                y=[high for _, _, high in band],
-                mode="lines",
-                line={"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
-                fill="tonexty",
-                fillcolor=BAND_COLOR,
-                name="fp16 safe band",
-                uid="safe-band-high",
-                hovertemplate="step %{x}<br>safe scale ≤ %{y:.3g}<extra></extra>",
-            )
+            {
+                "type": "scatter",
+                "x": band_steps,
+                "y": [high for _, _, high in band],
+                "mode": "lines",
+                "line": {"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
+                "fill": "tonexty",
+                "fillcolor": BAND_COLOR,
+                "name": "fp16 safe band",
+                "uid": "safe-band-high",
+                "hovertemplate": "step %{x}<br>safe scale ≤ %{y:.3g}<extra></extra>",
+            }
         )
     figure.add_trace(
-        go.Scatter(
-            x=steps,
-            y=values,
-            customdata=[format_scale(value) if value is not None else None for value in values],
-            mode="lines",
-            line={"color": LINE_COLOR, "width": 2, "shape": "hv"},
-            connectgaps=False,
-            name="scale",
-            uid="scale",
-            hovertemplate="step %{x}<br>scale %{customdata}<extra></extra>",
-        )
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": values,
+            "customdata": [format_scale(value) if value is not None else None for value in values],
+            "mode": "lines",
+            "line": {"color": LINE_COLOR, "width": 2, "shape": "hv"},
+            "connectgaps": False,
+            "name": "scale",
+            "uid": "scale",
+            "hovertemplate": "step %{x}<br>scale %{customdata}<extra></extra>",
+        }
     )
     if skips:
         figure.add_trace(
-            go.Scatter(
-                x=[step for step, _, _ in skips],
-                y=[scale for _, scale, _ in skips],
-                hovertext=[text for _, _, text in skips],
-                hoverinfo="text",
-                mode="markers",
-                marker={"symbol": "x", "size": 9, "color": ALERT_COLOR, "line": {"width": 1}},
-                name="skipped step",
-                uid="skipped-step",
-            )
+            {
+                "type": "scatter",
+                "x": [step for step, _, _ in skips],
+                "y": [scale for _, scale, _ in skips],
+                "hovertext": [text for _, _, text in skips],
+                "hoverinfo": "text",
+                "mode": "markers",
+                "marker": {"symbol": "x", "size": 9, "color": ALERT_COLOR, "line": {"width": 1}},
+                "name": "skipped step",
+                "uid": "skipped-step",
+            }
         )
     band_values = [value for _, low, high in band for value in (low, high)]
     tickvals, ticktext = _log2_ticks(
         [v for v in values if v is not None] + [s for _, s, _ in skips] + band_values
     )
     figure.layout.yaxis.update(
-        type="log", tickmode="array", tickvals=tickvals, ticktext=ticktext, title="scale"
+        type="log", tickmode="array", tickvals=tickvals, ticktext=ticktext, title={"text": "scale"}
     )
     figure.update_layout(showlegend=bool(skips or band))
     return figure
@@ -206,8 +209,7 @@ def compare_figure(
     Labels (run names) are escaped. Non-finite values are gaps; a run without points is left out.
     """
     title = html.escape(key)
-    figure = go.Figure()
-    base_layout(figure, title, uirevision)
+    figure = new_figure(title, uirevision)
     drawn = 0
     for index, (label, series) in enumerate(runs):
         steps, raw_values = series_points(series)
@@ -219,19 +221,20 @@ def compare_figure(
         drawn += 1
         name = html.escape(label)
         figure.add_trace(
-            go.Scatter(
-                x=steps,
-                y=values,
-                mode="lines",
-                line={"color": COMPARE_COLORS[index % len(COMPARE_COLORS)], "width": 1.5},
-                connectgaps=False,
-                name=name,
-                hovertemplate=name + "<br>step %{x}<br>%{y:.6g}<extra></extra>",
-            )
+            {
+                "type": "scatter",
+                "x": steps,
+                "y": values,
+                "mode": "lines",
+                "line": {"color": COMPARE_COLORS[index % len(COMPARE_COLORS)], "width": 1.5},
+                "connectgaps": False,
+                "name": name,
+                "hovertemplate": name + "<br>step %{x}<br>%{y:.6g}<extra></extra>",
+            }
         )
     if not drawn:
         return empty_figure(title, uirevision=uirevision)
-    figure.layout.yaxis.update(title=title, type="log" if log_y else "linear")
+    figure.layout.yaxis.update(title={"text": title}, type="log" if log_y else "linear")
     figure.update_layout(showlegend=True, height=FIGURE_HEIGHT_PX + 100)
     return figure
 
@@ -278,21 +281,21 @@ def _scalar_figure(
     if not steps or (not any(value is not None for value in values) and not non_finite):
         return empty_figure(title, uirevision=uirevision)
 
-    figure = go.Figure()
-    base_layout(figure, title, uirevision)
+    figure = new_figure(title, uirevision)
     figure.add_trace(
-        go.Scatter(
-            x=steps,
-            y=values,
-            mode="lines",
-            line={"color": LINE_COLOR, "width": 1.5},
-            connectgaps=False,
-            name=y_title,
-            uid="line",
-            hovertemplate="step %{x}<br>" + y_title + " %{y:.6g}<extra></extra>",
-        )
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": values,
+            "mode": "lines",
+            "line": {"color": LINE_COLOR, "width": 1.5},
+            "connectgaps": False,
+            "name": y_title,
+            "uid": "line",
+            "hovertemplate": "step %{x}<br>" + y_title + " %{y:.6g}<extra></extra>",
+        }
     )
-    figure.layout.yaxis.update(title=y_title, type="log" if log_y else "linear")
+    figure.layout.yaxis.update(title={"text": y_title}, type="log" if log_y else "linear")
     if non_finite:
         _add_non_finite_markers(figure, non_finite)
     return figure
@@ -301,17 +304,18 @@ def _scalar_figure(
 def _add_non_finite_markers(figure: go.Figure, points: list[tuple[int, str]]) -> None:
     # A hidden 0..1 axis over the plot keeps the markers at the top whatever the y zoom is.
     figure.add_trace(
-        go.Scatter(
-            x=[step for step, _ in points],
-            y=[NON_FINITE_MARKER_Y] * len(points),
-            yaxis="y2",
-            hovertext=[f"{label} at step {step}" for step, label in points],
-            hoverinfo="text",
-            mode="markers",
-            marker={"symbol": "triangle-down", "size": 10, "color": ALERT_COLOR},
-            name="non-finite",
-            uid="non-finite",
-        )
+        {
+            "type": "scatter",
+            "x": [step for step, _ in points],
+            "y": [NON_FINITE_MARKER_Y] * len(points),
+            "yaxis": "y2",
+            "hovertext": [f"{label} at step {step}" for step, label in points],
+            "hoverinfo": "text",
+            "mode": "markers",
+            "marker": {"symbol": "triangle-down", "size": 10, "color": ALERT_COLOR},
+            "name": "non-finite",
+            "uid": "non-finite",
+        }
     )
     figure.update_layout(yaxis2=_MARKER_AXIS, showlegend=True)
 
@@ -336,18 +340,19 @@ def add_resume_markers(figure: go.Figure, events: Iterable[Mapping[str, Any]] | 
         text += [hover, hover, None]
         sizes += [0, 9, 0]
     figure.add_trace(
-        go.Scatter(
-            x=x,
-            y=y,
-            yaxis="y2",
-            mode="lines+markers",
-            line={"color": RESUME_COLOR, "width": 1.5, "dash": "dot"},
-            marker={"symbol": "triangle-down", "size": sizes, "color": RESUME_COLOR},
-            hovertext=text,
-            hoverinfo="text",
-            name="resumed",
-            uid="resume",
-        )
+        {
+            "type": "scatter",
+            "x": x,
+            "y": y,
+            "yaxis": "y2",
+            "mode": "lines+markers",
+            "line": {"color": RESUME_COLOR, "width": 1.5, "dash": "dot"},
+            "marker": {"symbol": "triangle-down", "size": sizes, "color": RESUME_COLOR},
+            "hovertext": text,
+            "hoverinfo": "text",
+            "name": "resumed",
+            "uid": "resume",
+        }
     )
     figure.update_layout(yaxis2=_MARKER_AXIS, showlegend=True)
     return figure

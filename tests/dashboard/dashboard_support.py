@@ -383,4 +383,7 @@ def run_api() -> FakeApi:
 def app_client(handler):
     """Flask's test client of a dashboard reading the API through `handler` (a MockTransport handler)."""
     http_client = httpx.Client(transport=httpx.MockTransport(handler))
-    return create_dash_app("http://gradwatch.test", http_client=http_client).server.test_client()
+    app = create_dash_app("http://gradwatch.test", http_client=http_client)
+    client = app.server.test_client()
+    client.dash_app = app  # dash_call names allow_duplicate outputs from its callback map
+    return client

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from dashboard_support import LAYERS, RUN, AlertsApi, FakeApi, client_for
 
+from gradwatch.dashboard import figures
 from gradwatch.dashboard.api_client import ApiClient, ApiError, ApiUnavailable, RunNotFound
 
 
@@ -135,7 +136,7 @@ def test_vectors_histograms_and_keys_by_kind():
     client = client_for(api)
 
     assert client.vectors("r1", "grad/norm")["layers"] == LAYERS
-    assert dict(api.requests[-1].url.params) == {"key": "grad/norm", "max_steps": "500"}
+    assert dict(api.requests[-1].url.params) == {"key": "grad/norm", "max_steps": "500", "encoding": "f64"}
     assert client.histograms("r1", "fc1.bias")["steps"] == [0, 20]
     assert dict(api.requests[-1].url.params) == {"layer": "fc1.bias", "key": "grad/hist", "max_steps": "200"}
     assert client.keys("r1", "vector") == ["grad/norm"]
@@ -186,3 +187,31 @@ def test_alert_endpoints_use_the_right_methods_paths_and_bodies():
     with pytest.raises(ApiError) as caught:
         client.create_webhook({"url": "ftp://x"})
     assert caught.value.status_code == 404 and caught.value.detail == "Not Found"
+
+
+def test_a_real_server_sends_the_layer_matrix_packed_and_it_reads_as_the_json_one(sqlite_server):
+    layers = ["a.weight", "a.bias"]
+    values = [[1.5, float("nan")], [float("inf"), 0.25], [2.0, 3.0]]
+    with httpx.Client(base_url=sqlite_server.url, timeout=30) as http:
+        run_id = http.post("/api/v1/runs", json={"project": "p", "name": "n"}).json()["id"]
+        batch = {
+            "seq": 0,
+            "layers": layers,
+            "vectors": [{"key": "grad/norm", "steps": [0, 10, 20], "values": values}],
+        }
+        http.post(
+            f"/api/v1/runs/{run_id}/batches",
+            content=json.dumps(batch),  # NaN and Infinity literals, which the API reads
+            headers={"Content-Type": "application/json"},
+        ).raise_for_status()
+        as_json = http.get(f"/api/v1/runs/{run_id}/vectors", params={"key": "grad/norm"}).json()
+
+    packed = ApiClient(sqlite_server.url).vectors(run_id, "grad/norm")
+
+    assert "values" not in packed and isinstance(packed["values_f64"], str)
+    assert packed["steps"] == as_json["steps"] == [0, 10, 20]
+    read_packed, read_json = figures.layers.layer_matrix(packed), figures.layers.layer_matrix(as_json)
+    assert read_packed.values.tobytes() == read_json.values.tobytes()  # NaN and ±inf included
+    assert figures.layer_heatmap_figure(packed, "g", "‖g‖") == figures.layer_heatmap_figure(
+        as_json, "g", "‖g‖"
+    )

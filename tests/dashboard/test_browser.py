@@ -109,17 +109,52 @@ def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(f
 
     # TinyNet has 6 parameter tensors: one heatmap row each, in model order, first at the top.
     layers = ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias"]
-    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.type === 'heatmap' && t.y.length === 6)")
-    heatmap = page.evaluate("() => document.querySelector('#grad-norm-heatmap .js-plotly-plot').data[0]")
-    assert heatmap["y"] == layers
-    assert 12 in heatmap["x"]  # the skipped step is recorded, and drawn as a red non-finite cell
-    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.name === 'non-finite')")
-    _graph_has(page, "underflow-heatmap", "data.some(t => t.type === 'heatmap' && t.y.length === 6)")
-    _graph_has(page, "update-ratio-heatmap", "data.some(t => t.type === 'heatmap')")
+    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.type === 'image' && t.hovertext.length === 6)")
+    aliases, y_range = page.evaluate(
+        "() => { const g = document.querySelector('#grad-norm-heatmap .js-plotly-plot');"
+        " return [g.layout.yaxis.labelalias, g._fullLayout.yaxis.range]; }"
+    )
+    assert [aliases[str(row)] for row in range(6)] == layers
+    assert y_range[0] > y_range[1]  # reversed: layer 0 at the top
+    _graph_has(page, "grad-norm-heatmap", "data.some(t => t.name === 'non-finite' && t.x.includes(12))")
+    _graph_has(page, "underflow-heatmap", "data.some(t => t.type === 'image' && t.hovertext.length === 6)")
+    _graph_has(page, "update-ratio-heatmap", "data.some(t => t.type === 'image')")
+
+    # Hovering a cell names its layer and step and shows its value; clicking it picks them.
+    page.locator("#grad-norm-heatmap").scroll_into_view_if_needed()
+    cell = page.evaluate(
+        "() => { const g = document.querySelector('#grad-norm-heatmap .js-plotly-plot');"
+        " const box = g.querySelector('.nsewdrag').getBoundingClientRect(), image = g.data[0];"
+        " const xa = g._fullLayout.xaxis, ya = g._fullLayout.yaxis, column = image.hovertext[2].length - 1;"
+        " return {x: box.left + xa.d2p(image.x0 + column * image.dx), y: box.top + ya.d2p(2),"
+        " value: image.hovertext[2][column], step: image.x0 + column * image.dx}; }"
+    )
+    page.mouse.move(cell["x"], cell["y"])
+    label = page.locator("#grad-norm-heatmap .hoverlayer .hovertext").first
+    label.wait_for(timeout=10_000)
+    assert "hidden.weight" in label.text_content() and cell["value"] in label.text_content()
+    page.mouse.click(cell["x"], cell["y"])
+    page.wait_for_function(
+        "() => document.querySelector('#hist-graph .js-plotly-plot')"
+        ".layout.title.text.includes('hidden.weight')",
+        timeout=20_000,
+    )
+    page.wait_for_function(
+        f"() => (document.querySelector('#loss-graph .js-plotly-plot').layout.shapes || [])"
+        f".some(s => s.x0 === {round(cell['step'])})",
+        timeout=20_000,
+    )
     _graph_has(page, "scale-graph", "data.some(t => t.name === 'fp16 safe band')")
 
-    # The first layer is chosen by default; pick another and see its histogram at the latest step.
+    # Pick another layer and see its histogram.
     _graph_has(page, "hist-graph", "data.some(t => t.type === 'bar')")
+    page.locator("#hist-layer").click()
+    page.get_by_role("option", name="inp.weight", exact=True).click()
+    page.wait_for_function(
+        "() => document.querySelector('#hist-graph .js-plotly-plot')"
+        ".layout.title.text.includes('inp.weight')",
+        timeout=20_000,
+    )
     page.locator("#hist-layer").click()
     page.get_by_role("option", name="hidden.weight", exact=True).click()
     page.wait_for_function(

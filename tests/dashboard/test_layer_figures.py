@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
+import zlib
 
 import pytest
 from dashboard_support import GRAD_NORMS, HISTOGRAMS, annotation_texts, trace_named
@@ -13,50 +16,120 @@ from gradwatch.dashboard.figures import layers
 # -- per-layer heatmaps ----------------------------------------------------------------------------
 
 
-def test_layer_heatmap_has_layers_in_model_order_top_down_and_log10_values():
-    figure = figures.layer_heatmap_figure(GRAD_NORMS, "Gradient norm per layer", "‖g‖")
+def png_pixels(data_uri):
+    """(palette RGBA rows, pixel rows of palette indices) of the heatmaps' 8-bit palette PNG."""
+    png = base64.b64decode(data_uri.removeprefix("data:image/png;base64,"))
+    chunks, at = {}, 8
+    while at < len(png):
+        (length,) = struct.unpack(">I", png[at : at + 4])
+        kind = png[at + 4 : at + 8]
+        chunks[kind] = chunks.get(kind, b"") + png[at + 8 : at + 8 + length]
+        at += 12 + length
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    rows = [list(raw[r * (width + 1) + 1 : (r + 1) * (width + 1)]) for r in range(height)]
+    palette = [(*chunks[b"PLTE"][3 * i : 3 * i + 3], chunks[b"tRNS"][i]) for i in range(256)]
+    return palette, rows
 
-    heatmap = figure.data[0]
-    assert heatmap.type == "heatmap"
-    escaped = ["fc1.weight", "fc1.bias", "&lt;b&gt;head&lt;/b&gt;.weight"]
-    assert list(heatmap.y) == escaped
-    assert list(figure.layout.yaxis.categoryarray) == escaped[::-1]  # first layer at the top
-    assert list(heatmap.x) == [0, 10, 13, 20]
-    assert heatmap.transpose  # z holds one row per step, as the API sends it (live steps append)
-    assert heatmap.z[0][0] == -1.0 and heatmap.z[1][2] == round(math.log10(2.0), 3)
-    assert heatmap.z[3][0] is None  # a zero norm has no log: a blank cell, not an error
-    assert "1e0" in heatmap.colorbar.ticktext
+
+def traces_by_uid(figure):
+    return {trace["uid"]: trace for trace in figure["data"]}
+
+
+EVEN = {"layers": ["a", "b"], "steps": [0, 10, 20], "values": [[1.0, 10.0], [10.0, 0.0], [100.0, "NaN"]]}
+
+
+def test_layer_heatmap_is_one_image_with_layers_top_down_and_real_values_in_hover():
+    figure = figures.layer_heatmap_figure(EVEN, "Gradient norm per layer", "‖g‖")
+
+    image = figure["data"][0]
+    assert image["type"] == "image" and image["uid"] == "cells"
+    assert (image["x0"], image["dx"], image["y0"], image["dy"]) == (0, 10, 0, 1)  # a column per step
+    palette, rows = png_pixels(image["source"])
+    assert len(rows) == 2 and len(rows[0]) == 3  # one pixel per cell: layers × steps
+    # log10 colours: 1, 10, 100 span the scale; a zero has no log (blank); NaN is red.
+    assert palette[rows[0][0]] == (0x44, 0x01, 0x54, 255) and palette[rows[0][2]] == (0xFD, 0xE7, 0x25, 255)
+    assert palette[rows[1][1]][3] == 0 and palette[rows[1][2]] == (0xEF, 0x44, 0x44, 255)
+    assert image["hovertext"] == [["1", "10", "100"], ["10", "0", "Na&#78;"]]  # shown as "NaN"
+    assert image["hoverinfo"] == "x+y+text+name"  # step, layer name (the axis' alias), value
+    yaxis = figure["layout"]["yaxis"]
+    assert yaxis["type"] == "linear" and "autorange" not in yaxis  # the placeholder's: reversed
+    assert figures.heatmap_placeholder("g", "loading…")["layout"]["yaxis"]["autorange"] == "reversed"
+    assert yaxis["labelalias"] == {"0": "a", "1": "b"}  # y = the layer's index, named
+    assert figure["layout"]["meta"]["colour_range"] == [0.0, 2.0]
+    colour_bar = traces_by_uid(figure)["colour-scale"]["marker"]
+    assert colour_bar["colorbar"]["ticktext"] == ["1e0", "1e1", "1e2"] and colour_bar["cmax"] == 2.0
+
+
+def test_layer_names_are_escaped_and_irregular_steps_each_get_a_column():
+    figure = figures.layer_heatmap_figure(GRAD_NORMS, "g", "‖g‖")  # steps 0, 10, 13, 20
+
+    image = figure["data"][0]
+    assert figure["layout"]["yaxis"]["labelalias"]["2"] == "&lt;b&gt;head&lt;/b&gt;.weight"
+    assert image["dx"] == pytest.approx(20 / 3)  # each step in its own column, near its centre
+    assert image["hovertext"][2] == ["1 (step 0)", "2 (step 10)", "3 (step 13)", "4 (step 20)"]
+    uneven = {**GRAD_NORMS, "steps": [0, 1, 2, 20]}
+    image = figures.layer_heatmap_figure(uneven, "g", "‖g‖")["data"][0]
+    assert image["dx"] == 1  # the closest two steps: one column each, the gap filled by step 2
+    assert len(image["hovertext"][2]) == 21 and image["hovertext"][2][-1] == "4 (step 20)"
+    assert {text.rsplit("(step ", 1)[1] for text in image["hovertext"][2]} == {"0)", "1)", "2)", "20)"}
+    downsampled = figures.layer_heatmap_figure({**GRAD_NORMS, "downsampled": True}, "g", "‖g‖")
+    assert downsampled["data"][0]["hovertext"][2] == ["1", "2", "3", "4"]  # a bucket's step: no note
 
 
 def test_layer_heatmap_marks_non_finite_cells_with_their_layer_and_step():
     figure = figures.layer_heatmap_figure(GRAD_NORMS, "g", "‖g‖")
 
-    nan, infinity = (trace for trace in figure.data if trace.name == "non-finite")
-    assert (list(nan.x), list(nan.y)) == ([13], ["fc1.weight"])
-    assert (list(infinity.x), list(infinity.y)) == ([13], ["fc1.bias"])
-    assert nan.marker.color == infinity.marker.color == layers.NON_FINITE_CELL_COLOR
+    nan, infinity = (trace for trace in figure["data"] if trace.get("name") == "non-finite")
+    assert (nan["x"], nan["y"]) == ([13], [0])  # y: the layer's index (fc1.weight)
+    assert (infinity["x"], infinity["y"]) == ([13], [1])
+    assert nan["marker"]["color"] == infinity["marker"]["color"] == layers.NON_FINITE_CELL_COLOR
     # Hover from a template per kind: "fc1.weight<br>NaN at step 13", with no text per point to send.
-    assert "NaN at step %{x}" in nan.hovertemplate and "Infinity at step" in infinity.hovertemplate
-    assert nan.hovertext is None
-    assert figure.data[0].z[2][0] is None
+    assert (
+        "Na&#78; at step %{x}" in nan["hovertemplate"]
+        and "Infinit&#121; at step" in infinity["hovertemplate"]
+    )
+    assert "hovertext" not in nan
 
 
 def test_a_step_where_every_layer_is_non_finite_is_one_red_column():
     vectors = {"layers": ["a", "b", "c"], "steps": [0, 1, 2], "values": [[1.0] * 3, ["NaN"] * 3, [2.0] * 3]}
     figure = figures.layer_heatmap_figure(vectors, "g", "‖g‖")
 
-    column = next(trace for trace in figure.data if trace.uid == "non-finite-steps")
-    assert list(column.x) == [1, 1, None] and list(column.y) == ["a", "c", None]
-    assert "all 3 layers non-finite at step" in column.hovertemplate
-    assert [trace.uid for trace in figure.data] == ["cells", "non-finite-steps"]
+    column = traces_by_uid(figure)["non-finite-steps"]
+    assert column["x"] == [1, 1, None] and column["y"] == [0, 2, None]
+    assert "all 3 layers non-finite at step" in column["hovertemplate"]
+    assert [trace["uid"] for trace in figure["data"]] == [
+        "cells",
+        "live-cells",
+        "colour-scale",
+        "non-finite-steps",
+    ]
 
 
 def test_fraction_heatmap_has_a_fixed_linear_range():
     fractions = {"layers": ["a", "b"], "steps": [0], "values": [[0.25, 1.0]]}
     figure = figures.layer_heatmap_figure(fractions, "u", "fraction", log_scale=False, value_range=(0, 1))
-    heatmap = figure.data[0]
-    assert (heatmap.zmin, heatmap.zmax) == (0, 1)
-    assert list(heatmap.z[0]) == [0.25, 1.0]
+    assert figure["layout"]["meta"]["colour_range"] == [0.0, 1.0]
+    assert traces_by_uid(figure)["live-cells"]["zmax"] == 1.0
+    assert figure["data"][0]["hovertext"] == [["0.25"], ["1"]]
+
+
+def test_the_api_float64_matrix_reads_like_json_rows():
+    packed = base64.b64encode(struct.pack("<6d", 1.0, 10.0, 10.0, 0.0, 100.0, math.nan)).decode()
+    figure = figures.layer_heatmap_figure({**EVEN, "values": None, "values_f64": packed}, "g", "‖g‖")
+    assert figure == figures.layer_heatmap_figure(EVEN, "g", "‖g‖")
+
+
+def test_new_steps_come_as_live_columns_in_the_drawn_colours():
+    new = {"layers": ["a", "b"], "steps": [30, 40], "values": [[1000.0, "Infinity"], [1.0, 0.5]]}
+    live_cells, markers = figures.layer_heatmap_columns(new, "‖g‖", log_scale=True, colour_range=(0.0, 2.0))
+
+    assert live_cells["uid"] == "live-cells" and live_cells["x"] == [30, 40]
+    assert live_cells["z"] == [[3.0, 0.0], [None, round(math.log10(0.5), 4)]]  # a row per layer
+    assert (live_cells["zmin"], live_cells["zmax"]) == (0.0, 2.0)
+    assert live_cells["hovertext"] == [["1e+03", "1"], ["+Infinit&#121;", "0.5"]]
+    assert markers["uid"] == "non-finite-Infinity" and (markers["x"], markers["y"]) == ([30], [1])
 
 
 def test_many_layers_stay_readable():
@@ -65,12 +138,21 @@ def test_many_layers_stay_readable():
 
     figure = figures.layer_heatmap_figure(vectors, "g", "‖g‖")
 
-    assert figure.layout.height == layers.HEATMAP_MAX_HEIGHT_PX
-    ticks = list(figure.layout.yaxis.tickvals)
-    assert 20 <= len(ticks) <= 70 and ticks[0] == names[0]
-    assert all(len(text) <= layers.MAX_TICK_LABEL_CHARS for text in figure.layout.yaxis.ticktext)
-    assert "200 layers" in annotation_texts(figure)[0]
-    assert len(figure.data[0].y) == 200  # every layer still has its row (and its name in hover)
+    layout = figure["layout"]
+    assert layout["height"] == layers.HEATMAP_MAX_HEIGHT_PX
+    ticks = layout["yaxis"]["tickvals"]
+    assert 20 <= len(ticks) <= 70 and ticks[0] == 0
+    assert all(len(text) <= layers.MAX_TICK_LABEL_CHARS for text in layout["yaxis"]["ticktext"])
+    assert layout["yaxis"]["labelalias"]["7"] == names[7]  # whole in hover
+    assert "200 layers" in layout["annotations"][0]["text"]
+    assert len(figure["data"][0]["hovertext"]) == 200  # every layer still has its row
+
+
+def test_layers_named_by_numbers_keep_whole_names_as_tick_labels():
+    vectors = {"layers": ["0", "2", "4"], "steps": [0], "values": [[1.0, 2.0, 3.0]]}
+    yaxis = figures.layer_heatmap_figure(vectors, "g", "‖g‖")["layout"]["yaxis"]
+    # plotly would read a tick text "2" as the alias of the layer at index 2.
+    assert "ticktext" not in yaxis and yaxis["labelalias"] == {"0": "0", "1": "2", "2": "4"}
 
 
 def test_heatmap_height_grows_with_layers_within_bounds():
@@ -79,10 +161,21 @@ def test_heatmap_height_grows_with_layers_within_bounds():
     assert figures.heatmap_height(10_000) == layers.HEATMAP_MAX_HEIGHT_PX
 
 
-@pytest.mark.parametrize("vectors", [None, {}, {"layers": ["a"], "steps": [], "values": []}, {"layers": "x"}])
+@pytest.mark.parametrize(
+    "vectors",
+    [
+        None,
+        {},
+        {"layers": ["a"], "steps": [], "values": []},
+        {"layers": ["a"], "steps": [], "values_f64": ""},
+        {"layers": ["a"], "steps": [0], "values_f64": "AAAA"},  # not a whole row
+        {"layers": ["a"], "steps": [0], "values_f64": "not base64!"},
+        {"layers": "x"},
+    ],
+)
 def test_heatmap_without_data_says_so(vectors):
     figure = figures.layer_heatmap_figure(vectors, "g", "‖g‖")
-    assert figures.NO_DATA_TEXT in annotation_texts(figure)
+    assert figures.NO_DATA_TEXT in [annotation["text"] for annotation in figure["layout"]["annotations"]]
 
 
 # -- histograms ------------------------------------------------------------------------------------

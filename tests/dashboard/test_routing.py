@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 
 import pytest
 from dashboard_support import app_client, render, run_api
@@ -78,6 +80,33 @@ def test_index_layout_and_assets_are_served_relative_to_the_mount(dash_client):
 
     assert get(dash_client, "/runs/r1").status_code == 200  # deep links serve the app too
     assert get(dash_client, "/assets/style.css").status_code == 200
+
+
+def test_graphs_get_plotly_js_cartesian_bundle_of_plotly_py_s_version_preloaded_and_compressed(dash_client):
+    from plotly.offline import get_plotlyjs_version
+
+    index = get(dash_client, "/")
+    url = "/dashboard/" + app.PLOTLY_JS
+    assert f'<link rel="preload" href="{url}" as="script">'.encode() in index.data
+    assert app.PLOTLY_BUNDLE.encode() not in index.data  # loaded by dcc.Graph, not by every page
+
+    served = dash_client.get("/" + app.PLOTLY_JS, headers={"Accept-Encoding": "gzip, br"})
+    assert served.headers["Content-Encoding"] == "gzip"
+    bundle = gzip.decompress(served.data)
+    assert bundle == (app.ASSETS_FOLDER / app.PLOTLY_BUNDLE).read_bytes()
+    # The same plotly.js as plotly.py's (its figures' format), cut to the traces the dashboard draws.
+    assert f"plotly.js (cartesian - minified) v{get_plotlyjs_version()}\n".encode() in bundle[:200]
+    again = dash_client.get("/" + app.PLOTLY_JS, headers={"If-None-Match": served.headers["ETag"]})
+    assert again.status_code == 304
+
+
+def test_the_figures_draw_only_traces_the_plotly_bundle_has():
+    # plotly.js's cartesian bundle: bar, box, contour, heatmap, histogram(2d, 2dcontour), image,
+    # pie, scatter, scatterternary, violin. A figure builder with another trace type needs another.
+    cartesian = {"bar", "box", "contour", "heatmap", "histogram", "image", "pie", "scatter", "violin"}
+    source = "".join(path.read_text() for path in (app.ASSETS_FOLDER.parent / "figures").glob("*.py"))
+    used = set(re.findall(r'"type": "([a-z0-9]+)",\n', source)) - {"line", "rect", "path"}  # shapes
+    assert used and used <= cartesian
 
 
 def test_run_page_has_the_four_graphs_and_a_live_refresh(dash_client):

@@ -4,6 +4,7 @@ heatmaps and histograms."""
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from dashboard_support import (
 )
 
 from gradwatch.dashboard import create_dash_app, figures
+from gradwatch.dashboard.pages import run_layers
 from gradwatch.dashboard.views import keep_view
 
 
@@ -237,7 +239,7 @@ def refresh_heatmap(client, graph_id="grad-norm-heatmap", selected_step=None, li
 def fill_layer_picker(client, options=None):
     return dash_call(
         client,
-        ["hist-layer.options", "hist-layer.value"],
+        ["hist-layer.options", "hist-layer.value", "layer-names.data"],
         [(("layers-refresh", "n_intervals"), 1)],
         state=[(("run-id", "data"), "r1"), (("hist-layer", "options"), options)],
     )
@@ -247,9 +249,11 @@ def test_layers_refresh_draws_each_heatmap_and_fills_an_empty_layer_picker(dash_
     drawn = {graph_id: refresh_heatmap(dash_client, graph_id, selected_step=13) for graph_id in HEATMAPS}
 
     heatmap = apply_patch(drawn["grad-norm-heatmap"]["figure"])
-    assert heatmap["data"][0]["y"][2] == "&lt;b&gt;head&lt;/b&gt;.weight"
+    assert heatmap["layout"]["yaxis"]["labelalias"]["2"] == "&lt;b&gt;head&lt;/b&gt;.weight"
+    assert heatmap["data"][0]["type"] == "image"
     assert heatmap["layout"]["shapes"][0]["x0"] == 13  # the selected step stays marked
     assert drawn["grad-norm-heatmap"]["cursor"]["last"] == 20
+    assert drawn["grad-norm-heatmap"]["cursor"]["layers"] == LAYERS  # the names clicks pick from
     assert figures.NO_DATA_TEXT in json.dumps(drawn["update-ratio-heatmap"]["figure"])
     assert {r.url.params["max_steps"] for r in fake_api.requests if r.url.path.endswith("/vectors")} == {
         "500"
@@ -257,14 +261,16 @@ def test_layers_refresh_draws_each_heatmap_and_fills_an_empty_layer_picker(dash_
     response = fill_layer_picker(dash_client)
     assert [option["label"] for option in response["hist-layer"]["options"]] == LAYERS  # text, not HTML
     assert response["hist-layer"]["value"] == "fc1.weight"
+    assert response["layer-names"]["data"] == LAYERS  # what the picker's search looks through
     fake_api.requests.clear()
     unchanged = dash_client.post(
         "/_dash-update-component",
         json={
-            "output": "..hist-layer.options...hist-layer.value..",
+            "output": "..hist-layer.options...hist-layer.value...layer-names.data..",
             "outputs": [
                 {"id": "hist-layer", "property": "options"},
                 {"id": "hist-layer", "property": "value"},
+                {"id": "layer-names", "property": "data"},
             ],
             "inputs": [{"id": "layers-refresh", "property": "n_intervals", "value": 2}],
             "state": [
@@ -297,16 +303,23 @@ def test_a_live_heatmap_asks_only_for_new_steps_and_appends_them(dash_client, fa
     asked = [r.url.params.get("start") for r in fake_api.requests if r.url.path.endswith("/vectors")]
     assert asked == ["21"]  # after the last step drawn
     operations = grown["figure"]["operations"]
-    assert {(tuple(op["location"]), op["operation"]) for op in operations} == {
-        (("data", 0, "x"), "Extend"),
-        (("data", 0, "z"), "Extend"),
+    live_cells = first["cursor"]["uids"].index("live-cells")
+    extended = {tuple(op["location"]): op["params"]["value"] for op in operations}
+    assert all(op["operation"] == "Extend" for op in operations)
+    assert extended == {
+        ("data", live_cells, "x"): [30],
+        **{
+            ("data", live_cells, "z", row): [round(math.log10(v), 4)]
+            for row, v in enumerate([0.5, 0.05, 5.0])
+        },
+        **{("data", live_cells, "hovertext", row): [text] for row, text in enumerate(["0.5", "0.05", "5"])},
     }
-    assert operations[0]["params"]["value"] == [30] and grown["cursor"]["last"] == 30
+    assert grown["cursor"]["last"] == 30
 
     resumed = refresh_heatmap(
         dash_client, live_cursor={"run": ["running", "t2", 30], "resumes": 1}, drawn=grown["cursor"]
     )
-    assert apply_patch(resumed["figure"])["data"][0]["x"][0] == 0  # a resume: drawn again in full
+    assert apply_patch(resumed["figure"])["data"][0]["x0"] == 0  # a resume: drawn again in full
 
 
 HISTOGRAM_OUTPUTS = [
@@ -383,3 +396,24 @@ def test_a_live_tick_reads_the_histogram_again_only_when_the_run_has_news(dash_c
         drawn=drawn,
     )
     assert news["hist-step"]["value"] == 20
+
+
+def test_the_layer_picker_lists_a_few_layers_at_a_time_and_searches_the_rest():
+    layers = [f"model.layers.{i}.mlp.weight" for i in range(200)]
+    first = run_layers.picker_options(layers, None, layers[0])
+    assert [o["value"] for o in first] == layers[: run_layers.MAX_PICKED_OPTIONS]
+
+    found = run_layers.picker_options(layers, "LAYERS.17.", layers[0])
+    assert [o["value"] for o in found] == [layers[0], layers[17]]  # the chosen one stays listed
+    clicked = run_layers.picker_options(layers, None, layers[150])  # a heatmap click picked it
+    assert layers[150] in [o["value"] for o in clicked] and len(clicked) == run_layers.MAX_PICKED_OPTIONS
+
+
+def test_typing_in_the_layer_picker_asks_the_dashboard_for_matching_layers(dash_client):
+    response = dash_call(
+        dash_client,
+        ["hist-layer.options"],
+        [(("hist-layer", "search_value"), "bias"), (("hist-layer", "value"), "fc1.weight")],
+        state=[(("layer-names", "data"), LAYERS)],
+    )
+    assert [o["value"] for o in response["hist-layer"]["options"]] == ["fc1.weight", "fc1.bias"]
