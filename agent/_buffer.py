@@ -160,7 +160,9 @@ class StepBuffer:
             column[0].append(step)
             column[1].append(float(value))
         else:
-            self._tensors.append((key, step, value.detach().reshape(())))
+            if value.requires_grad:
+                value = value.detach()
+            self._tensors.append((key, step, value if value.dim() == 0 else value.reshape(())))
 
     def add_tensor(self, key: str, step: int, tensor: Any) -> None:
         """A 1-d tensor (one value per layer) or a 2-d one (a histogram row per layer)."""
@@ -185,13 +187,24 @@ class StepBuffer:
         if self._tensors:
             import torch
 
+            # The 0-dim tensors (about ten a step: scale, loss, norms…) go first, in one stack: a
+            # conversion call per tensor would cost the training thread ~10 µs each at every flush.
+            scalar_tensors = []
             parts = []
             offset = 0
             for key, step, tensor in self._tensors:
-                part = tensor.reshape(-1).to(torch.float64)
-                parts.append(part)
-                slots.append((key, step, offset, tuple(tensor.shape)))
-                offset += part.numel()
+                if tensor.dim() == 0:
+                    slots.append((key, step, len(scalar_tensors), ()))
+                    scalar_tensors.append(tensor)
+            if scalar_tensors:
+                parts.append(torch.stack(scalar_tensors).to(torch.float64))
+                offset = len(scalar_tensors)
+            for key, step, tensor in self._tensors:
+                if tensor.dim() != 0:
+                    part = tensor.reshape(-1).to(torch.float64)
+                    parts.append(part)
+                    slots.append((key, step, offset, tuple(tensor.shape)))
+                    offset += part.numel()
             flat = torch.cat(parts)
             if flat.device.type == "cuda":
                 host_values = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)

@@ -107,6 +107,9 @@ class ScalerView:
             found = list(state["found_inf_per_device"].values()) if state is not None else []
             if not found:
                 return torch.zeros((), device=self.scaler._scale.device)
+            if len(found) == 1:  # the usual case: one op instead of four (a copy: see below)
+                return found[0].clone()
+            # A copy in either case: scaler.update() adds the other checks into the first in place.
             return torch.stack([f.to(found[0].device, non_blocking=True) for f in found]).sum().clamp(max=1)
         except Exception as exc:  # noqa: BLE001
             self._lost(FOUND_INF, exc)

@@ -264,7 +264,9 @@ class Monitor:
 class Trainer:
     """A model, optimizer, scaler and synthetic data; step() runs one training step under a Monitor."""
 
-    def __init__(self, size: ModelSize, seed: int, precision: str = "fp32", fused: bool = True) -> None:
+    def __init__(
+        self, size: ModelSize, seed: int, precision: str = "fp32", fused: bool = True, compile: bool = False
+    ) -> None:
         import torch
 
         self.torch = torch
@@ -274,6 +276,8 @@ class Trainer:
         self.autocast_dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         torch.manual_seed(seed)
         self.model = build_model(size)
+        if compile:  # forward and backward compiled (inductor); gradwatch's hooks stay outside them
+            self.model = torch.compile(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1, fused=fused)
         self.scaler = torch.amp.GradScaler("cpu")
         generator = torch.Generator().manual_seed(seed + 1)
@@ -347,7 +351,9 @@ INSTRUMENTED = [
 
 
 def install_instrumentation() -> dict[str, list[float]]:
-    """Wrap gradwatch's functions (before run.watch binds them) to add up inclusive wall time."""
+    """Wrap gradwatch's functions (before run.watch binds them) to add up inclusive wall time and
+    process CPU time ([wall s, calls, CPU s] per label). CPU time does not count the time the process
+    waits for a core, so on a loaded machine it is the steadier of the two."""
     from gradwatch import _buffer, _quantities, _run, _watch
 
     modules = {"watch": _watch, "run": _run, "buffer": _buffer, "quantities": _quantities}
@@ -356,15 +362,16 @@ def install_instrumentation() -> dict[str, list[float]]:
         module_name, _, class_name = owner.partition(".")
         target = getattr(modules[module_name], class_name) if class_name else modules[module_name]
         original = getattr(target, attribute)
-        slot = timings.setdefault(label, [0.0, 0])
+        slot = timings.setdefault(label, [0.0, 0, 0.0])
 
         def timed(*args: Any, __original: Any = original, __slot: list = slot, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 return __original(*args, **kwargs)
             finally:
                 __slot[0] += time.perf_counter() - start
                 __slot[1] += 1
+                __slot[2] += time.process_time() - start_cpu
 
         setattr(target, attribute, functools.wraps(original)(timed))
     return timings
@@ -402,7 +409,7 @@ def worker_main(
     config: str,
     size: dict[str, int],
     seed: int,
-    recipe: tuple[str, bool],
+    recipe: tuple[str, bool, bool],
     workdir: str,
     server_url: str | None,
     server_mode: str,
@@ -436,12 +443,14 @@ def worker_main(
             if command == "steps":
                 steps, settle = argument
                 times = []
+                cpu_start = time.process_time()
                 for _ in range(steps):
                     start = time.perf_counter()
                     trainer.step(monitor)
                     times.append(time.perf_counter() - start)
+                step_cpu = (time.process_time() - cpu_start) / max(steps, 1)
                 time.sleep(settle)
-                connection.send(("ok", times))
+                connection.send(("ok", (times, step_cpu) if timings is not None else times))
             elif command == "checksum":
                 connection.send(
                     (
@@ -491,7 +500,7 @@ class Worker:
                 config,
                 asdict(MODEL_SIZES[args.model_size]),
                 args.seed,
-                (args.precision, args.optimizer == "fused"),
+                (args.precision, args.optimizer == "fused", args.compile),
                 str(workdir),
                 server_url,
                 args.server,
@@ -574,7 +583,7 @@ class SharedRunner:
         if args.threads:
             torch.set_num_threads(args.threads)
         self.trainer = Trainer(
-            MODEL_SIZES[args.model_size], args.seed, args.precision, args.optimizer == "fused"
+            MODEL_SIZES[args.model_size], args.seed, args.precision, args.optimizer == "fused", args.compile
         )
         self.monitors = {c: Monitor(c, workdir, server_url, args.server) for c in configs}
         self.exclude = exclude_pids
@@ -816,6 +825,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fused",
         help="AdamW(fused=True) (default) or torch's default AdamW implementation for CPU tensors",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (inductor on CPU; compiles during the warm-up steps)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 short rounds: a smoke test")
     args = parser.parse_args(argv)
@@ -940,17 +954,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile_run(worker: Worker, steps: int) -> dict[str, Any]:
     before = worker.call("timings", False)["timings"]  # warm-up's counts, subtracted below
-    times = worker.call("steps", (steps, 0.0))
+    times, step_cpu = worker.call("steps", (steps, 0.0))
     after = worker.call("timings", True)
     rows = []
-    for label, (seconds, calls) in after["timings"].items():
-        seconds -= before.get(label, [0.0, 0])[0]
-        calls -= before.get(label, [0.0, 0])[1]
-        rows.append((label, seconds, calls))
+    for label, (seconds, calls, cpu_seconds) in after["timings"].items():
+        seconds -= before.get(label, [0.0, 0, 0.0])[0]
+        calls -= before.get(label, [0.0, 0, 0.0])[1]
+        cpu_seconds -= before.get(label, [0.0, 0, 0.0])[2]
+        rows.append((label, seconds, calls, cpu_seconds))
     return {
         "rows": rows,
         "steps": steps,
         "step_time": statistics.median(times),
+        "mean_step_time": statistics.mean(times),
+        "step_cpu": step_cpu,
         "clip_wrapper_us": after["clip_wrapper_us"],
     }
 
@@ -992,6 +1009,7 @@ def report(
         f"{info['tensors']} tensors; batch {size.batch} x {size.context} tokens; "
         f"{args.precision}{' autocast' if args.precision != 'fp32' else ''} + GradScaler + "
         f"{args.optimizer} AdamW + clip_grad_norm_(1.0)"
+        + ("; model compiled (torch.compile)" if args.compile else "")
     )
     out(
         f"- isolation: {args.isolation}; online gradwatch server: "
@@ -1064,20 +1082,32 @@ def report(
         steps = profile["steps"]
         out(
             f"\n#### Inside gradwatch ({config}: {steps} instrumented steps, median step "
-            f"{profile['step_time'] * 1000:.0f} ms; inclusive wall time on the training thread)\n"
+            f"{profile['step_time'] * 1000:.0f} ms, mean {profile['mean_step_time'] * 1000:.0f} ms, process "
+            f"CPU {profile['step_cpu'] * 1000:.0f} ms per step; inclusive wall and process-CPU time on the "
+            "training thread)\n"
         )
-        out("| function | ms/step | calls/step | ms/call |")
-        out("|---|---|---|---|")
-        top_total = 0.0
-        for (label, seconds, calls), (_, _, _, top) in zip(profile["rows"], INSTRUMENTED, strict=True):
+        out("| function | wall ms/step | CPU ms/step | calls/step | wall ms/call |")
+        out("|---|---|---|---|---|")
+        top_total = top_cpu = 0.0
+        for (label, seconds, calls, cpu_seconds), (_, _, _, top) in zip(
+            profile["rows"], INSTRUMENTED, strict=True
+        ):
             if top:
                 top_total += seconds
+                top_cpu += cpu_seconds
             if calls:
                 out(
-                    f"| {label} | {seconds / steps * 1000:.3f} | {calls / steps:.2f} "
-                    f"| {seconds / calls * 1000:.3f} |"
+                    f"| {label} | {seconds / steps * 1000:.3f} | {cpu_seconds / steps * 1000:.3f} "
+                    f"| {calls / steps:.2f} | {seconds / calls * 1000:.3f} |"
                 )
-        out(f"| **total of the top-level entries** | **{top_total / steps * 1000:.3f}** | | |")
+        out(
+            f"| **total of the top-level entries** | **{top_total / steps * 1000:.3f}** "
+            f"| **{top_cpu / steps * 1000:.3f}** | | |"
+        )
+        out(
+            f"\ngradwatch's share of the step: {top_total / steps / profile['mean_step_time']:.2%} of the "
+            f"mean step's wall time, {top_cpu / steps / profile['step_cpu']:.2%} of its process CPU time"
+        )
         where = (
             "the patch exists only while a gradwatch watcher is attached, "
             "i.e. only during gradwatch's own blocks"

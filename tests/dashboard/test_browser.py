@@ -77,10 +77,21 @@ def test_run_page_of_a_live_run_appends_new_points_and_keeps_the_zoom(full_serve
     assert loss["x"] == list(range(12))  # each step once: the new points were appended, not repeated
     assert loss["range"] == [0, 3]  # the user's zoom survived the live update
     # The new points came as an append (a Patch that extends the trace), not as a whole new series.
-    updates = [response.text() for response in responses]
+    updates = [_body(response) for response in responses]
     assert any('"Extend"' in body and "loss-graph" in body for body in updates)
     run.finish()
     assert page.problems == []
+
+
+def _body(response) -> str:
+    """A response's body, or "" when Chromium no longer holds it (it drops older bodies, sooner on a
+    busy machine); the newest, which the assertions look for, are there."""
+    from playwright.sync_api import Error
+
+    try:
+        return response.text()
+    except Error:
+        return ""
 
 
 def test_unknown_run_page_says_so(full_server, browser_page):
