@@ -348,6 +348,17 @@ class Feeder:
             self._thread.join()
 
 
+def request_sizes(request: object) -> dict[str, int] | None:
+    """A finished request's sizes, or None when its page closed meanwhile (a callback that answered
+    as the page was being closed)."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    try:
+        return request.sizes()  # type: ignore[attr-defined,no-any-return]
+    except PlaywrightError:
+        return None
+
+
 def observe(
     browser: object,
     url: str,
@@ -367,7 +378,9 @@ def observe(
 
         def finished(request: object) -> None:
             if counting[0] and "/_dash-" in request.url:  # type: ignore[attr-defined]
-                sizes = request.sizes()  # type: ignore[attr-defined]
+                sizes = request_sizes(request)
+                if sizes is None:
+                    return
                 browser_traffic.add(
                     urlsplit(request.url).path.rsplit("/", 1)[-1],  # type: ignore[attr-defined]
                     sizes["responseBodySize"] + sizes["requestBodySize"],
@@ -425,8 +438,9 @@ def load_times(
 
         def finished(request: object, answers: list[tuple[float, int]] = answers) -> None:
             if "/_dash-update-component" in request.url:  # type: ignore[attr-defined]
-                size = request.sizes()["responseBodySize"]  # type: ignore[attr-defined]
-                answers.append((time.perf_counter(), size))
+                at, sizes = time.perf_counter(), request_sizes(request)
+                if sizes is not None:
+                    answers.append((at, sizes["responseBodySize"]))
 
         page.on("requestfinished", finished)
         api.reset()

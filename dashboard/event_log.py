@@ -65,6 +65,13 @@ class EventLog:
                 self._runs.popitem(last=False)
         return list(kept.events), kept.count, continued
 
+    def kept(self, run_id: str) -> tuple[list[dict[str, Any]], int] | None:
+        """(the run's events as the last `read` left them, how many the run has in all), without a
+        request; None when none are kept."""
+        with self._lock:
+            kept = self._runs.get(run_id)
+        return None if kept is None else (list(kept.events), kept.count)
+
     def forget(self, run_id: str) -> None:
         """Drop what is kept of a run (a run that no longer exists)."""
         with self._lock:

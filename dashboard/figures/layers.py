@@ -201,11 +201,17 @@ def layer_heatmap_figure(
     return {"data": traces, "layout": layout}
 
 
-def heatmap_placeholder(title: str, message: str, *, uirevision: str = "gradwatch") -> dict[str, Any]:
+def heatmap_placeholder(
+    title: str, message: str, *, uirevision: str = "gradwatch", layer_count: int = 0
+) -> dict[str, Any]:
     """The "loading…" figure (a dict) a heatmap's graph starts with: empty_figure with the y axis
-    reversed, which the heatmap keeps (layer 0, the first, at the top)."""
+    reversed, which the heatmap keeps (layer 0, the first, at the top). With `layer_count` (the
+    page knows its layers) as tall as the heatmap of that many layers will be: a graph that changes
+    height when its data arrives is drawn twice (plotly.js answers the resize with a relayout)."""
     figure = empty_figure_dict(title, message, uirevision=uirevision)
     figure["layout"]["yaxis"]["autorange"] = "reversed"
+    if layer_count > 0:
+        figure["layout"]["height"] = heatmap_height(layer_count)
     return figure
 
 

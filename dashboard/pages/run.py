@@ -7,9 +7,11 @@ histogram over steps) marks it on every chart and shows that step's histogram.
 
 A live run page polls every RUN_REFRESH_MS: one request for the run; only when its signature moved
 (new data, a new status: `live.run_signature`) the points after the last step shown (appended to the
-charts, see `live`; redrawn in full only when appending could not draw the same), the agent's
-counters after the last ones shown, the events stored since (`event_log`: new skips are appended to
-the scale chart), the alerts and the incidents. Heatmaps and histograms, heavier and slower to
+charts, see `live`; redrawn in full only when appending could not draw the same) and the events
+stored since (`event_log`: new skips are appended to the scale chart). Once that has moved the live
+cursor, a second callback reads what only the header and the timeline show: the agent's counters
+after the last ones shown, the alerts and the incidents (so the charts, on a page's first load too,
+do not wait for those calls). Heatmaps and histograms, heavier and slower to
 change, every LAYERS_REFRESH_MS, the same way (`run_layers`).
 
 Callbacks stay thin: fetch with the ApiClient (independent calls together, on the app's workers),
@@ -60,16 +62,22 @@ SAFE_BAND_SERIES = ("safe_min", "safe_max")
 COMBINED_WHEN_SHARDED = ("grad_norm", "grad_norm_post_clip")
 LINE_CHARTS = ("loss-graph", "scale-graph", "grad-norm-graph", "lr-graph")
 STEP_GRAPHS = (*LINE_CHARTS, *LAYER_HEATMAPS, "hist-time-graph")
-# What one refresh of the page updates, by name: the line charts by their graph ids.
+# What one refresh of the page updates, by name: the line charts by their graph ids. The header's
+# slot gets only what went wrong here (the header and the timeline have a callback of their own).
 REFRESH_OUTPUTS = {
     "header": Output("run-header", "children"),
     **{graph_id: Output(graph_id, "figure") for graph_id in LINE_CHARTS},
-    "timeline": Output("events-table", "children"),
     "stop_polling": Output("refresh", "disabled"),
     "stop_polling_layers": Output("layers-refresh", "disabled"),
     "cursor": Output("live-cursor", "data"),
 }
 UNCHANGED = dict.fromkeys(REFRESH_OUTPUTS, dash.no_update)
+# What the header's refresh updates, once the line charts' has moved the live cursor.
+HEADER_OUTPUTS = {
+    "header": Output("run-header", "children", allow_duplicate=True),
+    "timeline": Output("events-table", "children"),
+    "shown": Output("header-cursor", "data"),
+}
 
 
 def parse_step(search: str | None) -> int | None:
@@ -111,7 +119,7 @@ def register(
     `run_href(run_id, step)` links a run page at a step (the incidents' links), `event_log` keeps
     the runs' events between refreshes (one of its own by default)."""
     event_log = event_log if event_log is not None else EventLog()
-    run_layers.register(app, api)
+    run_layers.register(app, api, background)
 
     @app.callback(
         output=REFRESH_OUTPUTS,
@@ -119,8 +127,10 @@ def register(
         state=[State("run-id", "data"), State("selected-step", "data"), State("live-cursor", "data")],
     )
     def refresh_run(_n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any) -> dict[str, Any]:
-        # A live run's charts get only the points after the last step shown, appended (see `live`);
-        # the first call, an ended run and anything appending cannot draw right redraw in full.
+        # The line charts only: the header and the timeline follow once the cursor has moved
+        # (refresh_header), so the charts do not wait for the calls only those need. A live run's
+        # charts get only the points after the last step shown, appended (see `live`); the first
+        # call, an ended run and anything appending cannot draw right redraw in full.
         try:
             run = api.get_run(run_id)
             ended = run.get("status") != "running"
@@ -133,18 +143,9 @@ def register(
             ranks = api.ranks(run_id) if world_size(run) > 1 else None
             sharded = bool(ranks and ranks.get("gradients") == "sharded")
             calls = series_calls(run_id, starts, sharded)
-            shown_health = _shown_health(cursor if appendable else None, run)
-            calls.update(
-                {
-                    "health/" + name: partial(api.series, run_id, key, start=shown_health[name][0])
-                    for name, key in AGENT_HEALTH_KEYS.items()
-                }
-            )
             calls["events"] = lambda: event_log.read(api, run_id)  # only what is new, when it can
-            calls["alerts"] = lambda: run_alerts(run_id)
-            calls["incidents"] = lambda: run_incidents(run_id)
             fetched = background.fetch_all(calls)
-            events, event_count, continued = fetched["events"]
+            events, _event_count, continued = fetched["events"]
             skips = [event for event in events if event.get("kind") == "skip"]
             resumes = [event for event in events if event.get("kind") == "resume"]
             # Continued: the events shown before, then those stored since, so the new skips are last.
@@ -162,6 +163,53 @@ def register(
             # Keep what is drawn and keep polling: the server may be restarting.
             header = error_banner(exc)
             return {**UNCHANGED, "header": header, "stop_polling": False, "stop_polling_layers": False}
+        updates = {"header": dash.no_update, "stop_polling": ended, "stop_polling_layers": ended}
+        if appended is not None:
+            charts, new_cursor = appended
+            return {**updates, **charts, "cursor": {**new_cursor, "run": signature}}
+        marker = figures.step_marker_shapes(selected_step)
+        drawn = {name: fetched[name] for name in SERIES_KEYS}
+        charts = _line_charts(drawn, skips, run_id, resumes)
+        return {
+            **updates,
+            **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
+            "cursor": {
+                **live.full_cursor(run_id, charts, drawn, len(skips)),
+                "resumes": len(resumes),
+                "run": signature,
+            },
+        }
+
+    @app.callback(
+        output=HEADER_OUTPUTS,
+        inputs=[Input("live-cursor", "data")],
+        state=[State("run-id", "data"), State("header-cursor", "data")],
+        prevent_initial_call=True,
+    )
+    def refresh_header(cursor: Any, run_id: str, header_cursor: Any) -> dict[str, Any]:
+        # After every refresh that moved the live cursor (news, or the first drawing): the header
+        # line with the agent's counters read after the last ones shown, the verdict and incidents,
+        # the timeline (the events the line charts' refresh has just read, alerts).
+        if not isinstance(cursor, dict):
+            raise dash.exceptions.PreventUpdate
+        same_run = isinstance(header_cursor, dict) and header_cursor.get("run_id") == run_id
+        before = header_cursor if same_run else {}
+        try:
+            run = api.get_run(run_id)
+            ranks = api.ranks(run_id) if world_size(run) > 1 else None
+            shown_health = _shown_health(before or None, run)
+            calls: dict[str, Callable[[], Any]] = {
+                "health/" + name: partial(api.series, run_id, key, start=shown_health[name][0])
+                for name, key in AGENT_HEALTH_KEYS.items()
+            }
+            calls["events"] = lambda: event_log.kept(run_id) or event_log.read(api, run_id)[:2]
+            calls["alerts"] = lambda: run_alerts(run_id)
+            calls["incidents"] = lambda: run_incidents(run_id)
+            fetched = background.fetch_all(calls)
+        except ApiError as exc:  # RunNotFound included: the line charts' refresh says so too
+            # Drawn in full on the next refresh that works.
+            return {"header": error_banner(exc), "timeline": dash.no_update, "shown": None}
+        events, event_count = fetched["events"]
         health = _latest_health(shown_health, fetched)
         alerts, alerts_error = fetched["alerts"]
         # The verdict and incidents sit in the header's slot: right below the header, above the charts.
@@ -173,41 +221,23 @@ def register(
             "verdict": _digest([run_verdict, incidents, str(incidents_error or "")]),
             "timeline": _digest([event_count, events[-EVENTS_TABLE_ROWS:], alerts, str(alerts_error or "")]),
         }
-        before = cursor.get("shown") if appendable else None
-        before = before if isinstance(before, dict) else {}
+        drawn = before.get("shown") if isinstance(before.get("shown"), dict) else {}
         header_update: Any = [
             header,
             verdict.verdict_banner(run_verdict, incidents, incidents_error),
             verdict.incidents_section(incidents, run_href),
         ]
-        if before.get("verdict") == shown["verdict"]:
+        if drawn.get("verdict") == shown["verdict"]:
             header_update = dash.Patch()
             header_update[0] = header
         timeline: Any = dash.no_update
-        if before.get("timeline") != shown["timeline"]:
+        if drawn.get("timeline") != shown["timeline"]:
             # In step order (the events read since the last refresh come in the order they were stored).
             timeline = events_table(sorted(events, key=_step_of), event_count, alerts, alerts_error)
-        updates = {
+        return {
             "header": header_update,
             "timeline": timeline,
-            "stop_polling": ended,
-            "stop_polling_layers": ended,
-        }
-        live_facts = {"run": signature, "health": health, "shown": shown}
-        if appended is not None:
-            charts, new_cursor = appended
-            return {**updates, **charts, "cursor": {**new_cursor, **live_facts}}
-        marker = figures.step_marker_shapes(selected_step)
-        drawn = {name: fetched[name] for name in SERIES_KEYS}
-        charts = _line_charts(drawn, skips, run_id, resumes)
-        return {
-            **updates,
-            **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
-            "cursor": {
-                **live.full_cursor(run_id, charts, drawn, len(skips)),
-                "resumes": len(resumes),
-                **live_facts,
-            },
+            "shown": {"run_id": run_id, "health": health, "shown": shown},
         }
 
     def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
@@ -275,6 +305,10 @@ def register(
         prevent_initial_call=True,
     )
     def mark_step(step: Any) -> tuple[dash.Patch, ...]:
+        if ctx.triggered_id is None:
+            # The page's first call (its charts are drawn with the step's marker, or none): a patch
+            # now would only draw each of them once more, or take the marker off one drawn with it.
+            raise dash.exceptions.PreventUpdate
         patches = []
         for _ in STEP_GRAPHS:
             patch = dash.Patch()
@@ -327,7 +361,7 @@ def _step_of(event: dict[str, Any]) -> int:
 
 def _shown_health(cursor: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, list[Any]]:
     """Per AGENT_HEALTH_KEYS name, [the first step to fetch, the latest value shown]: after the last
-    step shown on a live page, else the last HEALTH_WINDOW_STEPS steps of the run."""
+    step shown (`cursor`: the header's), else the last HEALTH_WINDOW_STEPS steps of the run."""
     shown = cursor.get("health") if isinstance(cursor, dict) else None
     if isinstance(shown, dict) and all(isinstance(shown.get(name), list) for name in AGENT_HEALTH_KEYS):
         return {name: list(shown[name]) for name in AGENT_HEALTH_KEYS}
@@ -361,8 +395,12 @@ def run_layout(
 
     def graph(graph_id: str, title: str) -> html.Div:
         # Plain dicts: the page is built before anything else can happen (~30 ms a go.Figure).
-        placeholder = figures.heatmap_placeholder if graph_id in LAYER_HEATMAPS else figures.empty_figure_dict
-        figure = placeholder(title, "loading…", uirevision=run_id)
+        if graph_id in LAYER_HEATMAPS:
+            figure = figures.heatmap_placeholder(
+                title, "loading…", uirevision=run_id, layer_count=len(layers)
+            )
+        else:
+            figure = figures.empty_figure_dict(title, "loading…", uirevision=run_id)
         return html.Div(dcc.Graph(id=graph_id, figure=figure, config=GRAPH_CONFIG), className="card")
 
     return html.Div(
@@ -370,6 +408,7 @@ def run_layout(
             dcc.Store(id="run-id", data=run_id),
             dcc.Store(id="selected-step", data=selected_step),
             dcc.Store(id="live-cursor", data=None),  # what the line charts show, for live appends
+            dcc.Store(id="header-cursor", data=None),  # what the header and the timeline show
             *(dcc.Store(id=heatmap_cursor_id(graph_id), data=None) for graph_id in LAYER_HEATMAPS),
             dcc.Store(id="hist-cursor", data=None),  # what the histogram shows
             html.Div(run_header(run, {}), id="run-header"),

@@ -15,7 +15,8 @@ time and searches the others by what is typed (`picker_options`).
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import dash
 from dash import Input, Output, State, ctx
@@ -23,6 +24,9 @@ from dash import Input, Output, State, ctx
 from .. import figures, live
 from ..api_client import ApiClient, ApiError
 from ..views import keep_view
+
+if TYPE_CHECKING:
+    from ..app import Background
 
 __all__ = ["HEATMAP_CURSOR_SUFFIX", "LAYER_HEATMAPS", "heatmap_cursor_id", "picker_options", "register"]
 
@@ -48,8 +52,9 @@ def heatmap_cursor_id(graph_id: str) -> str:
     return graph_id + HEATMAP_CURSOR_SUFFIX
 
 
-def register(app: dash.Dash, api: ApiClient) -> None:
-    """The heatmaps', layer picker's and histogram's callbacks."""
+def register(app: dash.Dash, api: ApiClient, background: Background | None = None) -> None:
+    """The heatmaps', layer picker's and histogram's callbacks; `background` (when given) reads the
+    histograms and the loss scale together."""
     for graph_id, spec in LAYER_HEATMAPS.items():
         _register_heatmap(app, api, graph_id, spec)
 
@@ -124,7 +129,15 @@ def register(app: dash.Dash, api: ApiClient) -> None:
         try:
             # The loss scale for fp16's limits, read here rather than waiting for the line charts'
             # (so the histogram loads alongside them).
-            histograms, scale_series = api.histograms(run_id, layer), api.series(run_id, SCALE_KEY)
+            calls = {
+                "histograms": partial(api.histograms, run_id, layer),
+                "scale": partial(api.series, run_id, SCALE_KEY),
+            }
+            if background is not None:
+                fetched = background.fetch_all(calls)
+            else:
+                fetched = {name: call() for name, call in calls.items()}
+            histograms, scale_series = fetched["histograms"], fetched["scale"]
             steps = figures.histogram_steps(histograms)
             if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
                 step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival

@@ -251,12 +251,15 @@ class AlertsApi:
 
 def callback_outputs(client, outputs):
     """The outputs as the renderer names them: an allow_duplicate output carries its callback's
-    "@hash" (found in the app's callback map when the client knows its Dash app)."""
+    "@hash" (found in the app's callback map when the client knows its Dash app, else in the
+    callbacks the app lists to the renderer)."""
     app = getattr(client, "dash_app", None)
     plain = outputs[0] if len(outputs) == 1 else ".." + "...".join(outputs) + ".."
-    if app is None:
-        return outputs
-    key = next(k for k in app.callback_map if re.sub(r"@[0-9a-f]+", "", k) == plain)
+    if app is not None:
+        known = list(app.callback_map)
+    else:  # what the renderer reads: every callback's outputs, "@hash" included
+        known = [callback["output"] for callback in client.get("/_dash-dependencies").json]
+    key = next((k for k in known if re.sub(r"@[0-9a-f]+", "", k) == plain), plain)
     return key.strip(".").split("...") if len(outputs) > 1 else [key]
 
 
@@ -310,15 +313,17 @@ REFRESH_OUTPUTS = [
     "scale-graph.figure",
     "grad-norm-graph.figure",
     "lr-graph.figure",
-    "events-table.children",
     "refresh.disabled",
     "layers-refresh.disabled",
     "live-cursor.data",
 ]
+HEADER_OUTPUTS = ["run-header.children", "events-table.children", "header-cursor.data"]
 
 
-def refresh(client, run_id="r1", selected_step=None, cursor=None):
-    return dash_call(
+def refresh(client, run_id="r1", selected_step=None, cursor=None, header_cursor=None):
+    """One refresh of the run page as the renderer runs it: the line charts' callback, then, when
+    it moved the live cursor, the header's; their answers merged (the header's slot from the latter)."""
+    response = dash_call(
         client,
         REFRESH_OUTPUTS,
         [(("refresh", "n_intervals"), 3)],
@@ -328,6 +333,15 @@ def refresh(client, run_id="r1", selected_step=None, cursor=None):
             (("live-cursor", "data"), cursor),
         ],
     )
+    if "live-cursor" in response:
+        header = dash_call(
+            client,
+            HEADER_OUTPUTS,
+            [(("live-cursor", "data"), response["live-cursor"]["data"])],
+            state=[(("run-id", "data"), run_id), (("header-cursor", "data"), header_cursor)],
+        )
+        response = {**response, **header}
+    return response
 
 
 def apply_patch(patch):

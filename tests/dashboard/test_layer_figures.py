@@ -55,6 +55,9 @@ def test_layer_heatmap_is_one_image_with_layers_top_down_and_real_values_in_hove
     yaxis = figure["layout"]["yaxis"]
     assert yaxis["type"] == "linear" and "autorange" not in yaxis  # the placeholder's: reversed
     assert figures.heatmap_placeholder("g", "loading…")["layout"]["yaxis"]["autorange"] == "reversed"
+    # As tall as the heatmap that replaces it (a change of height makes plotly.js draw it twice).
+    placeholder = figures.heatmap_placeholder("g", "loading…", layer_count=2)
+    assert placeholder["layout"]["height"] == figure["layout"]["height"]
     assert yaxis["labelalias"] == {"0": "a", "1": "b"}  # y = the layer's index, named
     assert figure["layout"]["meta"]["colour_range"] == [0.0, 2.0]
     colour_bar = traces_by_uid(figure)["colour-scale"]["marker"]

@@ -6,7 +6,16 @@ from __future__ import annotations
 import dash
 import httpx
 import pytest
-from dashboard_support import SCALE_SERIES, FakeApi, apply_patch, refresh, skip_event
+from dashboard_support import (
+    HEADER_OUTPUTS,
+    REFRESH_OUTPUTS,
+    SCALE_SERIES,
+    FakeApi,
+    apply_patch,
+    dash_call,
+    refresh,
+    skip_event,
+)
 
 from gradwatch.dashboard import create_dash_app, figures, live
 
@@ -124,7 +133,7 @@ def test_live_refresh_fetches_from_the_last_step_shown_and_appends():
     grow(api, "loss", 3, 1.4)
     grow(api, "amp/scale", 3, 65536.0)
     api.requests.clear()
-    second = refresh(client, cursor=cursor)
+    second = refresh(client, cursor=cursor, header_cursor=first["header-cursor"]["data"])
 
     starts = {
         r.url.params["key"]: r.url.params.get("start") for r in api.requests if r.url.path.endswith("/series")
@@ -184,14 +193,15 @@ def test_a_live_tick_reads_events_and_agent_counters_after_those_shown():
     client = create_dash_app(
         "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
     ).server.test_client()
-    cursor = refresh(client)["live-cursor"]["data"]
-    assert cursor["health"]["sent"] == [3, 30.0]
+    first = refresh(client)
+    cursor, header_cursor = first["live-cursor"]["data"], first["header-cursor"]["data"]
+    assert header_cursor["health"]["sent"] == [3, 30.0]
 
     grow(api, "loss", 3, 1.4)
     grow(api, "amp/scale", 3, 32768.0)
     api.events.append(skip_event(3, 65536.0, 32768.0))
     api.requests.clear()
-    second = refresh(client, cursor=cursor)
+    second = refresh(client, cursor=cursor, header_cursor=header_cursor)
 
     asked = {r.url.path.rsplit("/", 1)[-1]: r.url.params for r in api.requests}
     assert asked["events"]["after_id"] == "1"  # only the events stored since
@@ -204,3 +214,34 @@ def test_a_live_tick_reads_events_and_agent_counters_after_those_shown():
     skipped = [location for location in extended if location[-1] == "x" and extended[location] == [3]]
     assert len(skipped) == 2  # the scale line's new point and the new skip marker
     assert second["live-cursor"]["data"]["skips"] == 2
+
+
+def test_the_line_charts_do_not_wait_for_what_only_the_header_and_timeline_read():
+    api = live_api()
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
+    ).server.test_client()
+    charts = dash_call(
+        client,
+        REFRESH_OUTPUTS,
+        [(("refresh", "n_intervals"), 0)],
+        state=[
+            (("run-id", "data"), "r1"),
+            (("selected-step", "data"), None),
+            (("live-cursor", "data"), None),
+        ],
+    )
+
+    asked = [r.url.params.get("key") or r.url.path.rsplit("/", 1)[-1] for r in api.requests]
+    assert "loss-graph" in charts and "live-cursor" in charts and "run-header" not in charts
+    assert not any(name.startswith("agent/") or name in ("alerts", "incidents") for name in asked)
+    api.requests.clear()
+    header = dash_call(
+        client,
+        HEADER_OUTPUTS,
+        [(("live-cursor", "data"), charts["live-cursor"]["data"])],
+        state=[(("run-id", "data"), "r1"), (("header-cursor", "data"), None)],
+    )
+
+    assert "run-header" in header and "events-table" in header
+    assert "events" not in [r.url.path.rsplit("/", 1)[-1] for r in api.requests]  # the charts' read kept

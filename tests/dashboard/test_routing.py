@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from dashboard_support import app_client, render, run_api
+from dashboard_support import app_client, callback_outputs, render, run_api
 
 import gradwatch.dashboard
 from gradwatch.dashboard import app, create_dash_app, figures, live, verdict, views
@@ -150,3 +150,18 @@ def test_an_alert_link_opens_the_run_page_with_its_step_marked(dash_client):
 )
 def test_parse_run_ids(search, ids):
     assert parse_run_ids(search) == ids
+
+
+def test_the_step_marker_is_not_patched_onto_charts_on_the_page_s_first_call(dash_client):
+    # Drawn with the marker (or none) from the start; a patch then would draw them all again.
+    outputs = callback_outputs(dash_client, [f"{graph_id}.figure" for graph_id in run.STEP_GRAPHS])
+    body = {
+        "output": ".." + "...".join(outputs) + "..",
+        "outputs": [dict(zip(("id", "property"), output.split("."), strict=True)) for output in outputs],
+        "inputs": [{"id": "selected-step", "property": "data", "value": 4}],
+        "changedPropIds": [],
+    }
+    assert dash_client.post("/_dash-update-component", json=body).status_code == 204  # no update
+    body["changedPropIds"] = ["selected-step.data"]
+    marked = dash_client.post("/_dash-update-component", json=body).json["response"]
+    assert set(marked) == set(run.STEP_GRAPHS)
