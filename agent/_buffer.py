@@ -189,7 +189,7 @@ class StepBuffer:
 
             # The 0-dim tensors (about ten a step: scale, loss, norms…) go first, in one stack: a
             # conversion call per tensor would cost the training thread ~10 µs each at every flush.
-            scalar_tensors = []
+            scalar_tensors: list[Any] = []
             parts = []
             offset = 0
             for key, step, tensor in self._tensors:

@@ -221,7 +221,8 @@ def register(
             "verdict": _digest([run_verdict, incidents, str(incidents_error or "")]),
             "timeline": _digest([event_count, events[-EVENTS_TABLE_ROWS:], alerts, str(alerts_error or "")]),
         }
-        drawn = before.get("shown") if isinstance(before.get("shown"), dict) else {}
+        shown_before = before.get("shown")
+        drawn: dict[str, Any] = shown_before if isinstance(shown_before, dict) else {}
         header_update: Any = [
             header,
             verdict.verdict_banner(run_verdict, incidents, incidents_error),

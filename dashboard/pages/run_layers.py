@@ -26,6 +26,8 @@ from ..api_client import ApiClient, ApiError
 from ..views import keep_view
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..app import Background
 
 __all__ = ["HEATMAP_CURSOR_SUFFIX", "LAYER_HEATMAPS", "heatmap_cursor_id", "picker_options", "register"]
@@ -129,7 +131,7 @@ def register(app: dash.Dash, api: ApiClient, background: Background | None = Non
         try:
             # The loss scale for fp16's limits, read here rather than waiting for the line charts'
             # (so the histogram loads alongside them).
-            calls = {
+            calls: dict[str, Callable[[], Any]] = {
                 "histograms": partial(api.histograms, run_id, layer),
                 "scale": partial(api.series, run_id, SCALE_KEY),
             }
