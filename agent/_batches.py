@@ -104,7 +104,7 @@ class BatchLog:
             return
         bad: dict[int, tuple[str, float]] = {}
         for key in LOSS_KEYS:
-            for step, value in resolved.scalars.get(key, []):
+            for step, value in resolved.scalar_points(key):
                 if not math.isfinite(value) and step not in bad and step not in self._reported:
                     bad[step] = (key, value)
         for step in sorted(bad):

@@ -20,15 +20,54 @@ _first, _second = itemgetter(0), itemgetter(1)  # of (step, value) points, at C 
 _Slot = tuple[str, int, int, tuple[int, ...]]
 
 
-@dataclass
 class Resolved:
-    """A packet's values on the host: key → [(step, value)], [(step, [values])], [(step, [[row]])]."""
+    """A packet's values on the host: key → [(step, value)], [(step, [values])], [(step, [[row]])].
 
-    scalars: dict[str, list[tuple[int, float]]]
-    vectors: dict[str, list[tuple[int, list[float]]]]
-    matrices: dict[str, list[tuple[int, list[list[float]]]]]
-    events: list[dict[str, Any]]
-    layers: list[str] | None = None  # names of the vectors' entries, in the model's order
+    Numbers logged on the host (Run.log) arrive as per-key (steps, values) columns and stay columns
+    until something asks for `scalars`: wire_fields sends them as they are, so a hundred keys at
+    thousands of steps cost no (step, value) pair each. Reading `scalars` (the derivers do) joins them
+    in, in step order, once; `scalar_points` reads one key without that.
+    """
+
+    def __init__(
+        self,
+        scalars: dict[str, list[tuple[int, float]]],
+        vectors: dict[str, list[tuple[int, list[float]]]],
+        matrices: dict[str, list[tuple[int, list[list[float]]]]],
+        events: list[dict[str, Any]],
+        layers: list[str] | None = None,
+        host_columns: dict[str, tuple[list[int], list[float]]] | None = None,
+    ) -> None:
+        self._scalars = scalars
+        self._columns = host_columns or {}  # key -> (steps, values) in log order, not yet in _scalars
+        self.vectors = vectors
+        self.matrices = matrices
+        self.events = events
+        self.layers = layers  # names of the vectors' entries, in the model's order
+
+    @property
+    def scalars(self) -> dict[str, list[tuple[int, float]]]:
+        """key → [(step, value)] in step order (a step logged twice keeps its order), host columns
+        included."""
+        if self._columns:
+            columns, self._columns = self._columns, {}
+            for key, (steps, values) in columns.items():
+                points = self._scalars.get(key)
+                if points is None:
+                    points = self._scalars[key] = list(zip(steps, values, strict=True))
+                else:
+                    points.extend(zip(steps, values, strict=True))
+                points.sort(key=_first)  # stable; O(n) when sorted
+        return self._scalars
+
+    def scalar_points(self, key: str) -> list[tuple[int, float]]:
+        """One key's (step, value) points in step order, without joining the other host columns in."""
+        column = self._columns.get(key)
+        if column is None:
+            return self._scalars.get(key, [])
+        points = [*self._scalars.get(key, []), *zip(*column, strict=True)]
+        points.sort(key=_first)
+        return points
 
     def wire_fields(self) -> dict[str, Any]:
         """The data part of a wire batch. Keys starting with "_" are agent-internal and stay here."""
@@ -38,17 +77,29 @@ class Resolved:
             return [(key, points) for key, points in table.items() if not key.startswith("_") and points]
 
         def wire_values(values: list[float]) -> list[Any]:
-            return values if all(map(math.isfinite, values)) else [wire_float(v) for v in values]
+            # A non-finite value makes the sum non-finite (an overflowing sum only takes the long way).
+            if math.isfinite(sum(values)) or all(map(math.isfinite, values)):
+                return values
+            return [wire_float(v) for v in values]
 
+        scalars = [
+            {
+                "key": key,
+                "steps": list(map(_first, points)),
+                "values": wire_values(list(map(_second, points))),
+            }
+            for key, points in public(self._scalars)
+            if key not in self._columns
+        ]
+        for key, (steps, values) in self._columns.items():
+            if key.startswith("_") or not steps:
+                continue
+            if key in self._scalars or sorted(steps) != steps:
+                points = self.scalar_points(key)  # out of step order, or joining device values
+                steps, values = list(map(_first, points)), list(map(_second, points))
+            scalars.append({"key": key, "steps": steps, "values": wire_values(values)})
         fields: dict[str, Any] = {
-            "scalars": [
-                {
-                    "key": key,
-                    "steps": list(map(_first, points)),
-                    "values": wire_values(list(map(_second, points))),
-                }
-                for key, points in public(self.scalars)
-            ],
+            "scalars": scalars,
             "events": [json_safe(event) for event in self.events],
         }
         vectors = public(self.vectors)
@@ -113,15 +164,9 @@ class Packet:
                 rows, columns = shape
                 matrix = [flat[start + r * columns : start + (r + 1) * columns] for r in range(rows)]
                 matrices.setdefault(key, []).append((step, matrix))
-        for key, (steps, values) in self.host_scalars.items():
-            points = scalars.get(key)
-            if points is None:
-                scalars[key] = list(zip(steps, values, strict=True))
-            else:
-                points.extend(zip(steps, values, strict=True))
         for points in scalars.values():
             points.sort(key=_first)  # stable (a step logged twice keeps its order); O(n) when sorted
-        resolved = Resolved(scalars, vectors, matrices, list(self.events))
+        resolved = Resolved(scalars, vectors, matrices, list(self.events), host_columns=self.host_scalars)
         for derive in self.derivers:
             derive(resolved)
         return resolved

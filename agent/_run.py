@@ -47,6 +47,11 @@ def server_and_token(server: str | None = None, token: str | None = None) -> tup
 
 MODES = ("online", "offline")
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule for run ids
+# run.log() flushes once it has taken this many values since the last flush, whatever the clock and
+# the step counter say (a loop logging with step= and no optimizer step would otherwise buffer a
+# whole second: a million points in one packet, sent after it was all resolved). The sender merges
+# such flushes into batches of up to max_batch_points.
+FLUSH_AT_VALUES = 10_000
 
 
 def _git_commit() -> str | None:
@@ -171,6 +176,7 @@ class Run:
         self.flush_every_steps = flush_every_steps
         self._last_flush_time = time.monotonic()
         self._last_flush_step = 0
+        self._logged_since_flush = 0  # values run.log took since the last flush (see FLUSH_AT_VALUES)
         self._watchers: list[Watcher] = []
         self._finished = False
         if mode == "offline" and transport is not None:
@@ -480,6 +486,7 @@ class Run:
                 )
                 continue
             self.buffer.add_scalar(str(key), at, value)
+        self._logged_since_flush += len(data)
         self._maybe_flush()
 
     def _log_batch(self, ids: Any, step: int | None) -> None:
@@ -526,7 +533,11 @@ class Run:
                 return
             self._resumed_at(self._step, "server" if pending.known else "start")
         due_by_time = time.monotonic() - self._last_flush_time >= self.flush_interval
-        if due_by_time or self.step - self._last_flush_step >= self.flush_every_steps:
+        if (
+            due_by_time
+            or self.step - self._last_flush_step >= self.flush_every_steps
+            or self._logged_since_flush >= FLUSH_AT_VALUES
+        ):
             self._guarded_flush(None)
 
     def _record_device_memory(self) -> None:
@@ -542,6 +553,7 @@ class Run:
             self._resumed_at(self._step, "server" if self._resume.known else "start")
         self._last_flush_time = time.monotonic()
         self._last_flush_step = self.step
+        self._logged_since_flush = 0
         if not len(self.buffer) and status is None:
             return
         self._record_device_memory()

@@ -47,6 +47,7 @@ from ._transport import Backoff, Transport, TransportError
 from ._wire import (
     HEALTH_PREFIX,
     MAX_BATCH_VALUES,
+    STEPS_I64,
     VALUES_F64,
     SeqAllocator,
     batch_points,
@@ -200,6 +201,7 @@ class Sender:
         self._server_wait = 0.0  # seconds the server asked the last failed attempt to wait (Retry-After)
         self._newest_step = 0  # the largest step sealed so far (a notice about a stepless batch)
         self._packed = False  # the server reads values_f64 (it said so when the run was created)
+        self._packed_steps = False  # ... and steps_i64
         self._encoded: dict[int, bytes] = {}  # seq -> JSON of a sealed batch, encoded ahead (_encode_ahead)
         self._sealed_at: float | None = None  # when a batch was last sealed (None: never yet)
         self._run_created = False
@@ -462,10 +464,11 @@ class Sender:
         for group in group_fragments(fragments, self._max_batch_points):
             for data in split_by_steps(merge_fragments(group), self._max_batch_points, MAX_BATCH_VALUES):
                 points = batch_points(data)
+                step = last_step(data)
                 if self._packed:
-                    data = pack_values(data)
+                    data = pack_values(data, steps=self._packed_steps)
                 batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
-                self._add_health(batch)
+                self._add_health(batch, step)
                 self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
         self._sealed_at = time.monotonic()
 
@@ -528,8 +531,9 @@ class Sender:
 
     def _create_run_early(self) -> None:
         """Create the run on the server before the first batch is sealed: the run shows from the start,
-        and its answer says which batch encodings the server reads (values_f64), which batches sealed
-        afterwards use. A failure is left to the first batch's attempt, which retries and reports it."""
+        and its answer says which batch encodings the server reads (values_f64, steps_i64), which
+        batches sealed afterwards use. A failure is left to the first batch's attempt, which retries
+        and reports it."""
         if self.transport is None or self._run_created:
             return
         try:
@@ -742,6 +746,7 @@ class Sender:
         our id already (the server never lets one project squat another's ids)."""
         features = created.get("wire_features") if isinstance(created, dict) else None
         self._packed = isinstance(features, list) and VALUES_F64 in features
+        self._packed_steps = self._packed and isinstance(features, list) and STEPS_I64 in features
         given = created.get("id") if isinstance(created, dict) else None
         if isinstance(given, str) and given and given != self.run_id:
             logger.warning(

@@ -74,7 +74,7 @@ def batch_points(batch: dict[str, Any]) -> int:
     points = 0
     for series in batch.get("scalars", ()):
         if not series["key"].startswith(HEALTH_PREFIX):
-            points += len(series["steps"])
+            points += _step_count(series)
     for series in batch.get("vectors", ()):
         points += len(series["steps"])
     return points + len(batch.get("histograms", ()))
@@ -82,7 +82,7 @@ def batch_points(batch: dict[str, Any]) -> int:
 
 def last_step(batch: dict[str, Any]) -> int | None:
     """The largest step anything in the batch refers to, or None for a batch without steps."""
-    steps = [max(s["steps"]) for s in batch.get("scalars", ()) if s["steps"]]
+    steps = [max(series_steps(s)) for s in batch.get("scalars", ()) if _step_count(s)]
     steps += [max(s["steps"]) for s in batch.get("vectors", ()) if s["steps"]]
     steps += [h["step"] for h in batch.get("histograms", ())]
     steps += [e["step"] for e in batch.get("events", ())]
@@ -144,25 +144,72 @@ def merge_fragments(fragments: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _merge_series(series: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_key: dict[str, dict[int, Any]] = {}
+    by_key: dict[str, list[dict[str, Any]]] = {}
     for s in series:
-        by_key.setdefault(s["key"], {}).update(zip(s["steps"], s["values"], strict=True))
-    return [
-        {"key": key, "steps": sorted(points), "values": [points[step] for step in sorted(points)]}
-        for key, points in by_key.items()
-    ]
+        by_key.setdefault(s["key"], []).append(s)
+    return [_join(key, parts) for key, parts in by_key.items()]
 
 
-# -- packed values (a server that announces "values_f64" in its answer to POST /runs) --------------
+def _join(key: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One key's series of consecutive fragments as one. The usual case -- each part's steps in order
+    and after the previous part's -- is a concatenation (a step repeated within one part travels as
+    it came, as it does from a single fragment: the server keeps its later value); otherwise the steps
+    are sorted and a step given twice keeps its later value."""
+    if _in_order(parts):
+        steps: list[int] = []
+        values: list[Any] = []
+        for part in parts:
+            steps += part["steps"]
+            values += part["values"]
+        return {"key": key, "steps": steps, "values": values}
+    points: dict[int, Any] = {}
+    for part in parts:
+        points.update(zip(part["steps"], part["values"], strict=True))
+    ordered = sorted(points)
+    return {"key": key, "steps": ordered, "values": [points[step] for step in ordered]}
+
+
+def _in_order(parts: list[dict[str, Any]]) -> bool:
+    """Whether each part's steps are in order and start after the previous part's last step (sorted()
+    of a sorted list is one C pass: cheaper than comparing neighbours in Python)."""
+    previous = None
+    for part in parts:
+        steps = part["steps"]
+        if len(steps) != len(part["values"]):
+            return False  # the general path reports it
+        if not steps:
+            continue
+        if (previous is not None and steps[0] <= previous) or sorted(steps) != steps:
+            return False
+        previous = steps[-1]
+    return True
+
+
+# -- packed values (a server that announces "values_f64" / "steps_i64" in its answer to POST /runs) ----
 
 VALUES_F64 = "values_f64"
-_PACK_FROM = 16  # a shorter series stays a JSON list: base64 of a few floats saves nothing
+STEPS_I64 = "steps_i64"
+_PACK_FROM = 16  # a shorter series stays a JSON list: base64 of a few numbers saves nothing
 
 
-def pack_values(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch with each scalar series' values as base64 of little-endian float64 ("values_f64"):
-    encoding a float as JSON text costs the agent about ten times as much, and the server's parse
-    too. Non-finite values ("NaN", "Infinity", "-Infinity" on the wire) become the floats they name."""
+def _b64(numbers: array[Any]) -> str:
+    if sys.byteorder == "big":
+        numbers.byteswap()
+    return base64.b64encode(numbers.tobytes()).decode("ascii")
+
+
+def _unb64(code: str, typecode: str) -> array[Any]:
+    numbers = array(typecode, base64.b64decode(code))
+    if sys.byteorder == "big":
+        numbers.byteswap()
+    return numbers
+
+
+def pack_values(batch: dict[str, Any], steps: bool = False) -> dict[str, Any]:
+    """The batch with each scalar series' values as base64 of little-endian float64 ("values_f64")
+    and, with `steps`, its steps as base64 of little-endian int64 ("steps_i64"): encoding a number as
+    JSON text costs the agent several times as much, and the server's parse and validation too.
+    Non-finite values ("NaN", "Infinity", "-Infinity" on the wire) become the floats they name."""
     scalars = batch.get("scalars")
     if not scalars:
         return batch
@@ -176,29 +223,47 @@ def pack_values(batch: dict[str, Any]) -> dict[str, Any]:
             numbers = array("d", values)
         except TypeError:  # "NaN" / "Infinity" strings: float() reads them back
             numbers = array("d", map(float, values))
-        if sys.byteorder == "big":
-            numbers.byteswap()
         series = {name: value for name, value in series.items() if name != "values"}
-        series[VALUES_F64] = base64.b64encode(numbers.tobytes()).decode("ascii")
+        series[VALUES_F64] = _b64(numbers)
+        if steps:
+            try:
+                series[STEPS_I64] = _b64(array("q", series["steps"]))
+                del series["steps"]
+            except (TypeError, OverflowError):  # not int64s: the list goes as it is, the server says why
+                pass
         packed.append(series)
     return {**batch, "scalars": packed}
 
 
 def unpack_values(batch: dict[str, Any]) -> dict[str, Any]:
-    """pack_values' inverse (values as JSON-ready lists again): for code that cuts sealed batches."""
+    """pack_values' inverse (values and steps as JSON-ready lists again): for code that cuts sealed
+    batches."""
     scalars = batch.get("scalars")
-    if not scalars or not any(VALUES_F64 in series for series in scalars):
+    if not scalars or not any(VALUES_F64 in series or STEPS_I64 in series for series in scalars):
         return batch
     plain = []
     for series in scalars:
-        if VALUES_F64 in series:
-            numbers = array("d", base64.b64decode(series[VALUES_F64]))
-            if sys.byteorder == "big":
-                numbers.byteswap()
-            series = {name: value for name, value in series.items() if name != VALUES_F64}
-            series["values"] = [wire_float(value) for value in numbers]
+        if VALUES_F64 in series or STEPS_I64 in series:
+            series = dict(series)
+            if VALUES_F64 in series:
+                series["values"] = [wire_float(value) for value in _unb64(series.pop(VALUES_F64), "d")]
+            if STEPS_I64 in series:
+                series["steps"] = _unb64(series.pop(STEPS_I64), "q").tolist()
         plain.append(series)
     return {**batch, "scalars": plain}
+
+
+def series_steps(series: dict[str, Any]) -> list[int]:
+    """A scalar or vector series' steps, from "steps" or from packed "steps_i64"."""
+    code = series.get(STEPS_I64)
+    return series["steps"] if code is None else _unb64(code, "q").tolist()
+
+
+def _step_count(series: dict[str, Any]) -> int:
+    code = series.get(STEPS_I64)
+    if code is None:
+        return len(series["steps"])
+    return (len(code) // 4 * 3 - (len(code) - len(code.rstrip("=")))) // 8
 
 
 # The most numbers one batch carries (a vector row holds one per layer, a histogram layers x bins): a
@@ -257,7 +322,7 @@ def halve_by_steps(batch: dict[str, Any]) -> list[dict[str, Any]] | None:
 def batch_steps(batch: dict[str, Any]) -> set[int]:
     steps: set[int] = set()
     for series in (*batch.get("scalars", ()), *batch.get("vectors", ())):
-        steps.update(series["steps"])
+        steps.update(series_steps(series))
     steps.update(h["step"] for h in batch.get("histograms", ()))
     steps.update(e["step"] for e in batch.get("events", ()))
     return steps

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/server_ingest.py [--points 200000] [--agents 1,8,64]
         [--databases sqlite,postgresql] [--systems gradwatch,mlflow] [--gradwatch-rev REV]
-        [--mlflow-venv .venv-mlflow] [--profile DIR]
+        [--mlflow-venv .venv-mlflow] [--compress auto|always|never] [--profile DIR]
 
 For each database kind, two real servers run as child processes on 127.0.0.1, each on a fresh
 database: `gradwatch server` (one process: uvicorn, FastAPI; the working tree, or --gradwatch-rev
@@ -17,8 +17,11 @@ per request:
 
 - gradwatch: POST /api/v1/runs/{id}/batches with the agent's wire batch (agent/_wire.py: one
   {"key", "steps", "values"} series per key, rank, seq, and the four agent/ health scalars the
-  sender adds to every batch, which the agent does not count as points), encoded with the agent's
-  own `dumps` and gzip-compressed as the agent's HttpTransport does.
+  sender adds to every batch, which the agent does not count as points), encoded as the agent
+  encodes it: values as base64 float64 (`values_f64`, agent/_wire.py's `pack_values`) when the server
+  announces that encoding in its answer to POST /runs, the agent's own `dumps`, and gzip-compressed
+  when the agent's HttpTransport would compress (`--compress auto`: not to a server on loopback, as
+  here; `always` to measure the gzip path).
 - MLflow: POST /api/2.0/mlflow/runs/log-batch with {"run_id", "metrics": [{key, value, timestamp,
   step}]} (plain JSON, as MLflow's client sends it); at most 1000 metrics per request (MLflow's limit).
 
@@ -60,8 +63,8 @@ from typing import Any, Self
 
 from _common import server_command, server_env
 
-from gradwatch._transport import COMPRESS_ABOVE, COMPRESS_LEVEL
-from gradwatch._wire import HEALTH_PREFIX, dumps
+from gradwatch._transport import COMPRESS_ABOVE, COMPRESS_LEVEL, HttpTransport
+from gradwatch._wire import HEALTH_PREFIX, VALUES_F64, dumps, pack_values
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("gradwatch", "mlflow")
@@ -433,13 +436,15 @@ class Request:
     points: int | None = None  # for gradwatch: the points its acknowledgement must count
 
 
-def gradwatch_requests(plan: Plan, url: str, project: str) -> list[list[Request]]:
-    """Create one gradwatch run per agent; return each agent's batch requests."""
+def gradwatch_requests(plan: Plan, url: str, project: str, compress: str = "auto") -> list[list[Request]]:
+    """Create one gradwatch run per agent; return each agent's batch requests, encoded as the agent's
+    sender and HttpTransport encode them for this server (see the module docstring)."""
     agents = []
     seq_base = int(time.time() * 1000) << 20  # the agent's seq: (start millisecond << 20) + counter
+    gzipped = HttpTransport(url).compress if compress == "auto" else compress == "always"
     for agent in range(plan.agents):
         run_id = uuid.uuid4().hex
-        post_json(
+        created = post_json(
             f"{url}/api/v1/runs",
             {
                 "id": run_id,
@@ -449,6 +454,7 @@ def gradwatch_requests(plan: Plan, url: str, project: str) -> list[list[Request]
                 "metadata": {"hostname": platform.node(), "python": platform.python_version(), "rank": 0},
             },
         )
+        packed = VALUES_F64 in (created.get("wire_features") or [])
         requests = []
         for counter, steps in enumerate(plan.request_ranges()):
             scalars = [
@@ -459,12 +465,13 @@ def gradwatch_requests(plan: Plan, url: str, project: str) -> list[list[Request]
                 {"key": f"{HEALTH_PREFIX}{name}", "steps": [steps[-1]], "values": [0.0]}
                 for name in ("queued", "sent", "spooled", "dropped")
             ]
-            body = dumps({"rank": 0, "seq": seq_base + counter, "scalars": scalars, "events": []}).encode()
+            acknowledged = sum(len(series["steps"]) for series in scalars)  # health scalars included
+            batch = {"rank": 0, "seq": seq_base + counter, "scalars": scalars, "events": []}
+            body = dumps(pack_values(batch) if packed else batch).encode()
             headers = {"Content-Type": "application/json"}
-            if len(body) > COMPRESS_ABOVE:
+            if gzipped and len(body) > COMPRESS_ABOVE:
                 body = gzip.compress(body, compresslevel=COMPRESS_LEVEL)
                 headers["Content-Encoding"] = "gzip"
-            acknowledged = sum(len(series["steps"]) for series in scalars)  # health scalars included
             requests.append(Request(f"/api/v1/runs/{run_id}/batches", body, headers, acknowledged))
         agents.append(requests)
     return agents
@@ -753,6 +760,12 @@ def main() -> int:
     parser.add_argument("--databases", type=lambda t: parse_list(t, DATABASES), default=list(DATABASES))
     parser.add_argument("--keys", type=int, default=50, help="scalar keys per step")
     parser.add_argument(
+        "--compress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="gzip gradwatch's request bodies: auto = as the agent's HttpTransport would (not on loopback)",
+    )
+    parser.add_argument(
         "--batch-points",
         type=int,
         default=1000,
@@ -849,7 +862,7 @@ def main() -> int:
             ).stdout.strip()
             + " (working tree)"
         )
-    versions.insert(0, f"gradwatch server {source}, one process")
+    versions.insert(0, f"gradwatch server {source}, one process, bodies gzip {args.compress}")
     if args.profile is not None:
         if not (Path(sys.executable).parent / "py-spy").exists():
             print(f"--profile needs py-spy: {sys.executable} -m pip install py-spy", file=sys.stderr)
@@ -901,7 +914,7 @@ def main() -> int:
                     label = f"ingest-{database_kind}-{agents}-{uuid.uuid4().hex[:8]}"
                     server, database = servers[system], databases[system]
                     if system == "gradwatch":
-                        agent_requests = gradwatch_requests(plan, server.url, label)
+                        agent_requests = gradwatch_requests(plan, server.url, label, args.compress)
                         profile = (
                             None
                             if args.profile is None

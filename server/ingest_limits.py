@@ -148,6 +148,13 @@ def _length(value: Any) -> int:
     return len(value) if isinstance(value, list) else 0
 
 
+def _packed_length(value: Any) -> int:
+    """How many 8-byte numbers a base64 string (steps_i64, values_f64) holds, without decoding it."""
+    if not isinstance(value, str):
+        return 0
+    return (len(value) // 4 * 3 - (len(value) - len(value.rstrip("=")))) // 8
+
+
 def _items(document: dict[str, Any], name: str) -> list[dict[str, Any]]:
     items = document.get(name)
     return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
@@ -161,7 +168,12 @@ def batch_size(document: Any) -> tuple[int, int]:
         return 0, 0
     points = values = 0
     for series in _items(document, "scalars"):
-        count = max(_length(series.get("steps")), _length(series.get("values")))
+        count = max(
+            _length(series.get("steps")),
+            _length(series.get("values")),
+            _packed_length(series.get("steps_i64")),
+            _packed_length(series.get("values_f64")),
+        )
         points += count
         values += count
     for series in _items(document, "vectors"):

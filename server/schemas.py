@@ -12,7 +12,17 @@ import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 MAX_DOCUMENT_DEPTH = 32
 
@@ -48,6 +58,20 @@ def _shallow(document: dict[str, Any]) -> dict[str, Any]:
 Document = Annotated[dict[str, Any], AfterValidator(_shallow)]
 
 
+def _unpacked(code: Any, name: str, dtype: str) -> np.ndarray:
+    """The numbers of a packed series field (base64 of 8-byte little-endian numbers)."""
+    if not isinstance(code, str) or len(code) > (MAX_POINTS_PER_SERIES * 8 + 2) // 3 * 4:
+        raise ValueError(f"{name} must be a base64 string of at most MAX_POINTS_PER_SERIES numbers")
+    try:
+        raw = base64.b64decode(code, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"{name} is not valid base64: {exc}") from None
+    if len(raw) % 8:
+        unit = "float64s" if dtype.endswith("f8") else "int64s"
+        raise ValueError(f"{name} holds {len(raw)} bytes, not a whole number of {unit}")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def _no_booleans(values: Any) -> Any:
     """JSON true/false would pass as 1.0/0.0; a metric that is a boolean is a client bug."""
     if isinstance(values, list) and bool in set(map(type, values)):  # at C speed: batches are large
@@ -60,7 +84,8 @@ Text = AfterValidator(_plain_text)
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Client- or server-chosen id")]
 Name = Annotated[str, Field(min_length=1, max_length=200), Text]
 MetricKey = Annotated[str, Field(min_length=1, max_length=250), Text]
-Step = Annotated[int, Field(ge=0, le=2**62)]
+MAX_STEP = 2**62
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 RunStatus = Literal["running", "finished", "crashed"]
 ResumeMode = Literal["allow", "must", "never"]
 Tag = Annotated[
@@ -129,7 +154,7 @@ class RunOut(BaseModel):
 
 # Batch encodings a server reads beyond plain JSON lists, announced in RunCreated.wire_features: an
 # agent uses one only when the server it talks to named it.
-WIRE_FEATURES = ("values_f64",)
+WIRE_FEATURES = ("values_f64", "steps_i64")
 
 
 class RunCreated(RunOut):
@@ -143,7 +168,8 @@ class RunCreated(RunOut):
     previous_status_reason: str | None = Field(default=None, description="and its status_reason then")
     wire_features: list[str] = Field(
         default_factory=lambda: list(WIRE_FEATURES),
-        description="batch encodings this server reads beyond plain JSON lists (values_f64: ScalarSeriesIn)",
+        description="batch encodings this server reads beyond plain JSON lists (values_f64, steps_i64: "
+        "ScalarSeriesIn)",
     )
 
 
@@ -170,7 +196,8 @@ class CompareOut(BaseModel):
 class ScalarSeriesIn(BaseModel):
     """One key's points: `steps` and, paired with them, `values` (JSON numbers, or "NaN", "Infinity",
     "-Infinity") or `values_f64` (the same values as base64 of little-endian float64: what the agent
-    sends to a server that announces it; a float costs it 11 characters and no decimal conversion)."""
+    sends to a server that announces it; a float costs it 11 characters and no decimal conversion);
+    likewise `steps_i64` for the steps (base64 of little-endian int64)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -178,30 +205,63 @@ class ScalarSeriesIn(BaseModel):
     steps: list[Step] = Field(max_length=MAX_POINTS_PER_SERIES)
     values: list[float] = Field(max_length=MAX_POINTS_PER_SERIES)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _packed_values(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or "values_f64" not in data:
-            return data
-        packed = data["values_f64"]
-        if "values" in data:
-            raise ValueError("give a series' values as `values` or as `values_f64`, not both")
-        if not isinstance(packed, str) or len(packed) > (MAX_POINTS_PER_SERIES * 8 + 2) // 3 * 4:
-            raise ValueError("values_f64 must be a base64 string of at most MAX_POINTS_PER_SERIES float64s")
-        try:
-            raw = base64.b64decode(packed, validate=True)
-        except binascii.Error as exc:
-            raise ValueError(f"values_f64 is not valid base64: {exc}") from None
-        if len(raw) % 8:
-            raise ValueError(f"values_f64 holds {len(raw)} bytes, not a whole number of float64s")
-        data = {name: value for name, value in data.items() if name != "values_f64"}
-        data["values"] = np.frombuffer(raw, dtype="<f8").tolist()
-        return data
+    # (steps, values, the same as int64 / float64 arrays or None) when they came packed: storage takes
+    # the arrays as they are. Kept with the lists they mirror, so a copy with other lists (model_copy)
+    # does not use them.
+    _packed: tuple[list[int], list[float], np.ndarray | None, np.ndarray | None] | None = PrivateAttr(
+        default=None
+    )
 
-    @field_validator("values", mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _numbers(cls, values: Any) -> Any:
-        return _no_booleans(values)
+    def _packed_values(cls, data: Any, handler: ModelWrapValidatorHandler[ScalarSeriesIn]) -> ScalarSeriesIn:
+        if not isinstance(data, dict) or ("values_f64" not in data and "steps_i64" not in data):
+            return handler(data)
+        data = dict(data)
+        values = steps = None
+        if "values_f64" in data:
+            if "values" in data:
+                raise ValueError("give a series' values as `values` or as `values_f64`, not both")
+            values = _unpacked(data.pop("values_f64"), "values_f64", "<f8").astype(np.float64)
+            data["values"] = values
+        if "steps_i64" in data:
+            if "steps" in data:
+                raise ValueError("give a series' steps as `steps` or as `steps_i64`, not both")
+            steps = _unpacked(data.pop("steps_i64"), "steps_i64", "<i8").astype(np.int64)
+            if len(steps) and (int(steps.min()) < 0 or int(steps.max()) > MAX_STEP):
+                raise ValueError(f"steps_i64: every step must be between 0 and {MAX_STEP}")
+            data["steps"] = steps
+        series = handler(data)
+        series._packed = (series.steps, series.values, steps, values)
+        return series
+
+    @field_validator("steps", mode="wrap")
+    @classmethod
+    def _steps(cls, steps: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(steps, np.ndarray):  # unpacked from steps_i64 above: int64s, range checked
+            return steps.tolist()
+        return handler(steps)
+
+    @field_validator("values", mode="wrap")
+    @classmethod
+    def _numbers(cls, values: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(values, np.ndarray):  # unpacked from values_f64 above: float64s
+            return values.tolist()
+        return handler(_no_booleans(values))
+
+    def steps_array(self) -> np.ndarray:
+        """The steps as int64 (without a copy when they came as steps_i64)."""
+        packed = self._packed
+        if packed is not None and packed[2] is not None and packed[0] is self.steps:
+            return packed[2]
+        return np.asarray(self.steps, dtype=np.int64)
+
+    def values_array(self) -> np.ndarray:
+        """The values as float64 (without a copy when they came as values_f64)."""
+        packed = self._packed
+        if packed is not None and packed[3] is not None and packed[1] is self.values:
+            return packed[3]
+        return np.asarray(self.values, dtype=np.float64)
 
     @model_validator(mode="after")
     def _same_length(self) -> ScalarSeriesIn:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import CursorResult, and_, event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Run
 from ..schemas import BatchIn
+from ..storage import bulk
 from ..storage.codecs import dump_json, iso_time
 from ..storage.liveness import NO_HEARTBEAT
 from ..storage.queries import events_of_kinds
@@ -40,6 +41,18 @@ from .rules import (
 __all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
 
 logger = logging.getLogger("gradwatch.alerts")
+
+_MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear the cache
+
+
+class _RuleRow(NamedTuple):
+    """What evaluation on ingest reads of an alert rule's row."""
+
+    id: int
+    type: str
+    params_json: str
+    cooldown_steps: int
+
 
 HINTS = {
     "scale_drop": "Gradients keep overflowing fp16. Look at the layers named in the evidence; lower the "
@@ -171,6 +184,7 @@ class AlertEngine:
         self.public_url = public_url.rstrip("/")
         self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
         self._projects_ready: set[str] = set()
+        self._built: dict[tuple[str, str], RuleType] = {}  # (type, params_json) -> rule (see _rules)
         self.incidents = Incidents(
             self.link,
             lambda session, _rows: self.notify_after_commit(session),
@@ -213,16 +227,33 @@ class AlertEngine:
     def forget_project(self, project: str) -> None:
         self._projects_ready.discard(project)
 
-    @staticmethod
-    def rules_for(session: Session, project: str, run_id: str) -> list[AlertRule]:
-        return list(
-            session.scalars(
-                select(AlertRule)
-                .where(AlertRule.project == project, AlertRule.enabled.is_(True))
-                .where(or_(AlertRule.run_id.is_(None), AlertRule.run_id == run_id))
-                .order_by(AlertRule.id)
-            )
+    def _rules(self, session: Session, project: str, run_id: str) -> list[tuple[_RuleRow, RuleType]]:
+        """The enabled rules of a run (its project's and its own), read as plain rows on every batch
+        (rules change through the API, maybe on another replica); each rule type is built once per
+        (type, parameters) and reused (rule objects hold parameters only, state lives in the rows)."""
+        rows = bulk.execute(
+            session,
+            "SELECT id, type, params_json, cooldown_steps FROM alert_rules WHERE project = ? AND enabled = ?"
+            " AND (run_id IS NULL OR run_id = ?) ORDER BY id",
+            [project, True, run_id],
         )
+        rules = []
+        for row in map(_RuleRow._make, rows):
+            key = (row.type, row.params_json)
+            rule = self._built.get(key)
+            if rule is None:
+                try:
+                    rule = make_rule(row.type, json.loads(row.params_json))
+                except (ValueError, TypeError):
+                    logger.exception(
+                        "gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type
+                    )
+                    continue
+                if len(self._built) >= _MAX_BUILT_RULES:
+                    self._built.clear()
+                self._built[key] = rule
+            rules.append((row, rule))
+        return rules
 
     # -- evaluation on ingest ---------------------------------------------------------------------
 
@@ -231,14 +262,7 @@ class AlertEngine:
         run = session.get(Run, run_id)
         assert run is not None
         self.ensure_defaults(session, run.project)
-        rules = []
-        for row in self.rules_for(session, run.project, run_id):
-            try:
-                rules.append((row, make_rule(row.type, json.loads(row.params_json))))
-            except (ValueError, TypeError):
-                logger.exception(
-                    "gradwatch: alert rule %d (%s) has invalid parameters; skipped", row.id, row.type
-                )
+        rules = self._rules(session, run.project, run_id)
         ended = batch.status is not None and batch.status != "running"
         touched: set[int] = set()
         resume = next((e for e in batch.events if e.kind == "resume"), None)
@@ -271,29 +295,39 @@ class AlertEngine:
                         )
                     )
                     work.append((row, rule, fed[-1:] if rule.periodic else fed))  # the clock's rules: "alive"
-            # Every state this batch needs, locked in one query (in rule order, the same in every process).
-            states = (
-                {
-                    state.rule_id: state
-                    for state in session.scalars(
-                        select(AlertRuleState)
-                        .where(
-                            AlertRuleState.rule_id.in_([row.id for row, _, _ in work]),
-                            AlertRuleState.run_id == run_id,
-                        )
-                        .order_by(AlertRuleState.rule_id)
-                        .with_for_update()
+            # Every state this batch needs, locked in one query (in rule order, the same in every process),
+            # read and written as plain rows: one SELECT and one UPDATE for all of them.
+            states: dict[int, str] = {}
+            if work:
+                ids = [row.id for row, _, _ in work]
+                session.flush()  # what _rewind and _run_ended changed: the read below bypasses the ORM
+                lock = " FOR UPDATE" if session.get_bind().dialect.name == "postgresql" else ""
+                states = dict(
+                    bulk.execute(
+                        session,
+                        f"SELECT rule_id, state_json FROM alert_rule_states WHERE rule_id IN"
+                        f" ({', '.join('?' for _ in ids)}) AND run_id = ? ORDER BY rule_id{lock}",
+                        [*ids, run_id],
                     )
-                }
-                if work
-                else {}
-            )
+                )
+            written = []
             for row, rule, fed in work:
-                self._evaluate(session, run, row, rule, fed, layers, states.get(row.id), touched)
+                stored = states.get(row.id)
+                document = self._evaluate(session, run, row, rule, fed, layers, stored, touched)
+                if stored is not None and document is not None:
+                    written.append((document, time.time(), row.id, run_id))
+            if written:
+                session.flush()  # ORM changes of this batch first (alerts, new states), then the states
+                bulk.execute(
+                    session,
+                    "UPDATE alert_rule_states SET state_json = ?, updated_at = ?"
+                    " WHERE rule_id = ? AND run_id = ?",
+                    written,
+                )
         self.incidents.refresh(session, run, touched, _last_step(batch), ended)
 
     def _rewind(
-        self, session: Session, run_id: str, rules: list[tuple[AlertRule, RuleType]], rank: int, step: int
+        self, session: Session, run_id: str, rules: list[tuple[_RuleRow, RuleType]], rank: int, step: int
     ) -> None:
         """A resumed run (a `resume` event at `step`): its steps from there on are a new attempt. Each
         rule starts over as on a new run (the scaler calibrates again, windows refill: a restored loss
@@ -317,7 +351,7 @@ class AlertEngine:
             state.updated_at = time.time()
 
     def _run_ended(
-        self, session: Session, run: Run, periodic: list[tuple[AlertRule, RuleType]], touched: set[int]
+        self, session: Session, run: Run, periodic: list[tuple[_RuleRow, RuleType]], touched: set[int]
     ) -> None:
         """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
         for row, rule in periodic:
@@ -329,7 +363,7 @@ class AlertEngine:
                 state.updated_at = time.time()
 
     def _load_state(
-        self, session: Session, rule_row: AlertRule, rule: RuleType, run_id: str
+        self, session: Session, rule_row: _RuleRow | AlertRule, rule: RuleType, run_id: str
     ) -> AlertRuleState:
         state = session.scalars(
             select(AlertRuleState)
@@ -354,16 +388,20 @@ class AlertEngine:
         self,
         session: Session,
         run: Run,
-        row: AlertRule,
+        row: _RuleRow | AlertRule,
         rule: RuleType,
         fed: list[StepData],
         layers: list[str],
-        state: AlertRuleState | None,
+        stored: str | None,
         touched: set[int],
-    ) -> None:
-        if state is None:
+    ) -> str | None:
+        """Feed a rule its steps; returns the new state (JSON) to write for a stored state, None when
+        there is nothing to write (the rule failed; or the state is new, added to the session here)."""
+        state = None
+        if stored is None:
             state = self._load_state(session, row, rule, run.id)
-        document = json.loads(state.state_json)
+            stored = state.state_json
+        document = json.loads(stored)
         last = document["last"]
         verdicts: list[tuple[int, Verdict]] = []
         observe, evaluation = rule.observe, document["eval"]
@@ -382,7 +420,7 @@ class AlertEngine:
             logger.exception(
                 "gradwatch: alert rule %d (%s) failed on run %s; skipped", row.id, row.type, run.id
             )
-            return
+            return None
         # Findings while the rule's alert is open only count on it: one UPDATE for a run of them, not
         # one per step (a batch on which a rule fires at every step would hold the write lock for each).
         repeats: list[Finding] = []
@@ -397,8 +435,11 @@ class AlertEngine:
             elif verdict is CLEAR and document["alert"] is not None:
                 self._resolve(session, document, step, touched)
         self._count_repeats(session, run, document, repeats, touched)
+        if state is None:
+            return json.dumps(document)
         state.state_json = json.dumps(document)
         state.updated_at = time.time()
+        return None
 
     # -- alerts -----------------------------------------------------------------------------------
 
@@ -406,7 +447,7 @@ class AlertEngine:
         self,
         session: Session,
         run: Run,
-        row: AlertRule,
+        row: _RuleRow | AlertRule,
         rule: RuleType,
         document: dict[str, Any],
         finding: Finding,

@@ -24,7 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..models import Alert, Delivery, Incident, Run, Series, VectorPoint, Webhook
-from ..storage import chunked_points
+from ..storage import bulk, chunked_points
 from ..storage.codecs import dump_json, iso_time, unpack
 from ..storage.queries import events_of_kinds
 from .diagnosis import SEVERITY_ORDER, RunContext, diagnose
@@ -174,6 +174,12 @@ class Incidents:
             incident = session.get(Incident, incident_id)
             if incident is not None:
                 self._summarise(session, run, incident)
+        if not incident_ids and not bulk.execute(
+            session,
+            "SELECT 1 FROM incidents WHERE run_id = ? AND status = 'open' AND notified_at IS NULL LIMIT 1",
+            [run.id],
+        ):
+            return  # the usual batch: nothing waits to be notified (one plain read, no ORM query)
         pending = session.scalars(
             select(Incident)
             .where(Incident.run_id == run.id, Incident.status == "open", Incident.notified_at.is_(None))

@@ -140,6 +140,21 @@ def _driver_sql(connection: Connection, sql: str) -> str:
     return sql if connection.dialect.name == "sqlite" else sql.replace("?", "%s")
 
 
+def execute(
+    executor: Session | Connection, sql: str, params: Sequence[Any] | list[Sequence[Any]] = ()
+) -> list[tuple[Any, ...]]:
+    """A statement written with ? placeholders, in the executor's transaction, through SQLAlchemy's
+    driver-level path: no ORM and no SQL compilation (what a statement of every batch costs most),
+    but its errors translated as for any statement (a locked SQLite database is an OperationalError,
+    answered 503). `params` a list of rows: run once per row (psycopg pipelines them). Rows as tuples."""
+    connection = executor.connection() if isinstance(executor, Session) else executor
+    if isinstance(params, list) and params and isinstance(params[0], (list, tuple)):
+        connection.exec_driver_sql(_driver_sql(connection, sql), [tuple(row) for row in params])
+        return []
+    result = connection.exec_driver_sql(_driver_sql(connection, sql), tuple(params))
+    return [tuple(row) for row in result.fetchall()] if result.returns_rows else []
+
+
 def fetch(executor: Session | Connection, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
     """Plain tuples straight from the driver, skipping SQLAlchemy's Row objects: queries read tens of
     thousands of rows and per-row wrapping cost more than the database's work. `sql` uses ?

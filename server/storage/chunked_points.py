@@ -79,8 +79,8 @@ class Points:
     values: np.ndarray
 
     @classmethod
-    def of(cls, steps: Sequence[int], values: Sequence[float]) -> Points:
-        """Points from a batch's lists: sorted by step; a repeated step keeps its last value."""
+    def of(cls, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray) -> Points:
+        """Points from a batch's lists (or arrays): sorted by step; a repeated step keeps its last value."""
         s = np.asarray(steps, dtype=np.int64)
         v = np.asarray(values, dtype=np.float64)
         if len(s) > 1 and not bool(np.all(s[1:] > s[:-1])):

@@ -35,7 +35,7 @@ from ..models import (
     VectorRollup,
 )
 from ..schemas import BatchIn, EventIn
-from . import chunked_points, rollups
+from . import bulk, chunked_points, rollups
 
 RESUME_EVENT = "resume"
 SEQ_COUNTER_BITS = 20  # the agent's seq layout: (namespace << 20) | counter (gradwatch._sender)
@@ -55,11 +55,12 @@ def resume_event(batch: BatchIn) -> EventIn | None:
 def superseding_step(session: Session, run_id: str, rank: int, seq: int) -> int | None:
     """The step from which a later process took over the data of the process that sent `seq`: the
     earliest resume of this rank by a process that started after it; None when there is none."""
-    return session.scalar(
-        select(func.min(RunResume.step)).where(
-            RunResume.run_id == run_id, RunResume.rank == rank, RunResume.seq_floor > seq
-        )
+    found = bulk.execute(  # every batch asks: plain SQL, no ORM
+        session,
+        "SELECT min(step) FROM run_resumes WHERE run_id = ? AND rank = ? AND seq_floor > ?",
+        [run_id, rank, seq],
     )
+    return None if found[0][0] is None else int(found[0][0])
 
 
 def clip(batch: BatchIn, cutoff: int) -> BatchIn:

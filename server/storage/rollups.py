@@ -468,43 +468,113 @@ def refresh_vectors(executor: Executor, rank: int, steps_by_series: Mapping[int,
 # -- maintenance when a batch only adds points --------------------------------------------------------
 
 
-def _level_one(new: Mapping[int, chunked_points.Points]) -> Iterable[tuple[tuple[int, int], SummaryRow]]:
-    """((series, bucket), Summary) of each level-1 bucket the points of a batch fall in, for all its
-    series at once with numpy (a batch holds up to hundreds of thousands of points, and numpy's cost
-    per call would dominate per series): the lowest point is the first non-finite one, else the
-    smallest value (earliest on ties); the highest the largest finite value (latest on ties), else
-    the lowest again."""
-    ids = sorted(sid for sid, points in new.items() if len(points))
-    if not ids:
-        return
-    steps = np.concatenate([new[sid].steps for sid in ids])
-    values = np.concatenate([new[sid].values for sid in ids])
-    series = np.repeat(np.asarray(ids, dtype=np.int64), [len(new[sid]) for sid in ids])
-    buckets = steps // BASE
-    # Series one after another, each in step order: (series, bucket) ascends, groups are contiguous.
-    change = np.ones(len(steps), dtype=bool)
-    change[1:] = (buckets[1:] != buckets[:-1]) | (series[1:] != series[:-1])
-    starts = np.flatnonzero(change)
-    ends = np.append(starts[1:], len(steps))
-    group = np.repeat(np.arange(len(starts)), ends - starts)
-    finite = np.isfinite(values)
-    ordered = np.where(finite, values, -np.inf)
-    # Within each group, ascending by (finite?, value, step): non-finite points first by step.
-    order = np.lexsort((steps, ordered, finite, group))
-    low = order[starts]
-    high = order[ends - 1]
-    no_finite = ~finite[high]
-    high[no_finite] = low[no_finite]
-    flag = chunked_points.flags(values)
-    stored: list[float | None] = np.where(finite, values, np.nan).tolist()
-    for i in np.flatnonzero(~finite).tolist():
-        stored[i] = None
-    low_l, high_l, flag_l, steps_l = low.tolist(), high.tolist(), flag.tolist(), steps.tolist()
-    counts = (ends - starts).tolist()
-    keys = zip(series[starts].tolist(), buckets[starts].tolist(), strict=True)
-    for g, key in enumerate(keys):
-        lo, hi = low_l[g], high_l[g]
-        yield key, (steps_l[lo], stored[lo], flag_l[lo], steps_l[hi], stored[hi], flag_l[hi], counts[g])
+@dataclass
+class _Spans:
+    """Summaries of spans of steps as columns, one entry per (series, bucket), in (series, bucket)
+    order: what merge_new_points computes for all the buckets of a batch with numpy (a batch holds up
+    to hundreds of thousands of points, and a Python object per point or per bucket cost more than
+    the database's work). The raw points are spans of one step each."""
+
+    series: np.ndarray
+    bucket: np.ndarray
+    low_step: np.ndarray
+    low_value: np.ndarray  # float64, non-finite values as they are (their flag says which)
+    low_flag: np.ndarray
+    high_step: np.ndarray
+    high_value: np.ndarray
+    high_flag: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def of_points(cls, new: Mapping[int, chunked_points.Points]) -> _Spans:
+        ids = sorted(sid for sid, points in new.items() if len(points))
+        steps = np.concatenate([new[sid].steps for sid in ids])
+        values = np.concatenate([new[sid].values for sid in ids])
+        flags = chunked_points.flags(values)
+        series = np.repeat(np.asarray(ids, dtype=np.int64), [len(new[sid]) for sid in ids])
+        ones = np.ones(len(steps), dtype=np.int64)
+        return cls(series, steps, steps, values, flags, steps, values, flags, ones)
+
+    def coarser(self) -> _Spans:
+        """The summaries of the buckets BASE times wider (a bucket's spans are adjacent, in step order):
+        the lowest is the first non-finite one, else the smallest value (earliest on ties); the highest
+        the largest finite value (latest on ties), else the lowest again -- as combine() does. Per
+        group minima and maxima by reduceat, ties found by position: no sort."""
+        bucket = self.bucket // BASE
+        change = np.ones(len(bucket), dtype=bool)
+        change[1:] = (bucket[1:] != bucket[:-1]) | (self.series[1:] != self.series[:-1])
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], len(bucket))
+        sizes = ends - starts
+        low_finite = self.low_flag == 0
+        smallest = np.minimum.reduceat(np.where(low_finite, self.low_value, np.inf), starts)
+        low, _ = _first_where(low_finite & (self.low_value == np.repeat(smallest, sizes)), starts, ends)
+        first_non_finite, any_non_finite = _first_where(~low_finite, starts, ends)
+        low = np.where(any_non_finite, first_non_finite, low)
+        high_finite = self.high_flag == 0
+        largest = np.maximum.reduceat(np.where(high_finite, self.high_value, -np.inf), starts)
+        high, any_finite = _last_where(
+            high_finite & (self.high_value == np.repeat(largest, sizes)), starts, ends
+        )
+        high_step = np.where(any_finite, self.high_step[high], self.low_step[low])
+        high_value = np.where(any_finite, self.high_value[high], self.low_value[low])
+        high_flag = np.where(any_finite, self.high_flag[high], self.low_flag[low])
+        return _Spans(
+            self.series[starts],
+            bucket[starts],
+            self.low_step[low],
+            self.low_value[low],
+            self.low_flag[low],
+            high_step,
+            high_value,
+            high_flag,
+            np.add.reduceat(self.count, starts),
+        )
+
+    def rows(self) -> list[SummaryRow]:
+        """The summaries as rollup rows' tuples (value None where not finite)."""
+
+        def stored(values: np.ndarray, flags: np.ndarray) -> list[float | None]:
+            out: list[float | None] = np.where(flags == 0, values, 0.0).tolist()
+            for i in np.flatnonzero(flags).tolist():
+                out[i] = None
+            return out
+
+        return list(
+            zip(
+                self.low_step.tolist(),
+                stored(self.low_value, self.low_flag),
+                self.low_flag.tolist(),
+                self.high_step.tolist(),
+                stored(self.high_value, self.high_flag),
+                self.high_flag.tolist(),
+                self.count.tolist(),
+                strict=True,
+            )
+        )
+
+
+def _first_where(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group [start, end): the first index where `mask` holds, and whether there is one (where
+    there is none, the index is some valid position)."""
+    where = np.flatnonzero(mask)
+    if not len(where):
+        return starts.copy(), np.zeros(len(starts), dtype=bool)
+    at = np.minimum(np.searchsorted(where, starts), len(where) - 1)
+    found = where[at]
+    ok = (found >= starts) & (found < ends)
+    return np.where(ok, found, starts), ok
+
+
+def _last_where(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group [start, end): the last index where `mask` holds, and whether there is one."""
+    where = np.flatnonzero(mask)
+    if not len(where):
+        return starts.copy(), np.zeros(len(starts), dtype=bool)
+    at = np.maximum(np.searchsorted(where, ends) - 1, 0)
+    found = where[at]
+    ok = (found >= starts) & (found < ends)
+    return np.where(ok, found, starts), ok
 
 
 def merge_new_points(executor: Executor, rank: int, new: Mapping[int, chunked_points.Points]) -> None:
@@ -515,27 +585,26 @@ def merge_new_points(executor: Executor, rank: int, new: Mapping[int, chunked_po
     new = {sid: points for sid, points in new.items() if len(points)}
     if not new:
         return
+    spans = _Spans.of_points(new)
     batch: dict[tuple[int, int, int], SummaryRow] = {}  # (level, series, bucket) -> summary
-    groups: dict[tuple[int, int], list[SummaryRow]] = {key: [summary] for key, summary in _level_one(new)}
+    bounds = []
     for level in range(1, LEVELS + 1):
-        if level > 1:
-            groups = defaultdict(list)
-            for (lower, sid, bucket), summary in batch.items():
-                if lower == level - 1:
-                    groups[sid, bucket // BASE].append(summary)
-        for (sid, bucket), parts in groups.items():
-            batch[level, sid, bucket] = combine(parts)
-    series_ids = sorted({sid for _, sid, _ in batch})
+        spans = spans.coarser()
+        keys = zip(spans.series.tolist(), spans.bucket.tolist(), strict=True)
+        batch.update(
+            ((level, sid, bucket), row) for (sid, bucket), row in zip(keys, spans.rows(), strict=True)
+        )
+        bounds.append((level, int(spans.bucket.min()), int(spans.bucket.max())))
+    series_ids = sorted(new)
     # One SELECT per level, joined by UNION ALL: each is an index range scan (an OR of the levels
     # made SQLite scan every stored bucket of these series, a cost that grew with the run).
     selects, params = [], []
-    for level in range(1, LEVELS + 1):
-        buckets = [bucket for lv, _, bucket in batch if lv == level]
+    for level, lowest, highest in bounds:
         selects.append(
             f"SELECT level, series_id, bucket, {_SUMMARY_COLUMNS} FROM point_rollups WHERE series_id IN"
             f" ({_in(series_ids)}) AND rank = ? AND level = ? AND bucket >= ? AND bucket <= ?"
         )
-        params += [*series_ids, rank, level, min(buckets), max(buckets)]
+        params += [*series_ids, rank, level, lowest, highest]
     stored = bulk.fetch(executor, " UNION ALL ".join(selects), params)
     for level, sid, bucket, *fields in stored:
         mine = batch.get((level, sid, bucket))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Engine, and_, case, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
@@ -36,7 +37,7 @@ from ..models import (
     VectorPoint,
     VectorRollup,
 )
-from ..schemas import BatchIn, RunIn
+from ..schemas import BatchIn, RunIn, ScalarSeriesIn
 from . import bulk, chunked_points, liveness, queries, resumes, rollups
 from .codecs import decode_float, dump_json, pack, unpack
 from .live import LiveReads
@@ -121,12 +122,18 @@ class HistogramsResult:
 def _batch_points(batch: BatchIn, series_ids: dict[str, int]) -> dict[int, chunked_points.Points]:
     """The batch's scalars as points per series id. A key sent twice in the batch is one series (a
     step repeated for a key keeps its last value)."""
-    by_series: dict[int, tuple[list[int], list[float]]] = {}
+    by_series: dict[int, list[ScalarSeriesIn]] = {}
     for series in batch.scalars:
-        steps, values = by_series.setdefault(series_ids[series.key], ([], []))
-        steps.extend(series.steps)
-        values.extend(series.values)
-    return {sid: chunked_points.Points.of(steps, values) for sid, (steps, values) in by_series.items()}
+        by_series.setdefault(series_ids[series.key], []).append(series)
+    points = {}
+    for sid, parts in by_series.items():
+        if len(parts) == 1:
+            steps, values = parts[0].steps_array(), parts[0].values_array()
+        else:
+            steps = np.concatenate([p.steps_array() for p in parts])
+            values = np.concatenate([p.values_array() for p in parts])
+        points[sid] = chunked_points.Points.of(steps, values)
+    return points
 
 
 def _status_values(batch: BatchIn, resumed: bool) -> dict[str, Any]:
@@ -357,13 +364,13 @@ class Store:
             # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
             resuming = any(event.kind == resumes.RESUME_EVENT for event in batch.events)
             run = queries.require_run(session, run_id, lock=True, for_update=resuming)
-            claimed = session.execute(
-                self._insert(AgentBatch)
-                .values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=now)
-                .on_conflict_do_nothing()
-                .returning(AgentBatch.seq)
-            ).first()
-            if claimed is None:
+            claimed = bulk.execute(  # plain SQL: statements of every batch skip the ORM
+                session,
+                "INSERT INTO agent_batches (run_id, rank, seq, received_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT DO NOTHING RETURNING seq",
+                [run_id, batch.rank, batch.seq, now],
+            )
+            if not claimed:
                 return IngestResult(duplicate=True, points=0, events=0)
             # A batch of a process that a later one resumed from: only its steps before the resume count.
             cutoff = resumes.superseding_step(session, run_id, batch.rank, batch.seq)
@@ -507,10 +514,14 @@ class Store:
         if not keys:
             return {}
         wanted = sorted(set(keys))
-        existing = select(Series.key, Series.id, Series.kind).where(
-            Series.run_id == run_id, Series.key.in_(wanted)
-        )
-        rows = session.execute(existing).all()
+        rows: list[tuple[Any, ...]] = []
+        for part in queries.chunks(wanted):
+            rows += bulk.execute(
+                session,
+                'SELECT "key", id, kind FROM series WHERE run_id = ?'
+                f' AND "key" IN ({", ".join("?" * len(part))})',
+                [run_id, *part],
+            )
         if len(rows) < len(wanted):  # new keys (the first batches of a run): insert them, read again
             known = {key for key, _, _ in rows}
             bulk.upsert(
@@ -521,7 +532,10 @@ class Store:
                 [(run_id, key, kind) for key in wanted if key not in known],
                 update=False,
             )
-            rows = session.execute(existing).all()
+            existing = select(Series.key, Series.id, Series.kind).where(
+                Series.run_id == run_id, Series.key.in_(wanted)
+            )
+            rows = [tuple(row) for row in session.execute(existing).all()]
         clashes = [key for key, _, stored_kind in rows if stored_kind != kind]
         if clashes:
             raise InvalidRequest(f"key {clashes[0]!r} is already used by this run for another kind of data")

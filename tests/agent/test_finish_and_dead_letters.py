@@ -30,6 +30,7 @@ import gradwatch
 from gradwatch._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES
 from gradwatch._sender import PROGRESS_EVERY
 from gradwatch._spool import Spool, dead_letter_path, scan, spool_file_name
+from gradwatch._wire import unpack_values
 from gradwatch.sync import sync
 
 # -- a real proxy in front of the real server ----------------------------------------------------------
@@ -55,7 +56,7 @@ class Request:
     @property
     def points(self) -> int:
         """As the agent counts them: scalar points without the agent's health keys."""
-        series = (self.batch or {}).get("scalars", ())
+        series = unpack_values(self.batch or {}).get("scalars", ())  # steps_i64 as a list again
         return sum(len(s["steps"]) for s in series if not s["key"].startswith("agent/"))
 
 

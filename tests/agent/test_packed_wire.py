@@ -11,7 +11,15 @@ from training import RecordingTransport
 
 import gradwatch
 from gradwatch._transport import TransportError
-from gradwatch._wire import VALUES_F64, pack_values, unpack_values
+from gradwatch._wire import (
+    STEPS_I64,
+    VALUES_F64,
+    batch_points,
+    batch_steps,
+    last_step,
+    pack_values,
+    unpack_values,
+)
 
 
 def test_pack_and_unpack_keep_every_value_and_leave_short_series_alone():
@@ -29,6 +37,12 @@ def test_pack_and_unpack_keep_every_value_and_leave_short_series_alone():
     assert packed["scalars"][1] == batch["scalars"][1]
     assert unpack_values(packed) == batch
     assert batch["scalars"][0]["values"] is values  # the batch itself is left as it was
+    both = pack_values(batch, steps=True)
+    assert STEPS_I64 in both["scalars"][0] and "steps" not in both["scalars"][0]
+    assert both["scalars"][1] == batch["scalars"][1]
+    assert unpack_values(both) == batch
+    assert batch_points(both) == batch_points(batch) == 22
+    assert last_step(both) == 19 and batch_steps(both) == set(range(20))
 
 
 class _Server(RecordingTransport):
@@ -46,7 +60,7 @@ class _Server(RecordingTransport):
         )
 
     def send_batch(self, run_id: str, batch: dict[str, Any]) -> None:
-        points = sum(len(s["steps"]) for s in batch.get("scalars", ()))
+        points = sum(len(s["steps"]) for s in unpack_values(batch).get("scalars", ()))
         if self.too_large is not None and points > self.too_large and not self.refused:
             self.refused += 1
             raise TransportError("HTTP 413: too large", False, 413)
@@ -75,8 +89,17 @@ def test_a_server_that_announces_values_f64_gets_them_and_one_that_does_not_gets
 
 
 def test_a_packed_batch_the_server_finds_too_large_is_split_and_nothing_is_lost():
-    server = _Server(["values_f64"], too_large=100)
+    for features in (["values_f64"], ["values_f64", "steps_i64"]):
+        server = _Server(features, too_large=100)
+        _log(server)
+        assert server.refused == 1
+        assert sorted(server.series("loss")) == list(range(300))
+        assert server.series("lr") == dict.fromkeys(range(300), 1e-3)
+
+
+def test_a_server_that_announces_steps_i64_gets_packed_steps():
+    server = _Server(["values_f64", "steps_i64"])
     _log(server)
-    assert server.refused == 1
-    assert sorted(server.series("loss")) == list(range(300))
-    assert server.series("lr") == dict.fromkeys(range(300), 1e-3)
+    assert any(STEPS_I64 in s and "steps" not in s for batch in server.raw for s in batch["scalars"])
+    loss = server.series("loss")
+    assert sorted(loss) == list(range(300)) and loss[7] == "NaN"

@@ -90,6 +90,72 @@ def test_merge_fragments_joins_series_keeps_the_later_value_and_orders_steps():
     assert batch_points(merged) == 4
 
 
+def test_merge_fragments_concatenates_series_whose_steps_follow_on():
+    parts = [
+        {"scalars": [{"key": "a", "steps": [1, 2, 2], "values": [1.0, 2.0, 3.0]}], "events": []},
+        {"scalars": [{"key": "a", "steps": [5, 9], "values": [4.0, "NaN"]}], "events": []},
+        {"scalars": [{"key": "a", "steps": [], "values": []}], "events": []},
+        {"scalars": [{"key": "a", "steps": [10], "values": [5.0]}], "events": []},
+    ]
+    merged = merge_fragments(parts)
+    # A step repeated inside one fragment travels as it came (the server keeps the later value).
+    assert merged["scalars"] == [
+        {"key": "a", "steps": [1, 2, 2, 5, 9, 10], "values": [1.0, 2.0, 3.0, 4.0, "NaN", 5.0]}
+    ]
+    out_of_order = merge_fragments([parts[1], parts[0]])
+    assert out_of_order["scalars"] == [{"key": "a", "steps": [1, 2, 5, 9], "values": [1.0, 3.0, 4.0, "NaN"]}]
+
+
+def test_host_columns_travel_as_columns_and_become_pairs_only_when_asked():
+    import math
+
+    from gradwatch._buffer import Resolved
+
+    def resolved() -> Resolved:
+        return Resolved(
+            {"device": [(1, 1.0)], "both": [(2, 5.0)]},
+            {},
+            {},
+            [],
+            host_columns={
+                "host": ([1, 2, 3], [1.0, math.inf, 3.0]),
+                "both": ([1, 3], [4.0, 6.0]),
+                "unordered": ([3, 1, 1], [3.0, 1.0, 2.0]),
+                "_internal": ([1], [1.0]),
+            },
+        )
+
+    expected = {
+        "device": {"key": "device", "steps": [1], "values": [1.0]},
+        "both": {"key": "both", "steps": [1, 2, 3], "values": [4.0, 5.0, 6.0]},
+        "host": {"key": "host", "steps": [1, 2, 3], "values": [1.0, "Infinity", 3.0]},
+        "unordered": {"key": "unordered", "steps": [1, 1, 3], "values": [1.0, 2.0, 3.0]},
+    }
+    columns = resolved()
+    assert columns.scalar_points("both") == [(1, 4.0), (2, 5.0), (3, 6.0)]
+    assert columns.scalar_points("unordered") == [(1, 1.0), (1, 2.0), (3, 3.0)]
+    assert {s["key"]: s for s in columns.wire_fields()["scalars"]} == expected
+    pairs = resolved()
+    assert pairs.scalars["host"] == [(1, 1.0), (2, math.inf), (3, 3.0)]  # what derivers read
+    pairs.scalars["derived"] = [(2, 0.5)]
+    assert {s["key"]: s for s in pairs.wire_fields()["scalars"]} == expected | {
+        "derived": {"key": "derived", "steps": [2], "values": [0.5]}
+    }
+
+
+def test_log_flushes_once_it_holds_flush_at_values_whatever_the_clock(tmp_path):
+    from gradwatch._run import FLUSH_AT_VALUES
+
+    run = gradwatch.init(project="p", mode="offline", spool_dir=str(tmp_path), flush_interval=3600.0)
+    keys = [f"k{i}" for i in range(100)]
+    steps = FLUSH_AT_VALUES // len(keys) + 50
+    for step in range(steps):  # explicit steps: the optimizer step counter never moves
+        run.log(dict.fromkeys(keys, float(step)), step=step)
+    assert len(run.buffer) < FLUSH_AT_VALUES  # flushed on the way, not held for the hour
+    run.finish()
+    assert run.stats.dropped == 0
+
+
 def test_group_fragments_keeps_status_last_unknown_fields_alone_and_a_size_cap():
     plain = {"scalars": [{"key": "a", "steps": [1, 2], "values": [1.0, 2.0]}], "events": []}
     unknown = {"scalars": [], "events": [], "future_field": [1]}
@@ -391,17 +457,34 @@ def capture() -> Iterator[tuple[str, type[_Capture]]]:
 def test_batches_travel_gzip_compressed(capture):
     url, handler = capture
     big = batch(1, *range(500))
-    assert HttpTransport(url).send_batch("r", big) == {"duplicate": False, "points": 1, "events": 0}
+    assert HttpTransport(url, compress=True).send_batch("r", big) == {
+        "duplicate": False,
+        "points": 1,
+        "events": 0,
+    }
     headers, body = handler.seen[0]
     assert headers["Content-Encoding"] == "gzip"
     assert json.loads(gzip.decompress(body)) == big
     assert len(body) < len(dumps(big)) / 2
 
 
+def test_batches_to_a_server_on_this_machine_travel_plain_by_default(capture):
+    url, handler = capture
+    big = batch(1, *range(500))
+    HttpTransport(url).send_batch("r", big)
+    headers, body = handler.seen[0]
+    assert "Content-Encoding" not in headers
+    assert json.loads(body) == big
+    assert not HttpTransport("http://localhost:1").compress
+    assert not HttpTransport("http://[::1]:1").compress
+    assert HttpTransport("https://gradwatch.example.org").compress
+    assert HttpTransport("http://10.0.0.7:8765").compress
+
+
 def test_a_server_that_cannot_read_gzip_gets_plain_json_from_then_on(capture):
     url, handler = capture
     handler.answer = (422, b'{"detail": "JSON decode error"}')
-    transport = HttpTransport(url)
+    transport = HttpTransport(url, compress=True)
     transport.send_batch("r", batch(1, *range(500)))
     transport.send_batch("r", batch(2, *range(500)))
     encodings = [headers.get("Content-Encoding") for headers, _ in handler.seen]

@@ -51,3 +51,43 @@ def test_malformed_packed_values_are_refused_with_the_reason_and_nothing_is_stor
         response = client.post(f"/api/v1/runs/{run}/batches", json=batch)
         assert response.status_code == 422 and reason in response.text, (reason, response.text)
     assert client.get(f"/api/v1/runs/{run}/series", params={"key": "loss"}).json()["steps"] == []
+
+
+def _packed_steps(steps):
+    return base64.b64encode(struct.pack(f"<{len(steps)}q", *steps)).decode()
+
+
+def test_packed_steps_are_stored_as_the_same_steps_sent_as_numbers(client):
+    run = _run(client)
+    assert "steps_i64" in client.post("/api/v1/runs", json={"project": "p"}).json()["wire_features"]
+    steps = [0, 3, 4, 2**40, 2**62]
+    values = [1.0, 2.0, math.nan, 4.0, 5.0] * 4
+    batch = {
+        "seq": 1,
+        "scalars": [
+            {"key": "a", "steps_i64": _packed_steps(steps), "values": [1.0, 2.0, "NaN", 4.0, 5.0]},
+            {"key": "b", "steps_i64": _packed_steps(list(range(20))), "values_f64": _packed(values)},
+        ],
+    }
+    ack = client.post(f"/api/v1/runs/{run}/batches", json=batch)
+    assert ack.status_code == 200 and ack.json()["points"] == 25, ack.text
+    a = client.get(f"/api/v1/runs/{run}/series", params={"key": "a", "max_points": 10}).json()
+    assert a["steps"] == steps and a["values"] == [1.0, 2.0, "NaN", 4.0, 5.0]
+    b = client.get(f"/api/v1/runs/{run}/series", params={"key": "b"}).json()
+    assert b["steps"] == list(range(20)) and b["values"][:3] == [1.0, 2.0, "NaN"]
+
+
+def test_malformed_packed_steps_are_refused_with_the_reason_and_nothing_is_stored(client):
+    run = _run(client)
+    cases = {
+        "not both": {"steps": [0, 1], "steps_i64": _packed_steps([0, 1])},
+        "not valid base64": {"steps_i64": "@@@@"},
+        "whole number of int64s": {"steps_i64": base64.b64encode(b"\0" * 12).decode()},
+        "between 0 and": {"steps_i64": _packed_steps([0, -1])},
+        "pair up": {"steps_i64": _packed_steps([0, 1, 2])},
+    }
+    for seq, (reason, fields) in enumerate(cases.items(), start=1):
+        batch = {"seq": seq, "scalars": [{"key": "loss", "values": [1.0, 2.0], **fields}]}
+        response = client.post(f"/api/v1/runs/{run}/batches", json=batch)
+        assert response.status_code == 422 and reason in response.text, (reason, response.text)
+    assert client.get(f"/api/v1/runs/{run}/series", params={"key": "loss"}).json()["steps"] == []

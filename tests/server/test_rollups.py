@@ -257,3 +257,39 @@ def test_rollups_folded_in_batch_by_batch_equal_ones_rebuilt_from_the_data(store
     rebuilt = pyramid()
     assert len(incremental) == len(rebuilt) > 1000
     assert incremental == rebuilt  # non-finite values are stored as NULL + flag: plain equality holds
+
+
+def test_folding_a_batch_with_numpy_equals_combining_its_points_one_by_one():
+    """merge_new_points summarises a batch's buckets at every level with numpy (_Spans): the same
+    summaries as combine() over the points, ties, NaN/±Inf and buckets with nothing finite included."""
+    import numpy as np
+
+    from gradwatch.server.storage import chunked_points
+
+    rng = random.Random(18)
+    for _ in range(40):
+        new = {}
+        for sid in rng.sample(range(1, 50), rng.randint(1, 6)):
+            steps = sorted(rng.sample(range(rng.randint(0, 5000), 40_000), rng.randint(1, 400)))
+            values = [
+                rng.choice([math.nan, math.inf, -math.inf, 1.0, 2.0])
+                if rng.random() < 0.15
+                else float(rng.randint(-3, 3))  # few distinct values: ties everywhere
+                for _ in steps
+            ]
+            new[sid] = chunked_points.Points(np.asarray(steps, np.int64), np.asarray(values, np.float64))
+        spans = rollups._Spans.of_points(new)
+        for level in range(1, rollups.LEVELS + 1):
+            spans = spans.coarser()
+            keys = zip(spans.series.tolist(), spans.bucket.tolist(), strict=True)
+            got = dict(zip(keys, spans.rows(), strict=True))
+            expected = {}
+            for sid, points in new.items():
+                members = defaultdict(list)
+                for step, value in zip(points.steps.tolist(), points.values.tolist(), strict=True):
+                    flag = 0 if math.isfinite(value) else 1 if math.isnan(value) else 2 if value > 0 else 3
+                    stored = value if flag == 0 else None
+                    members[step // rollups.width(level)].append(rollups.Summary.of_point(step, stored, flag))
+                for bucket, parts in members.items():
+                    expected[sid, bucket] = tuple(rollups.combine([tuple(p) for p in parts]))
+            assert got == expected
