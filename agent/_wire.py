@@ -248,6 +248,7 @@ def unpack_values(batch: dict[str, Any]) -> dict[str, Any]:
             if VALUES_F64 in series:
                 series["values"] = [wire_float(value) for value in _unb64(series.pop(VALUES_F64), "d")]
             if STEPS_I64 in series:
+                # a stdlib array decoded from the batch's bytes (sender thread): no tensor, no sync
                 series["steps"] = _unb64(series.pop(STEPS_I64), "q").tolist()
         plain.append(series)
     return {**batch, "scalars": plain}
@@ -256,6 +257,7 @@ def unpack_values(batch: dict[str, Any]) -> dict[str, Any]:
 def series_steps(series: dict[str, Any]) -> list[int]:
     """A scalar or vector series' steps, from "steps" or from packed "steps_i64"."""
     code = series.get(STEPS_I64)
+    # A stdlib array decoded from the batch's bytes, not a tensor: no device sync.
     return series["steps"] if code is None else _unb64(code, "q").tolist()
 
 

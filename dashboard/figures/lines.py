@@ -132,31 +132,24 @@ def scale_figure(
     if band:
         band_steps = [step for step, _, _ in band]
         figure.add_trace(
-            {
-                "type": "scatter",
-                "x": band_steps,
-                "y": [low for _, low, _ in band],
-                "mode": "lines",
-                "line": {"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
-                "name": "safe band (low)",
-                "uid": "safe-band-low",
-                "showlegend": False,
-                "hovertemplate": "step %{x}<br>safe scale ≥ %{y:.3g}<extra></extra>",
-            }
+            _band_edge(
+                band_steps,
+                [low for _, low, _ in band],
+                "≥",
+                name="safe band (low)",
+                uid="safe-band-low",
+                legend=False,
+            )
         )
         figure.add_trace(
-            {
-                "type": "scatter",
-                "x": band_steps,
-                "y": [high for _, _, high in band],
-                "mode": "lines",
-                "line": {"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
-                "fill": "tonexty",
-                "fillcolor": BAND_COLOR,
-                "name": "fp16 safe band",
-                "uid": "safe-band-high",
-                "hovertemplate": "step %{x}<br>safe scale ≤ %{y:.3g}<extra></extra>",
-            }
+            _band_edge(
+                band_steps,
+                [high for _, _, high in band],
+                "≤",
+                name="fp16 safe band",
+                uid="safe-band-high",
+                fill={"fill": "tonexty", "fillcolor": BAND_COLOR},
+            )
         )
     figure.add_trace(
         {
@@ -431,3 +424,31 @@ def _log2_ticks(values: list[float], max_ticks: int = 10) -> tuple[list[float], 
     first = low - low % stride  # multiples of the stride: 2^0, 2^4, 2^8… rather than 2^1, 2^5…
     exponents = range(first, high + stride, stride)
     return [2.0**exponent for exponent in exponents], [f"2^{exponent}" for exponent in exponents]
+
+
+def _band_edge(
+    steps: list[int],
+    scales: list[float],
+    bound: str,
+    *,
+    name: str,
+    uid: str,
+    legend: bool = True,
+    fill: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One edge of the safe-scale band as a step line; `bound` ("≥" or "≤") says which in the hover,
+    `fill` fills down to the trace before it (the other edge)."""
+    trace: dict[str, Any] = {
+        "type": "scatter",
+        "x": steps,
+        "y": scales,
+        "mode": "lines",
+        "line": {"color": BAND_EDGE_COLOR, "width": 0.5, "shape": "hv"},
+        **(fill or {}),
+        "name": name,
+        "uid": uid,
+    }
+    if not legend:
+        trace["showlegend"] = False
+    trace["hovertemplate"] = f"step %{{x}}<br>safe scale {bound} %{{y:.3g}}<extra></extra>"
+    return trace
