@@ -1,7 +1,10 @@
 """Interception of torch.nn.utils.clip_grad_norm_ while at least one Watcher wants it.
 
 The total norm clip_grad_norm_ returns is the pre-clip gradient norm the user already paid for;
-watchers reuse it instead of computing their own. The patch is installed with the first watcher and
+watchers reuse it instead of computing their own. On steps that sample per-layer gradient norms, a
+watcher may also ask for the per-tensor norms the clip computes on its way to the total (its
+torch._foreach_norm call): they are recorded as they pass, never recomputed, so the clip runs the
+very same operations on the very same tensors. The patch is installed with the first watcher and
 removed with the last; behaviour of the call itself is unchanged (same arguments, same result).
 """
 
@@ -15,6 +18,53 @@ _lock = threading.Lock()
 _watchers: list[Any] = []
 _originals: dict[str, Any] = {}
 
+# torch._foreach_norm is replaced only while some thread's clip call records its norms; each thread
+# records into its own list, so concurrent clips (rare) neither see each other's calls nor leave the
+# wrapper behind.
+_recording_lock = threading.Lock()
+_recording_threads = 0
+_original_foreach_norm: Any = None
+_recorded = threading.local()
+
+
+def _recording_foreach_norm(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    result = _original_foreach_norm(tensors, *args, **kwargs)
+    calls = getattr(_recorded, "calls", None)
+    if calls is not None:
+        calls.append((tensors, args, kwargs, result))
+    return result
+
+
+def _call_recording_norms(original: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+    """original(*args, **kwargs), with the torch._foreach_norm calls it makes on this thread
+    recorded as (tensors, args, kwargs, result)."""
+    global _recording_threads, _original_foreach_norm
+    import torch
+
+    calls: list[Any] = []
+    with _recording_lock:
+        if _recording_threads == 0:
+            _original_foreach_norm = torch._foreach_norm
+            torch._foreach_norm = _recording_foreach_norm
+        _recording_threads += 1
+    _recorded.calls = calls
+    try:
+        return original(*args, **kwargs), calls
+    finally:
+        _recorded.calls = None
+        with _recording_lock:
+            _recording_threads -= 1
+            if _recording_threads == 0:
+                torch._foreach_norm = _original_foreach_norm
+
+
+def _norm_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(norm_type, foreach) of a clip_grad_norm_(parameters, max_norm, norm_type=2.0,
+    error_if_nonfinite=False, foreach=None) call, from the arguments after max_norm."""
+    norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+    foreach = args[2] if len(args) > 2 else kwargs.get("foreach")
+    return norm_type, foreach
+
 
 def _patched(original: Any) -> Any:
     @functools.wraps(original)
@@ -24,11 +74,16 @@ def _patched(original: Any) -> Any:
         # A generator would be consumed by our look at it: hand the original the same items as a list.
         if not hasattr(parameters, "grad"):
             parameters = list(parameters)
-        for watcher in _watchers:
-            watcher.before_clip(parameters, max_norm)
-        total_norm = original(parameters, max_norm, *args, **kwargs)
-        for watcher in _watchers:
-            watcher.after_clip(parameters, max_norm, total_norm)
+        norm_type, foreach = _norm_options(args, kwargs)
+        # A watcher answers True when it wants the per-tensor norms of this call.
+        recording = [watcher.before_clip(parameters, max_norm, norm_type, foreach) for watcher in _watchers]
+        calls: list[Any] | None = None
+        if any(recording):
+            total_norm, calls = _call_recording_norms(original, parameters, max_norm, *args, **kwargs)
+        else:
+            total_norm = original(parameters, max_norm, *args, **kwargs)
+        for watcher, records in zip(list(_watchers), recording, strict=False):
+            watcher.after_clip(parameters, max_norm, total_norm, calls if records else None)
         return total_norm
 
     clip_grad_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]  # a marker on a function

@@ -85,7 +85,9 @@ class UpdateStats(NamedTuple):
     unchanged_counts: Any  # int64 [layers, 2]: [unchanged, non-zero gradient] (update/rounded_away_frac)
 
 
-def update_stats(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) -> UpdateStats:
+def update_stats(
+    params: Sequence[Any], grads: Sequence[Any], before: Snapshot, histograms: Any = None
+) -> UpdateStats:
     """Update ratios and unchanged counts of the step taken since `before`; spends the snapshot.
 
     Unchanged counts, per layer: [elements with a non-zero gradient whose stored value did not change,
@@ -101,13 +103,16 @@ def update_stats(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) 
       the element-wise comparison would cost three passes over every fp32 weight.
 
     The difference W_before - W_after is taken in place in the snapshot's copies (no second
-    model-sized allocation).
+    model-sized allocation). `histograms`: log2_histograms of the same gradients, when the step took
+    them; an fp32 layer's count of non-zero gradients is then read from them (its elements less its
+    zero column, which also holds fp32 subnormals) instead of a pass over the gradient.
     """
     import torch
 
     with torch.no_grad():
         device = before.norms.device
         zero_row = torch.zeros(2, dtype=torch.int64, device=device)
+        zeros = histograms[:, ZERO_COLUMN].to(device, non_blocking=True) if histograms is not None else None
         rows: list[Any] = []
         whole_layer: list[int] = []  # indices of the rows filled in from the layers' update norms
         for i, (p, g, copy) in enumerate(zip(params, grads, before.copies, strict=True)):
@@ -115,12 +120,15 @@ def update_stats(params: Sequence[Any], grads: Sequence[Any], before: Snapshot) 
                 rows.append(zero_row)
                 continue
             g = g.detach()
-            stepped = torch.count_nonzero(g)
             if p.dtype.itemsize < 4:  # counted before the copies turn into differences below
+                stepped = torch.count_nonzero(g)
                 unchanged = torch.count_nonzero((g != 0).logical_and_(copy == p.detach()))
                 rows.append(torch.stack((unchanged, stepped)).to(device, non_blocking=True))
             else:
-                rows.append(stepped.to(device, non_blocking=True))
+                if zeros is not None:
+                    rows.append(g.numel() - zeros[i])
+                else:
+                    rows.append(torch.count_nonzero(g).to(device, non_blocking=True))
                 whole_layer.append(i)
         torch._foreach_sub_(before.copies, [p.detach() for p in params])  # W_before - W_after
         delta_norms = torch.stack(torch._foreach_norm(before.copies, 2, dtype=torch.float32))

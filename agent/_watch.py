@@ -15,7 +15,10 @@ Where each signal comes from:
   always runs), update (scale after, growth tracker), load_state_dict (a resumed scaler).
 - clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm
   (not with sharded gradients: there it is already the global norm, computed by a collective); its
-  max_norm is sent as grad/clip_max_norm.
+  max_norm is sent as grad/clip_max_norm. On steps that sample per-layer gradient norms, a run that
+  clipped its last step has them taken from the clip's own per-tensor norms (recorded as the clip
+  computes them) instead of a second pass over every gradient; a step that turns out not to clip
+  computes them itself before the optimizer steps.
 
 Keys recorded here. Every step: amp/scale, amp/skipped, amp/growth_tracker, amp/loss (mean of the
 losses passed to scaler.scale in the step), amp/micro_batches (backward passes in the step, from the
@@ -196,6 +199,7 @@ class Watcher:
         self._wrapped: list[tuple[Any, str]] = []
         self._reset_step_state()
         self._awaiting_update: int | None = None
+        self._clipped_last_step = False  # whether to expect a clip_grad_norm_ call this step
         self._last_step_end: float | None = None
         self._misuse_reported: set[str] = set()
         self._missing_reported: tuple[str, ...] = ()  # the layers without a gradient last reported
@@ -262,10 +266,13 @@ class Watcher:
 
     def _reset_step_state(self) -> None:
         self._grad_norms_seen = False  # per-layer norms / histograms already taken this step
+        self._norms_pending = False  # per-layer norms due this step, left for the clip to provide
+        self._clipped = False  # clip_grad_norm_ ran on these gradients this step
         self._global_norm: Any = None
         self._global_norm_given = False  # set_global_norm() was called: no norm of our own
         self._optimizer_stepped = False
         self._snapshot: _quantities.Snapshot | None = None
+        self._histograms: Any = None  # this step's grad/hist (on the device), when taken
         self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
         self._loss_count = 0
         self._backwards = 0  # backward passes that reached the last parameter this step
@@ -292,9 +299,14 @@ class Watcher:
             return self.params
         return [self._local(p) for p in self.params]
 
-    def _observe_gradients(self) -> None:
-        """Per-layer norms and histograms on sampled steps, once per step, before any clipping."""
+    def _observe_gradients(self, norms_from_clip: bool = False) -> None:
+        """Per-layer norms and histograms on sampled steps, once per step, before any clipping.
+
+        norms_from_clip: the per-layer norms may wait for a clip_grad_norm_ call to come (see
+        _before_clip); any later call without it takes them at once if still pending."""
         if self._grad_norms_seen:
+            if self._norms_pending and not norms_from_clip:
+                self._record_layer_norms(self._grads())
             return
         self._grad_norms_seen = True
         step = self.sink.step
@@ -305,12 +317,79 @@ class Watcher:
             return  # most steps: nothing per layer, not even the list of gradients
         grads = self._grads()
         if norms_due:
-            per_layer = _quantities.layer_norms(grads, self._like)
-            self.sink.add_tensor("grad/norm", step, per_layer)
-            self._global_norm = _quantities.global_norm(per_layer)
-            self._report_missing_gradients(grads)
+            if norms_from_clip:
+                self._norms_pending = True
+            else:
+                self._record_layer_norms(grads)
         if histograms_due:
-            self.sink.add_tensor("grad/hist", step, _quantities.log2_histograms(grads, self._like))
+            self._histograms = _quantities.log2_histograms(grads, self._like)
+            self.sink.add_tensor("grad/hist", step, self._histograms)
+
+    def _record_layer_norms(self, grads: list[Any], per_layer: Any = None) -> None:
+        """grad/norm of this step (computed here unless given), the global norm from it, and a
+        no_gradient event when the layers without a gradient changed."""
+        self._norms_pending = False
+        if per_layer is None:
+            per_layer = _quantities.layer_norms(grads, self._like)
+        self.sink.add_tensor("grad/norm", self.sink.step, per_layer)
+        self._global_norm = _quantities.global_norm(per_layer)
+        self._report_missing_gradients(grads)
+
+    def _clip_norms_usable(self, parameters: list[Any], norm_type: Any, foreach: Any) -> bool:
+        """Whether this clip call computes every per-layer norm we need, as we would: the L2 norm by
+        torch._foreach_norm of each of our float32 gradients (a half-precision gradient's norm would
+        come back rounded to its dtype), unsharded."""
+        if self._dtensor is not None or self.partial_norms or foreach is False:
+            return False
+        try:
+            if float(norm_type) != 2.0:
+                return False
+        except (TypeError, ValueError):
+            return False
+        torch = self._torch
+        clipped = {id(p) for p in parameters}
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            if (
+                id(p) not in clipped
+                or type(g) is not torch.Tensor
+                or g.dtype != torch.float32
+                or g.layout != torch.strided
+                or g.device.type not in ("cpu", "cuda")
+            ):
+                return False
+        return True
+
+    def _norms_from_clip(self, calls: list[Any], max_norm: Any, total_norm: Any) -> None:
+        """Record this step's pending per-layer norms from the clip's torch._foreach_norm calls.
+
+        A gradient the calls did not show (a torch whose clip computes its norms otherwise) is
+        measured again, after the clip, and divided by the clip's coefficient (max_norm / (total +
+        1e-6), capped at 1: the factor the clip multiplied every gradient by)."""
+        torch = self._torch
+        by_tensor: dict[int, Any] = {}
+        for tensors, args, kwargs, result in calls:
+            ord_ = args[0] if args else kwargs.get("ord", 2)
+            if float(ord_) == 2.0 and kwargs.get("dtype") in (None, torch.float32):
+                for t, n in zip(tensors, result, strict=True):
+                    by_tensor[id(t)] = n
+        grads = self._grads()
+        zero: Any = None
+        norms: list[Any] = []
+        for g in grads:
+            if g is None:
+                if zero is None:
+                    zero = torch.zeros((), dtype=torch.float32, device=self._like.device)
+                norms.append(zero)
+                continue
+            norm = by_tensor.get(id(g))
+            if norm is None:
+                coefficient = torch.clamp(max_norm / (total_norm.detach().float() + 1e-6), max=1.0)
+                norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32) / coefficient
+            norms.append(norm.to(self._like.device, non_blocking=True))
+        self._record_layer_norms(grads, torch.stack(norms))
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
         """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a
@@ -330,11 +409,14 @@ class Watcher:
 
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is self.optimizer:
-            self._observe_gradients()
+            self._observe_gradients(norms_from_clip=self._clipped_last_step)
 
-    def _before_clip(self, parameters: list[Any], max_norm: float | torch.Tensor) -> None:
+    def _before_clip(
+        self, parameters: list[Any], max_norm: float | torch.Tensor, norm_type: Any = 2.0, foreach: Any = None
+    ) -> bool:
+        """Observations due before the clip; True when this call's per-tensor norms are wanted."""
         if not parameters or id(parameters[0]) not in self._param_ids:
-            return
+            return False
         # None (the scaler's stage cannot be read): not reported, gradients observed as usual.
         if (
             self.scaler_view is not None
@@ -348,16 +430,31 @@ class Watcher:
                 "max_norm/S. Call scaler.unscale_(optimizer) before clipping.",
                 max_norm=float(max_norm),
             )
-            return
-        self._observe_gradients()
+            return False
+        usable = (
+            (self._norms_pending or not self._grad_norms_seen)
+            and self.options.due(self.options.layer_norms_every, self.sink.step)
+            and self._clip_norms_usable(parameters, norm_type, foreach)
+        )
+        self._observe_gradients(norms_from_clip=usable)
+        return self._norms_pending
 
-    def _after_clip(self, parameters: list[Any], max_norm: float | torch.Tensor, total_norm: Any) -> None:
+    def _after_clip(
+        self,
+        parameters: list[Any],
+        max_norm: float | torch.Tensor,
+        total_norm: Any,
+        norm_calls: list[Any] | None = None,
+    ) -> None:
         if (
             not parameters
             or id(parameters[0]) not in self._param_ids
             or "clip_before_unscale" in self._misuse_reported
         ):
             return
+        self._clipped = True
+        if self._norms_pending and norm_calls is not None and type(total_norm) is self._torch.Tensor:
+            self._norms_from_clip(norm_calls, max_norm, total_norm)
         if self._global_norm is None and not self.partial_norms and type(total_norm) is self._torch.Tensor:
             self._global_norm = total_norm.detach()  # the user's own pre-clip norm, reused
         # The threshold as given: a number stays on the host, a tensor on its device (no sync).
@@ -368,14 +465,16 @@ class Watcher:
 
     def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_stepped = True
-        self._observe_gradients()
+        self._observe_gradients()  # takes per-layer norms still waiting for a clip that never came
         if self.options.due(self.options.update_ratio_every, self.sink.step):
             self._snapshot = _quantities.snapshot(self._local_params())
 
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
         step = self.sink.step
         if self._snapshot is not None:
-            update = _quantities.update_stats(self._local_params(), self._grads(), self._snapshot)
+            update = _quantities.update_stats(
+                self._local_params(), self._grads(), self._snapshot, histograms=self._histograms
+            )
             self._snapshot = None
             self.sink.add_tensor(UNCHANGED_COUNTS, step, update.unchanged_counts)
             self.sink.add_tensor("update/ratio", step, update.ratios)
@@ -465,6 +564,9 @@ class Watcher:
         sink = self.sink
         step = sink.step
         options = self.options
+        if self._norms_pending:  # a skipped step: no clip and no optimizer step came to take them
+            self._record_layer_norms(self._grads())
+        self._clipped_last_step = self._clipped
         if self._global_norm is None and not self._global_norm_given:
             # No clip call and no sampled per-layer norms: one fused norm over the gradients (at this
             # point unscaled; unchanged since backward, as nothing clipped them).

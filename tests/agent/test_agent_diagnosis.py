@@ -36,7 +36,10 @@ class PartlyUsed(nn.Module):
         return out + self.side(x) if self.use_side else out
 
 
-def test_unchanged_counts_are_elementwise_for_low_precision_weights_and_whole_layer_for_fp32():
+@pytest.mark.parametrize("with_histograms", [False, True], ids=["counted", "from-histograms"])
+def test_unchanged_counts_are_elementwise_for_low_precision_weights_and_whole_layer_for_fp32(
+    with_histograms,
+):
     torch.manual_seed(0)
     params = [
         torch.randn(64, dtype=torch.bfloat16),  # tiny updates, mostly rounded away
@@ -57,7 +60,9 @@ def test_unchanged_counts_are_elementwise_for_low_precision_weights_and_whole_la
         params[1].sub_(torch.nan_to_num(grads[1]).to(torch.float16) * 1e-3)
         params[2].sub_(grads[2] * 1e-9)  # below half an fp32 ulp for most elements: still "changed"
         params[2][-1] += 1.0
-    stats = q.update_stats(params, grads, before)
+    # With the step's histograms, an fp32 layer's non-zero count is read from their zero column.
+    histograms = q.log2_histograms(grads, params[0]) if with_histograms else None
+    stats = q.update_stats(params, grads, before, histograms=histograms)
     counts = stats.unchanged_counts.tolist()
     for i in (0, 1):  # element by element
         stepped = grads[i] != 0

@@ -293,3 +293,103 @@ def test_a_watch_derivation_reports_the_scale_below_one_once():
     derivation(second)
     assert [e["kind"] for e in first.events] == ["skip", "scale_below_one"]
     assert [e["kind"] for e in second.events] == ["skip"]
+
+
+def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5):
+    """fp32 steps of TinyNet (GradScaler optional) with clip_grad_norm_ on the steps in `clip_at`;
+    returns the transport, the reference pre-clip per-layer norms of each step, and how many times
+    gradwatch computed per-layer norms itself."""
+    torch.manual_seed(3)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
+    transport = RecordingTransport()
+    reference = {}
+    own_calls = []
+    original = q.layer_norms
+
+    def counting_layer_norms(tensors, like):
+        own_calls.append(len(tensors))
+        return original(tensors, like)
+
+    q.layer_norms = counting_layer_norms
+    try:
+        with _run(transport) as run:
+            run.watch(
+                model,
+                optimizer,
+                scaler=amp_scaler,
+                layer_norms_every=1,
+                param_norms_every=0,
+                histograms_every=0,
+                update_ratio_every=0,
+            )
+            for step in range(steps):
+                optimizer.zero_grad()
+                x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+                model.blowup = math.inf if step in inf_at else 1.0
+                loss = nn.functional.cross_entropy(model(x), y)
+                if amp_scaler is not None:
+                    amp_scaler.scale(loss).backward()
+                    amp_scaler.unscale_(optimizer)
+                else:
+                    loss.backward()
+                reference[step] = [p.grad.norm().item() for p in model.parameters()]
+                if step in clip_at:
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                if amp_scaler is not None:
+                    amp_scaler.step(optimizer)
+                    amp_scaler.update()
+                else:
+                    optimizer.step()
+    finally:
+        q.layer_norms = original
+    return transport, reference, own_calls
+
+
+@pytest.mark.parametrize("scaler", [True, False], ids=["grad-scaler", "no-scaler"])
+def test_per_layer_norms_are_taken_from_the_clip_without_a_pass_of_our_own(scaler):
+    transport, reference, own_calls = _clipped_fp32_steps(clip_at=range(5), scaler=scaler)
+    recorded = transport.vectors("grad/norm")
+    assert sorted(recorded) == list(range(5))
+    for step, norms in recorded.items():
+        assert norms == pytest.approx(reference[step], rel=1e-6)  # pre-clip, every layer
+    # The first step does not know yet that the run clips: gradwatch measures after unscale_ (with a
+    # scaler) or takes the clip's norms at once (without one, the clip is the first place it sees).
+    assert len(own_calls) == (1 if scaler else 0)
+
+
+def test_a_step_that_stops_clipping_still_records_pre_step_norms():
+    # Steps 0-1 clip, step 2 does not (norms wait for a clip that never comes), step 3 clips, step 4
+    # overflows (skipped, no optimizer step) without a clip.
+    transport, reference, _ = _clipped_fp32_steps(clip_at={0, 1, 3}, inf_at={4})
+    recorded = transport.vectors("grad/norm")
+    assert sorted(recorded) == list(range(5))
+    for step in range(4):
+        assert recorded[step] == pytest.approx(reference[step], rel=1e-6)
+    assert any(v in ("NaN", "Infinity") for v in recorded[4])  # the overflowing step's, localised
+    skips = transport.events("skip")
+    assert [e["step"] for e in skips] == [4] and skips[0]["data"]["non_finite_layer_count"] > 0
+
+
+def test_update_ratios_are_exact_over_consecutive_sampled_steps():
+    torch.manual_seed(4)
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    transport = RecordingTransport()
+    expected = {}
+    with _run(transport) as run:
+        run.watch(model, optimizer, update_ratio_every=1, layer_norms_every=0, histograms_every=0)
+        for step in range(4):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            expected[step] = [
+                ((p.detach() - b).norm() / b.norm()).item()
+                for p, b in zip(model.parameters(), before, strict=True)
+            ]
+    recorded = transport.vectors("update/ratio")
+    assert sorted(recorded) == list(range(4))
+    for step, ratios in recorded.items():
+        assert ratios == pytest.approx(expected[step], rel=1e-5)
