@@ -58,6 +58,13 @@ def _call_recording_norms(original: Any, *args: Any, **kwargs: Any) -> tuple[Any
                 torch._foreach_norm = _original_foreach_norm
 
 
+def _compiling() -> bool:
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
 def _norm_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """(norm_type, foreach) of a clip_grad_norm_(parameters, max_norm, norm_type=2.0,
     error_if_nonfinite=False, foreach=None) call, from the arguments after max_norm."""
@@ -78,7 +85,9 @@ def _patched(original: Any) -> Any:
         # A watcher answers True when it wants the per-tensor norms of this call.
         recording = [watcher.before_clip(parameters, max_norm, norm_type, foreach) for watcher in _watchers]
         calls: list[Any] | None = None
-        if any(recording):
+        # Not while torch.compile traces the call: the graph would capture the swap of torch's
+        # function; the watcher then measures the norms itself, in eager code.
+        if any(recording) and not _compiling():
             total_norm, calls = _call_recording_norms(original, parameters, max_norm, *args, **kwargs)
         else:
             total_norm = original(parameters, max_norm, *args, **kwargs)

@@ -388,7 +388,9 @@ class Watcher:
             if norm is None:
                 coefficient = torch.clamp(max_norm / (total_norm.detach().float() + 1e-6), max=1.0)
                 norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32) / coefficient
-            norms.append(norm.to(self._like.device, non_blocking=True))
+            norms.append(norm)
+        if len({n.device for n in norms}) > 1:  # model parallel: gather the scalars on one device
+            norms = [n.to(self._like.device, non_blocking=True) for n in norms]
         self._record_layer_norms(grads, torch.stack(norms))
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
