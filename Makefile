@@ -23,9 +23,12 @@ demo: $(STAMP)
 	$(VENV)/bin/gradwatch demo $(ARGS)
 
 ## make test: the whole test suite (PostgreSQL and browser tests run when their services exist;
-## with GRADWATCH_CI=1 a missing service is a failure instead of a skip).
+## with GRADWATCH_CI=1 a missing service is a failure instead of a skip), in TEST_WORKERS processes
+## (pytest-xdist; most tests wait on servers, subprocesses and browsers): make test TEST_WORKERS=0 runs
+## it in this process alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 ## make lint: what CI runs before the tests (the pre-commit hooks run the same three): ruff's lint
 ## rules, ruff's formatting (check only; `ruff format` applies it) and mypy, configured in pyproject.toml.
