@@ -109,6 +109,15 @@ def _job(rank: int, world_size: int, job: dict) -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if job["precision"] == "fp16" and not accelerator.is_fp16_supported():
+        # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (CPUs without
+        # AVX512-FP16 or AMX-FP16, e.g. AMD EPYC), though torch runs fp16 there with its generic
+        # kernels (slowly: the model is tiny). What is tested, DeepSpeed's loss scaling and skipped
+        # steps, is the same either way.
+        type(accelerator).is_fp16_supported = lambda self: True
 
     import gradwatch
     from gradwatch.integrations.deepspeed import watch
@@ -146,22 +155,8 @@ def _job(rank: int, world_size: int, job: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _skip_unless_deepspeed_runs(precision: str) -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on your device") where
-    oneDNN has no fp16 kernels (CPUs without AVX512-FP16 or AMX-FP16, e.g. AMD EPYC): a property of
-    the machine, not a missing service, so a skip that says so."""
-    if precision == "fp16" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        pytest.skip(
-            "DeepSpeed refuses fp16 on this CPU: torch.ops.mkldnn._is_mkldnn_fp16_supported() is False "
-            f"(torch CPU capability {torch.backends.cpu.get_cpu_capability()}); the fp16 jobs run on "
-            "CPUs with AVX512-FP16 or AMX-FP16"
-        )
-
-
 def _run_job(tmp_path: Path, server, world_size: int, **job) -> list[dict]:
     import torch.multiprocessing as mp
-
-    _skip_unless_deepspeed_runs(job["precision"])
 
     job.update(
         project=f"deepspeed-{job['precision']}-zero{job['stage']}-{world_size}",
