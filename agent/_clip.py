@@ -45,7 +45,7 @@ def _call_recording_norms(original: Any, *args: Any, **kwargs: Any) -> tuple[Any
     with _recording_lock:
         if _recording_threads == 0:
             _original_foreach_norm = torch._foreach_norm
-            torch._foreach_norm = _recording_foreach_norm
+            torch._foreach_norm = _recording_foreach_norm  # type: ignore[assignment]  # a wrapper, same calls
         _recording_threads += 1
     _recorded.calls = calls
     try:
