@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -59,9 +58,20 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from _common import server_command, server_env
+from _common import (
+    LOOPBACK,
+    BackendCpu,
+    Database,
+    Server,
+    free_port,
+    mlflow_missing,
+    mlflow_version,
+    server_command,
+    server_env,
+    start_mlflow,
+)
 
 from gradwatch._transport import COMPRESS_ABOVE, COMPRESS_LEVEL, HttpTransport
 from gradwatch._wire import HEALTH_PREFIX, VALUES_F64, dumps, pack_values
@@ -85,8 +95,6 @@ NAMED_KEYS = (
 TIMESTAMP_BASE_MS = 1_700_000_000_000
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 RETRY_ATTEMPTS = 8
-# Requests made with urllib go straight to 127.0.0.1, whatever the *_proxy environment says.
-LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # pyproject.toml's package-dir mapping, parents first (for --gradwatch-rev).
 PACKAGE_DIRS = {
     "gradwatch": "agent",
@@ -129,205 +137,7 @@ def value(key: str, step: int) -> float:
     return 0.01 * (1 + layer % 7) * (1.0 + wiggle)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process `pid` and its descendants, the living ones
-    and those already reaped (counted in their parent's cutime/cstime)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            stat = Path(f"/proc/{current}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is the state, stat(5)'s third field
-            total += sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(child) for child in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-# -- databases ------------------------------------------------------------------------------------
-
-
-class Database:
-    """A fresh database for one server: a SQLite file, or a PostgreSQL database created and dropped here."""
-
-    def __init__(self, kind: str, folder: Path, label: str, admin_url: str) -> None:
-        self.kind = kind
-        self.admin_url = admin_url
-        self._postmaster: int | None = None
-        if kind == "sqlite":
-            self.path = folder / f"{label}.db"
-            self.name = ""
-        else:
-            self.name = f"gwbench_{label}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-            base = admin_url.rsplit("/", 1)[0]
-            self.psycopg_url = f"{base}/{self.name}"
-            import psycopg
-
-            with psycopg.connect(admin_url, autocommit=True) as admin:
-                admin.execute(f'CREATE DATABASE "{self.name}"')
-
-    def url(self, dialect: str) -> str:
-        """The database's SQLAlchemy URL with `dialect` (e.g. "postgresql+psycopg", "postgresql")."""
-        if self.kind == "sqlite":
-            return f"sqlite:///{self.path}"
-        return self.psycopg_url.replace("postgresql://", f"{dialect}://", 1)
-
-    def query(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        """Rows of a read-only query (placeholders written as `?`); a missing table raises
-        sqlite3.OperationalError or RuntimeError naming it."""
-        if self.kind == "sqlite":
-            with sqlite3.connect(self.path) as db:
-                return list(db.execute(sql, params).fetchall())
-        import psycopg
-
-        with psycopg.connect(self.psycopg_url) as db:
-            try:
-                return list(db.execute(sql.replace("?", "%s"), params).fetchall())
-            except psycopg.errors.UndefinedTable as exc:
-                raise RuntimeError(str(exc)) from exc
-
-    def query_by_key(self, sql: str, params: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
-        """Rows of a read-only query (placeholders written as `?`) by their first column."""
-        return {row[0]: tuple(row[1:]) for row in self.query(sql, params)}
-
-    def postmaster(self) -> int:
-        """The PostgreSQL server's main process (the parent of every backend)."""
-        if self._postmaster is None:
-            import psycopg
-
-            with psycopg.connect(
-                self.admin_url
-            ) as admin:  # this connection's backend: a child of the postmaster
-                backend = admin.execute("SELECT pg_backend_pid()").fetchone()
-                assert backend is not None
-                stat = Path(f"/proc/{backend[0]}/stat").read_text()
-            self._postmaster = int(stat[stat.rindex(")") + 2 :].split()[1])
-        return self._postmaster
-
-    def drop(self) -> None:
-        """Drop the PostgreSQL database (a SQLite file goes with the bench's temp folder)."""
-        if self.kind == "sqlite":
-            return
-        import psycopg
-
-        with psycopg.connect(self.admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-
-
-class BackendCpu(threading.Thread):
-    """CPU seconds used by the PostgreSQL backends serving one database while it runs (a context manager).
-
-    The cluster is shared with other sessions, so its backends are told apart by their process title
-    ("postgres: ... USER DATABASE HOST(PORT) state"), sampled every `interval` seconds: a backend that
-    exits (a pooled connection above the pool size closes when returned) loses at most its last
-    `interval` of CPU. For SQLite, `seconds` stays NaN.
-    """
-
-    def __init__(self, database: Database, interval: float = 0.05) -> None:
-        super().__init__(daemon=True)
-        self.database = database
-        self.interval = interval
-        self.seconds = math.nan
-        self._stop_sampling = threading.Event()
-        self._titles: dict[int, str] = {}
-        self._first: dict[int, float] = {}
-        self._last: dict[int, float] = {}
-
-    def __enter__(self) -> Self:
-        if self.database.kind == "postgresql":
-            self._postmaster = self.database.postmaster()
-            self._sample(initial=True)
-            self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.database.kind == "postgresql":
-            self._stop_sampling.set()
-            self.join()
-            self._sample(initial=False)
-            self.seconds = sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
-
-    def run(self) -> None:
-        while not self._stop_sampling.wait(self.interval):
-            self._sample(initial=False)
-
-    def _sample(self, initial: bool) -> None:
-        marker = f" {self.database.name} "
-        try:
-            children = Path(f"/proc/{self._postmaster}/task/{self._postmaster}/children").read_text().split()
-        except OSError:
-            return
-        for pid in map(int, children):
-            try:
-                if pid not in self._titles:
-                    self._titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                if marker not in self._titles[pid]:
-                    continue
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            if initial:
-                self._first[pid] = cpu
-            self._last[pid] = cpu
-
-
-# -- servers --------------------------------------------------------------------------------------
-
-
-class Server:
-    """A server as a child process in its own process group (MLflow starts several processes)."""
-
-    def __init__(
-        self, system: str, command: list[str], port: int, health_path: str, log: Path, env: dict[str, str]
-    ) -> None:
-        self.system = system
-        self.port = port
-        self.log = log
-        self.url = f"http://127.0.0.1:{port}"
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
-            )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()  # what it started may still run
-                raise RuntimeError(f"{system} server exited with {self.process.returncode}; see {log}")
-            try:
-                with LOOPBACK.open(self.url + health_path, timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{system} server not healthy after 300 s; see {log}")
-
-    def cpu(self) -> float:
-        return process_tree_cpu(self.process.pid)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 30 s; then SIGKILL to whatever of its process group is left."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        try:  # workers that outlive their parent are still in its process group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+# -- servers (Database, BackendCpu, Server and start_mlflow are _common's) ---------------------------
 
 
 def export_revision(revision: str, folder: Path) -> tuple[Path, str]:
@@ -359,37 +169,6 @@ def start_gradwatch(database: Database, folder: Path, pythonpath: Path | None) -
     env = server_env(folder / "gradwatch-home", pythonpath)
     command = server_command(port, database.url("postgresql+psycopg"))
     return Server("gradwatch", command, port, "/healthz", folder / f"gradwatch-{database.kind}.log", env)
-
-
-def start_mlflow(database: Database, folder: Path, venv: Path, workers: int, max_overflow: int) -> Server:
-    port = free_port()
-    artifacts = folder / f"mlflow-artifacts-{database.kind}"
-    # The job runner (huey consumers for MLflow's GenAI jobs) has nothing to do with tracking: off.
-    # log-batch holds one pooled connection while _log_metrics takes a second; with the default pool
-    # (5 + 10 overflow) and more concurrent requests than that, every request waits for a second
-    # connection that never frees up until the 30 s pool timeout (HTTP 400 "QueuePool limit ...
-    # reached"). Up to 40 requests run at once (the WSGI bridge's thread limit), so 5 + 45 suffices.
-    # psycopg2 named explicitly: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3.
-    env = dict(
-        os.environ,
-        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-        MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW=str(max_overflow),
-    )
-    command = [
-        str(venv / "bin" / "mlflow"),
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--backend-store-uri",
-        database.url("postgresql+psycopg2"),
-        "--default-artifact-root",
-        str(artifacts),
-    ]
-    return Server("mlflow", command, port, "/health", folder / f"mlflow-{database.kind}.log", env)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -723,15 +502,6 @@ def parse_list(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     return items
 
 
-def mlflow_version(venv: Path) -> str:
-    return subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import mlflow; print(mlflow.__version__)"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-
-
 def cell(m: Measurement, number: float) -> str:
     return "failed" if m.problems else f"{number:,.0f}"
 
@@ -820,14 +590,9 @@ def main() -> int:
 
     versions = [f"Python {platform.python_version()}", f"{os.cpu_count()} CPUs"]
     if "mlflow" in args.systems:
-        if not (args.mlflow_venv / "bin" / "mlflow").exists():
-            print(
-                f"no MLflow in {args.mlflow_venv}; create it "
-                "(outside the project venv: dependency conflicts):\n"
-                f"    python3 -m venv {args.mlflow_venv} && {args.mlflow_venv}/bin/pip install mlflow "
-                "psycopg2-binary",
-                file=sys.stderr,
-            )
+        missing = mlflow_missing(args.mlflow_venv)
+        if missing:
+            print(missing, file=sys.stderr)
             return 2
         versions.insert(
             0,

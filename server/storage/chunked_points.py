@@ -12,9 +12,14 @@ Invariants, kept by every writer here:
 - a step written again replaces its value (a resumed run re-logs old steps): write() merges the
   chunks the new points overlap with them and stores the result in their place.
 
-Sizes: a batch's points of a series form one chunk (split at MAX_CHUNK_POINTS). A chunk with fewer
-than TOP_UP_BELOW points takes the next batch's points of its series when they come after it, so a
-run that logs a point a second still ends up with chunks of hundreds of points, not rows of one.
+Sizes: a batch's points of a series form one chunk (split at MAX_CHUNK_POINTS). Small chunks (fewer
+than TOP_UP_BELOW points) at the end of a series are merged with the next batch's points of the
+series when they come after them, so a run that logs a point a second still ends up with chunks of
+hundreds of points, not rows of one. Without a LooseChunks, write() merges them on every batch (the
+tail is read, decoded, deleted and written again: at 20 steps a batch each point is rewritten ~12
+times); with one (the Store's), a batch appends its points as a chunk of their own and the tail is
+merged on every COMPACT_EVERY-th batch of a series only: at most about that many small chunks end a
+series, and each point is rewritten a few times at most.
 
 Encoding (reversible, NaN payloads and ±Inf kept): steps as int64 differences from the first step,
 values as float64. A chunk of TOP_UP_BELOW points or more is deflated (zlib level 1), its values'
@@ -40,8 +45,10 @@ from . import bulk
 from .codecs import decode_float
 
 __all__ = [
+    "COMPACT_EVERY",
     "MAX_CHUNK_POINTS",
     "TOP_UP_BELOW",
+    "LooseChunks",
     "Points",
     "concat",
     "count_and_max_before",
@@ -61,6 +68,7 @@ __all__ = [
 
 MAX_CHUNK_POINTS = 4096
 TOP_UP_BELOW = 512
+COMPACT_EVERY = 16  # with a LooseChunks: a series' small tail chunks are merged every this many batches
 
 Executor = Session | Connection
 # The first byte of step_data and value_data: how the rest is stored (int64 step differences,
@@ -214,10 +222,43 @@ _KEY = ("series_id", "rank", "first_step")
 # -- writing ----------------------------------------------------------------------------------------
 
 
-def write(executor: Executor, rank: int, new: Mapping[int, Points]) -> set[int]:
+class LooseChunks:
+    """How many chunks each (series, rank) had appended since its tail was last merged, in this process
+    (write() with it appends instead of merging on every batch). Only the layout depends on it, never
+    what is stored: a count lost (a restart, another replica writing the same series, a transaction
+    rolled back after counting) merely moves the next merge, which takes every small chunk at the
+    end of the series whatever the count said."""
+
+    def __init__(self, every: int = COMPACT_EVERY, capacity: int = 1_000_000) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, not {every}")
+        self.every = every
+        self.capacity = capacity  # (series, rank) counts kept at most; beyond, all start over
+        self._appended: dict[tuple[int, int], int] = {}
+
+    def due(self, series_ids: Sequence[int], rank: int) -> set[int]:
+        """Count one batch for each series; the ones whose tail is to be merged by this batch."""
+        if len(self._appended) + len(series_ids) > self.capacity:
+            self._appended.clear()
+        due = set()
+        for sid in series_ids:
+            key = (sid, rank)
+            count = self._appended.get(key, 0) + 1
+            if count >= self.every:
+                due.add(sid)
+                count = 0
+            self._appended[key] = count
+        return due
+
+
+def write(
+    executor: Executor, rank: int, new: Mapping[int, Points], loose: LooseChunks | None = None
+) -> set[int]:
     """Store a batch's points of one rank (series id -> points); returns the series whose stored
     points the batch overlapped (a step written again, or new steps between stored ones): their
-    rollups must be recomputed, the others' can be folded (rollups.merge_new_points)."""
+    rollups must be recomputed, the others' can be folded (rollups.merge_new_points). With `loose`,
+    points after everything stored are appended as chunks of their own, and a series' small tail
+    chunks merged only when `loose` says so (see the module docstring)."""
     new = {sid: points for sid, points in new.items() if len(points)}
     if not new:
         return set()
@@ -233,8 +274,13 @@ def write(executor: Executor, rank: int, new: Mapping[int, Points]) -> set[int]:
         points = new[row[0]]
         if row[1] <= points.steps[-1] and row[2] >= points.steps[0]:
             overlapping[row[0]].append(row)
-    small = [sid for sid in ids if sid not in overlapping and len(new[sid]) < TOP_UP_BELOW]
-    tails = _small_tails(executor, rank, small)
+    appended = [sid for sid in ids if sid not in overlapping]
+    if loose is None:  # the tail of every series is merged with its new points, unless they are many
+        merged = [sid for sid in appended if len(new[sid]) < TOP_UP_BELOW]
+    else:  # only when due; and before a bigger chunk, which would leave the small ones behind it
+        due = loose.due(appended, rank)
+        merged = [sid for sid in appended if sid in due or len(new[sid]) >= TOP_UP_BELOW]
+    tails = _small_tails(executor, rank, merged)
     deletes: list[tuple[int, int, int]] = []
     inserts: list[tuple[Any, ...]] = []
     for sid in ids:
@@ -251,19 +297,24 @@ def write(executor: Executor, rank: int, new: Mapping[int, Points]) -> set[int]:
 
 
 def _small_tails(executor: Executor, rank: int, series_ids: list[int]) -> dict[int, list[tuple[Any, ...]]]:
-    """The last chunk of each series, where it holds fewer than TOP_UP_BELOW points: one statement,
-    one backward index seek per series."""
+    """The chunks at the end of each series that hold fewer than TOP_UP_BELOW points (those after
+    its last bigger chunk; at most about LooseChunks.every of them): one statement, per series one
+    backward index walk to its last bigger chunk and a range scan after it."""
     if not series_ids:
         return {}
     found = bulk.fetch(
         executor,
         f"WITH wanted(sid) AS (VALUES {', '.join('(?)' for _ in series_ids)})"
         f" SELECT c.series_id, c.{_STORED.replace(', ', ', c.')} FROM wanted JOIN point_chunks c"
-        " ON c.series_id = wanted.sid AND c.rank = ? AND c.first_step = (SELECT max(m.first_step)"
-        " FROM point_chunks m WHERE m.series_id = wanted.sid AND m.rank = ?) WHERE c.count < ?",
+        " ON c.series_id = wanted.sid AND c.rank = ? AND c.first_step > COALESCE((SELECT m.first_step"
+        " FROM point_chunks m WHERE m.series_id = wanted.sid AND m.rank = ? AND m.count >= ?"
+        " ORDER BY m.first_step DESC LIMIT 1), -1)",
         [*series_ids, rank, rank, TOP_UP_BELOW],
     )
-    return {row[0]: [row] for row in found}
+    tails: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in found:
+        tails[row[0]].append(row)
+    return dict(tails)
 
 
 def delete_from(executor: Executor, series_ids: Sequence[int], rank: int, step: int) -> None:

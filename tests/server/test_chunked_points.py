@@ -1,5 +1,6 @@
 """Chunked point storage (server/storage/chunked_points.py) on real SQLite and PostgreSQL databases:
-every write path (append, top-up of a small tail, overwrite, gap filling, resume cut) keeps exactly
+every write path (append, top-up of a small tail, appends merged every few batches, overwrite, gap
+filling, resume cut) keeps exactly
 the points a row-per-point table would hold, and migration 0011 moves stored points both ways."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from alembic import command
 from sqlalchemy import text
 
 from gradwatch.server.database import _alembic_config, make_engine, prepare_schema
-from gradwatch.server.storage import chunked_points
+from gradwatch.server.schemas import BatchIn, RunIn
+from gradwatch.server.storage import Store, chunked_points
 from gradwatch.server.storage.chunked_points import MAX_CHUNK_POINTS, TOP_UP_BELOW, Points
 
 
@@ -79,6 +81,89 @@ def test_writes_of_every_kind_keep_exactly_the_latest_value_per_step(engine):
             text("SELECT count(*) FROM point_chunks WHERE series_id = 1 AND rank = 0 AND last_step < 700")
         ).scalar()
         assert small <= 700 // TOP_UP_BELOW + 1
+
+
+def test_appends_with_loose_chunks_keep_exactly_the_points_and_a_short_small_tail(engine):
+    """Ingest's mode: batches appended as chunks of their own, small tail chunks merged every few
+    batches of a series; mixed with single points, a bigger batch, a rewrite and a resume cut."""
+    rng = random.Random(11)
+    loose = chunked_points.LooseChunks(every=4)
+    truth: dict[tuple[int, int], dict[int, float]] = {}
+
+    def write(connection, rank: int, new: dict[int, dict[int, float]]) -> set[int]:
+        for sid, points in new.items():
+            truth.setdefault((sid, rank), {}).update(points)
+        return chunked_points.write(
+            connection, rank, {sid: Points.of(list(p), list(p.values())) for sid, p in new.items()}, loose
+        )
+
+    def small_tail(connection, sid: int, rank: int) -> int:
+        """How many chunks smaller than TOP_UP_BELOW follow the series' last bigger one."""
+        counts = connection.execute(
+            text("SELECT count FROM point_chunks WHERE series_id = :s AND rank = :r ORDER BY first_step"),
+            {"s": sid, "r": rank},
+        ).scalars()
+        tail = 0
+        for count in counts:
+            tail = tail + 1 if count < TOP_UP_BELOW else 0
+        return tail
+
+    with engine.begin() as connection:
+        step = 0
+        for batch in range(300):  # 20-step batches of two series, one of them only every third batch
+            new = {1: {s: rng.random() for s in range(step, step + 20)}}
+            if batch % 3 == 0:
+                new[2] = {s: rng.random() for s in range(step, step + 20, 5)}
+            assert write(connection, 0, new) == set()
+            step += 20
+            assert small_tail(connection, 1, 0) <= loose.every
+        for _ in range(100):  # single points
+            assert write(connection, 0, {1: {step: rng.random()}, 2: {step: -1.0}}) == set()
+            step += 1
+        assert write(connection, 0, {1: {s: 0.5 for s in range(step, step + 3000)}}) == set()
+        assert small_tail(connection, 1, 0) == 0  # a bigger batch takes the small chunks before it
+        step += 3000
+        for s in range(step, step + 7):
+            write(connection, 0, {1: {s: math.nan if s % 2 else math.inf}})
+        # A resumed run re-logs steps across appended chunks; then its old tail is cut.
+        assert write(connection, 0, {1: {s: -2.0 for s in range(5_990, 6_050)}}) == {1}
+        write(connection, 1, {1: {s: float(s) for s in range(40)}})
+        _check(connection, truth)
+        chunked_points.delete_from(connection, [1], 0, step + 3)
+        truth[(1, 0)] = {s: v for s, v in truth[(1, 0)].items() if s < step + 3}
+        write(connection, 0, {1: {s: 7.0 for s in range(step + 3, step + 30)}})
+        _check(connection, truth)
+        chunks = connection.execute(
+            text("SELECT count(*) FROM point_chunks WHERE series_id = 1 AND rank = 0")
+        ).scalar()
+        assert chunks <= 10_000 // TOP_UP_BELOW + 2 * loose.every  # not one row per batch
+    with pytest.raises(ValueError, match="at least 1"):
+        chunked_points.LooseChunks(every=0)
+
+
+def test_store_ingest_appends_small_batches_and_reads_them_back_exactly(engine):
+    """The Store's ingest path (LooseChunks): 100 batches of 20 steps, then 30 steps from 1,510 written
+    again (as a resumed run re-logs them); every point reads back as last written, in far fewer rows
+    than batches."""
+    store = Store(engine)
+    run = store.create_run(RunIn(project="chunks", name="small batches"))
+    expected: dict[int, float] = {}
+    for seq in range(100):
+        steps = list(range(seq * 20, seq * 20 + 20))
+        values = [math.sin(step) if step % 97 else math.nan for step in steps]
+        expected.update(zip(steps, values, strict=True))
+        batch = {"seq": seq, "rank": 0, "scalars": [{"key": "loss", "steps": steps, "values": values}]}
+        assert store.ingest(run.id, BatchIn.model_validate(batch)).points == 20
+    steps = list(range(1_510, 1_540))
+    expected.update(dict.fromkeys(steps, -1.0))
+    batch = {"seq": 100, "rank": 0, "scalars": [{"key": "loss", "steps": steps, "values": [-1.0] * 30}]}
+    store.ingest(run.id, BatchIn.model_validate(batch))
+    got = store.series(run.id, "loss", 0, None, None, 10_000)
+    assert got.steps == sorted(expected) and not got.downsampled
+    assert all(_same(v, expected[s]) for s, v in zip(got.steps, got.values, strict=True))
+    with engine.connect() as connection:
+        rows = connection.execute(text("SELECT count(*) FROM point_chunks")).scalar()
+    assert rows <= 100 // chunked_points.COMPACT_EVERY + chunked_points.COMPACT_EVERY + 2
 
 
 def test_reads_by_range_latest_extent_and_cursor(engine):
