@@ -102,7 +102,8 @@ def test_a_tenant_back_before_its_retry_after_is_held_and_an_honest_one_never(mo
     HELD_PER_TENANT held at once, the rest are answered at once (to be closed)."""
     from gradwatch.server import ingest_limits
 
-    monkeypatch.setattr(ingest_limits, "HOLD_AT_MOST_S", 0.2)
+    # A hold of 1 s against "at once" meaning under 0.5 s: far apart on a loaded machine too.
+    monkeypatch.setattr(ingest_limits, "HOLD_AT_MOST_S", 1.0)
     monkeypatch.setattr(ingest_limits, "HELD_PER_TENANT", 3)
     clock = FakeClock()
     limits = IngestLimits(points_per_s=1000, burst_points=1000, clock=clock)
@@ -113,17 +114,17 @@ def test_a_tenant_back_before_its_retry_after_is_held_and_an_honest_one_never(mo
         return answered, time.perf_counter() - started
 
     async def scenario() -> None:
-        assert (await timed("token:1", 2))[1] < 0.1  # a first refusal: told to come back in 2 s
+        assert (await timed("token:1", 2))[1] < 0.5  # a first refusal: told to come back in 2 s
         clock.now += 0.5  # back after 0.5 s: held, by at most HOLD_AT_MOST_S
         answered, waited = await timed("token:1", 2)
-        assert answered and 0.19 <= waited < 1.0, waited
+        assert answered and 0.99 <= waited < 3.0, waited
         clock.now += 10  # an agent that waited its Retry-After out
-        assert (await timed("token:1", 2))[1] < 0.1
-        assert (await timed("token:2", 2))[1] < 0.1  # another tenant's refusal is its own
+        assert (await timed("token:1", 2))[1] < 0.5
+        assert (await timed("token:2", 2))[1] < 0.5  # another tenant's refusal is its own
         # A flood while told to wait: three are held, the rest answered at once (closed by the caller).
         results = await asyncio.gather(*(timed("token:1", 2) for _ in range(6)))
         assert sorted(answered for answered, _ in results) == [False] * 3 + [True] * 3
-        assert all(waited < 0.1 for answered, waited in results if not answered)
+        assert all(waited < 0.5 for answered, waited in results if not answered)
         assert limits._tenant("token:1").held == 0
 
     asyncio.run(scenario())
