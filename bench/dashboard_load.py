@@ -21,7 +21,8 @@ Headless Chromium (/usr/bin/chromium or GRADWATCH_TEST_CHROMIUM, Playwright) the
    measured too: the server's CPU for ingest, to subtract.
 2. loads: finishes the run and opens /dashboard/runs/{id} `--repeats` times, timing from navigation
    until every graph of the page holds data (not a placeholder), with the time the last callback
-   answer arrived, the bytes of the callback answers and the CPU the server process spent meanwhile;
+   answer arrived, the bytes of the callback answers and the CPU the server process and Chromium
+   spent meanwhile (on a shared machine steadier than the wall time);
    then how long the API alone takes to answer the requests the last load made, one after the other.
 3. idle: keeps the finished run's page open for `--idle-seconds` and measures the CPU.
 
@@ -421,12 +422,22 @@ MISSING_GRAPHS = (
 )
 
 
-def load_times(
-    browser: object, url: str, run_id: str, repeats: int, api: ApiCounter, cpu: Cpu
-) -> list[tuple[float, float, float, int, Traffic, float]]:
-    """Per page load: (seconds to all graphs with data, seconds to the last callback answer, server
-    CPU seconds, bytes of the callback answers, the API traffic of the load, the 1-minute load
-    average when it ended: the machine is shared)."""
+@dataclass
+class Load:
+    """One page load, timed from navigation until every graph holds data."""
+
+    seconds: float
+    last_answer_s: float  # when the last callback answer arrived
+    server_cpu_s: float
+    # Chromium's CPU seconds meanwhile (all its processes): steadier than wall time on a busy machine.
+    browser_cpu_s: float
+    answer_bytes: int  # of the callback answers
+    traffic: Traffic  # the load's API requests
+    load_average: float  # the 1-minute load average when it ended: the machine is shared
+
+
+def load_times(browser: object, url: str, run_id: str, repeats: int, api: ApiCounter, cpu: Cpu) -> list[Load]:
+    """Each of `repeats` loads of the run page, in a new page (no cache, as a first visit)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     loads = []
@@ -444,7 +455,7 @@ def load_times(
 
         page.on("requestfinished", finished)
         api.reset()
-        server_before = cpu.read()[0]
+        server_before, browser_before = cpu.read()
         started = time.perf_counter()
         page.goto(f"{url}/dashboard/runs/{run_id}")
         try:
@@ -454,12 +465,20 @@ def load_times(
             shown = page.evaluate(MISSING_GRAPHS)
             raise RuntimeError(f"graphs without data after 120 s: {shown}") from None
         drawn = time.perf_counter() - started
-        server_after = cpu.read()[0]
+        server_after, browser_after = cpu.read()
         traffic = api.reset()
         last_answer = max((at for at, _ in answers), default=started) - started
         answer_bytes = sum(s for _, s in answers)
         loads.append(
-            (drawn, last_answer, server_after - server_before, answer_bytes, traffic, os.getloadavg()[0])
+            Load(
+                drawn,
+                last_answer,
+                server_after - server_before,
+                Cpu.browser_seconds(browser_before, browser_after),
+                answer_bytes,
+                traffic,
+                os.getloadavg()[0],
+            )
         )
         if errors:
             raise RuntimeError(f"page errors: {errors}")
@@ -563,22 +582,24 @@ def main() -> int:
                     )
                 finish_run(server.url, run_id)
                 loads = load_times(browser, server.url, run_id, args.repeats, api, cpu)
-                for index, (seconds, last_answer, server_cpu_s, answer_bytes, traffic, load) in enumerate(
-                    loads
-                ):
+                for index, load in enumerate(loads):
                     say(
-                        f"load {index + 1}: all {len(GRAPHS)} graphs with data after {seconds:.2f} s "
-                        f"(last callback answer at {last_answer:.2f} s, {answer_bytes / 1e6:.2f} MB of "
-                        f"answers; {sum(traffic.requests.values())} API requests, "
-                        f"{sum(traffic.bytes.values()) / 1e6:.2f} MB; "
-                        f"server process CPU {server_cpu_s:.2f} s; load average {load:.1f})"
+                        f"load {index + 1}: all {len(GRAPHS)} graphs with data after {load.seconds:.2f} s "
+                        f"(last callback answer at {load.last_answer_s:.2f} s, "
+                        f"{load.answer_bytes / 1e6:.2f} MB of answers; "
+                        f"{sum(load.traffic.requests.values())} API requests, "
+                        f"{sum(load.traffic.bytes.values()) / 1e6:.2f} MB; CPU server process "
+                        f"{load.server_cpu_s:.2f} s, Chromium {load.browser_cpu_s:.2f} s; "
+                        f"load average {load.load_average:.1f})"
                     )
-                floor = api_alone(loads[-1][4].urls, api)
-                walls = [load[0] for load in loads]
+                floor = api_alone(loads[-1].traffic.urls, api)
+                walls = [load.seconds for load in loads]
                 say(
-                    f"median {statistics.median(walls):.2f} s, worst {max(walls):.2f} s; the API alone, "
-                    f"request after request, takes {floor:.2f} s for the same data; load average "
-                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+                    f"median {statistics.median(walls):.2f} s, worst {max(walls):.2f} s (CPU per load, "
+                    f"median: server {statistics.median(load.server_cpu_s for load in loads):.2f} s, "
+                    f"Chromium {statistics.median(load.browser_cpu_s for load in loads):.2f} s); "
+                    f"the API alone, request after request, takes {floor:.2f} s for the same data; "
+                    f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
                 )
                 api_traffic, page_traffic, server_cpu, browser_cpu = (
                     observe(browser, run_page, ALL_GRAPHS_HAVE_DATA, args.idle_seconds, api, cpu)

@@ -143,6 +143,9 @@ def base_layout_dict(title: str, uirevision: str) -> dict[str, Any]:
             "color": "#1f2933",
         },
         "height": FIGURE_HEIGHT_PX,
+        # As wide as its card from the first drawing: without it plotly.js draws a graph 700 px wide,
+        # and dcc.Graph's resize right after draws it all again at the card's width.
+        "autosize": True,
         "margin": {"l": 60, "r": 20, "t": 64, "b": 40},
         "hovermode": "closest",
         "showlegend": False,

@@ -52,7 +52,7 @@ def histogram_figure(
 
     Bars span log2|g| in [e-1, e). scale: the loss scale at that step; when given, fp16's underflow
     (2^-24/S) and overflow (65504/S) limits are drawn as vertical lines. Zeros and NaN/Inf counts,
-    which have no bin, are in the title.
+    which have no bin, are in the title's subtitle.
     """
     rows = _histogram_rows(histograms)
     title = "Gradient histogram"
@@ -121,7 +121,12 @@ def histogram_figure(
     figure.layout.yaxis.update(
         title={"text": "values"}, type="log" if max(counts, default=0) > 1000 else "linear"
     )
-    figure.layout.title.text += f"<br><sup>zeros {zeros:,} · NaN/Inf {non_finite:,}</sup>"
+    # A subtitle, which plotly.js lays out below the title (a second line of the title's own text,
+    # "<br><sup>…</sup>", is pushed above it by the title's top anchor and cut off at the top edge).
+    figure.layout.title.subtitle = {
+        "text": f"zeros {zeros:,} · NaN/Inf {non_finite:,}",
+        "font": {"size": 11, "color": "#4b5563"},
+    }
     figure.update_layout(margin={"t": 72})
     return figure
 

@@ -70,6 +70,8 @@ REFRESH_OUTPUTS = {
     "stop_polling": Output("refresh", "disabled"),
     "stop_polling_layers": Output("layers-refresh", "disabled"),
     "cursor": Output("live-cursor", "data"),
+    # Cleared when the header's slot shows an error instead: the header's next refresh draws it all.
+    "header_cursor": Output("header-cursor", "data", allow_duplicate=True),
 }
 UNCHANGED = dict.fromkeys(REFRESH_OUTPUTS, dash.no_update)
 # What the header's refresh updates, once the line charts' has moved the live cursor.
@@ -125,6 +127,7 @@ def register(
         output=REFRESH_OUTPUTS,
         inputs=[Input("refresh", "n_intervals")],
         state=[State("run-id", "data"), State("selected-step", "data"), State("live-cursor", "data")],
+        prevent_initial_call="initial_duplicate",  # called as the page opens; header-cursor is shared
     )
     def refresh_run(_n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any) -> dict[str, Any]:
         # The line charts only: the header and the timeline follow once the cursor has moved
@@ -158,12 +161,30 @@ def register(
         except RunNotFound:
             event_log.forget(run_id)
             header = error_banner(f"Run “{run_id}” no longer exists.")
-            return {**UNCHANGED, "header": header, "stop_polling": True, "stop_polling_layers": True}
+            return {
+                **UNCHANGED,
+                "header": header,
+                "stop_polling": True,
+                "stop_polling_layers": True,
+                "header_cursor": None,
+            }
         except ApiError as exc:
-            # Keep what is drawn and keep polling: the server may be restarting.
+            # Keep what is drawn and keep polling: the server may be restarting. The banner replaces
+            # the header's slot, so the header's next refresh must draw it in full, not patch a part.
             header = error_banner(exc)
-            return {**UNCHANGED, "header": header, "stop_polling": False, "stop_polling_layers": False}
-        updates = {"header": dash.no_update, "stop_polling": ended, "stop_polling_layers": ended}
+            return {
+                **UNCHANGED,
+                "header": header,
+                "stop_polling": False,
+                "stop_polling_layers": False,
+                "header_cursor": None,
+            }
+        updates = {
+            "header": dash.no_update,
+            "stop_polling": ended,
+            "stop_polling_layers": ended,
+            "header_cursor": dash.no_update,
+        }
         if appended is not None:
             charts, new_cursor = appended
             return {**updates, **charts, "cursor": {**new_cursor, "run": signature}}
@@ -302,20 +323,23 @@ def register(
 
     @app.callback(
         *(Output(graph_id, "figure", allow_duplicate=True) for graph_id in STEP_GRAPHS),
+        Output("opened-step", "data"),
         Input("selected-step", "data"),
+        State("opened-step", "data"),
         prevent_initial_call=True,
     )
-    def mark_step(step: Any) -> tuple[dash.Patch, ...]:
-        if ctx.triggered_id is None:
-            # The page's first call (its charts are drawn with the step's marker, or none): a patch
-            # now would only draw each of them once more, or take the marker off one drawn with it.
-            raise dash.exceptions.PreventUpdate
+    def mark_step(step: Any, opened: Any) -> tuple[Any, ...]:
+        # Dash calls this once as the page's layout is inserted, with the step the page opened at
+        # (`opened-step` still holds it): its charts are drawn with that step's marker (or none)
+        # already, and a patch now would only draw each of them once more, placeholders included.
+        if ctx.triggered_id is None or (isinstance(opened, dict) and opened.get("step") == step):
+            return (*(dash.no_update for _ in STEP_GRAPHS), None)
         patches = []
         for _ in STEP_GRAPHS:
             patch = dash.Patch()
             patch["layout"]["shapes"] = figures.step_marker_shapes(step)
             patches.append(patch)
-        return tuple(patches)
+        return (*patches, None if opened is not None else dash.no_update)
 
 
 def append_new_points(
@@ -408,6 +432,8 @@ def run_layout(
         [
             dcc.Store(id="run-id", data=run_id),
             dcc.Store(id="selected-step", data=selected_step),
+            # The step the page opened at, until the step marker's first call has seen it (mark_step).
+            dcc.Store(id="opened-step", data={"step": selected_step}),
             dcc.Store(id="live-cursor", data=None),  # what the line charts show, for live appends
             dcc.Store(id="header-cursor", data=None),  # what the header and the timeline show
             *(dcc.Store(id=heatmap_cursor_id(graph_id), data=None) for graph_id in LAYER_HEATMAPS),
@@ -449,8 +475,14 @@ def run_layout(
                             dcc.Store(id="layer-names", data=layers),
                             html.Label("Step", htmlFor="hist-step"),
                             dcc.Dropdown(
-                                id="hist-step", options=[], value=None, clearable=False, className="step-pick"
+                                id="hist-step",
+                                options=[],
+                                value=None,
+                                clearable=False,
+                                className="step-pick",
+                                placeholder="type to search the steps",
                             ),
+                            dcc.Store(id="hist-steps", data=[]),  # every step the histogram has
                         ],
                         className="toolbar",
                     ),

@@ -10,7 +10,8 @@ drawn and append them as columns of the heatmap's "live-cells" trace, in the ima
 (it rewrote steps already drawn), or when the layers change. The histogram is read again on such a
 tick too, or when another layer or step is picked; it reads the loss scale itself, for fp16's limits,
 instead of waiting for the line charts' copy. The layer picker lists MAX_PICKED_OPTIONS layers at a
-time and searches the others by what is typed (`picker_options`).
+time and searches the others by what is typed (`picker_options`), the step picker likewise
+MAX_STEP_OPTIONS steps (`step_picker_options`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ if TYPE_CHECKING:
 
     from ..app import Background
 
-__all__ = ["HEATMAP_CURSOR_SUFFIX", "LAYER_HEATMAPS", "heatmap_cursor_id", "picker_options", "register"]
+__all__ = [
+    "HEATMAP_CURSOR_SUFFIX",
+    "LAYER_HEATMAPS",
+    "heatmap_cursor_id",
+    "picker_options",
+    "register",
+    "step_picker_options",
+]
 
 # Per-layer heatmaps: graph id → (vector key, title, colour-bar label, log colour scale, fixed range).
 LAYER_HEATMAPS = {
@@ -47,6 +55,7 @@ LAYER_HEATMAPS = {
 HEATMAP_CURSOR_SUFFIX = "-cursor"
 SCALE_KEY = "amp/scale"
 MAX_PICKED_OPTIONS = 40  # the layer picker's options at a time (see picker_options)
+MAX_STEP_OPTIONS = 20  # the step picker's (see step_picker_options)
 
 
 def heatmap_cursor_id(graph_id: str) -> str:
@@ -95,8 +104,21 @@ def register(app: dash.Dash, api: ApiClient, background: Background | None = Non
         return picker_options(layers, search, chosen)
 
     @app.callback(
+        Output("hist-step", "options", allow_duplicate=True),
+        Input("hist-step", "search_value"),
+        State("hist-step", "value"),
+        State("hist-steps", "data"),
+        prevent_initial_call=True,
+    )
+    def search_steps(search: str | None, chosen: Any, steps: Any) -> Any:
+        if not isinstance(steps, list):
+            raise dash.exceptions.PreventUpdate
+        return step_picker_options(steps, search, chosen)
+
+    @app.callback(
         output={
             "step_options": Output("hist-step", "options"),
+            "steps": Output("hist-steps", "data"),
             "step": Output("hist-step", "value"),
             "at_step": Output("hist-graph", "figure"),
             "over_steps": Output("hist-time-graph", "figure"),
@@ -155,7 +177,8 @@ def register(app: dash.Dash, api: ApiClient, background: Background | None = Non
         over_time.update_layout(shapes=figures.step_marker_shapes(selected_step))
         # Both as updates that keep the user's zoom: a live run redraws them as the scale moves.
         return {
-            "step_options": [{"label": f"step {value:,}", "value": value} for value in reversed(steps)],
+            "step_options": step_picker_options(steps, None, step),
+            "steps": steps,
             "step": step,
             "at_step": keep_view(bar),
             "over_steps": keep_view(over_time),
@@ -175,6 +198,26 @@ def picker_options(layers: list[str], search: str | None, chosen: Any) -> list[d
     if isinstance(chosen, str) and chosen in layers and chosen not in found:
         found = sorted([*found[: MAX_PICKED_OPTIONS - 1], chosen], key=layers.index)
     return [{"label": name, "value": name} for name in found]
+
+
+def step_picker_options(steps: list[int], search: str | None, chosen: Any) -> list[dict[str, Any]]:
+    """The step picker's options, latest step first: the steps whose number contains what was typed
+    (`search`; digits, thousands separators ignored), or without it the steps around `chosen`; at
+    most MAX_STEP_OPTIONS, `chosen` always among them.
+
+    Not every histogram step of a long run (a hundred for 100k steps), for the reason picker_options
+    gives: the dropdown indexes every option's text as it renders, while the page's graphs wait."""
+    latest_first = sorted((step for step in steps if isinstance(step, int)), reverse=True)
+    needle = "".join(character for character in (search or "") if character.isdigit())
+    if needle:
+        shown = [step for step in latest_first if needle in str(step)][:MAX_STEP_OPTIONS]
+        if chosen in latest_first and chosen not in shown:
+            shown = sorted([*shown[: MAX_STEP_OPTIONS - 1], chosen], reverse=True)
+    else:
+        at = latest_first.index(chosen) if chosen in latest_first else 0
+        first = max(0, min(at - MAX_STEP_OPTIONS // 2, len(latest_first) - MAX_STEP_OPTIONS))
+        shown = latest_first[first : first + MAX_STEP_OPTIONS]
+    return [{"label": f"step {step:,}", "value": step} for step in shown]
 
 
 def _register_heatmap(app: dash.Dash, api: ApiClient, graph_id: str, spec: tuple[Any, ...]) -> None:
@@ -260,6 +303,7 @@ def _no_histogram(message: str, run_id: str) -> dict[str, Any]:
     """show_histogram's result when there is no histogram to draw: `message` in both charts."""
     return {
         "step_options": [],
+        "steps": [],
         "step": None,
         "at_step": figures.empty_figure("Gradient histogram", message, uirevision=run_id),
         "over_steps": figures.empty_figure("Gradient histogram over steps", message, uirevision=run_id),

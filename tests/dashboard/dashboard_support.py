@@ -316,6 +316,7 @@ REFRESH_OUTPUTS = [
     "refresh.disabled",
     "layers-refresh.disabled",
     "live-cursor.data",
+    "header-cursor.data",
 ]
 HEADER_OUTPUTS = ["run-header.children", "events-table.children", "header-cursor.data"]
 

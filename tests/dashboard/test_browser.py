@@ -176,7 +176,7 @@ def test_run_page_shows_per_layer_heatmaps_and_the_histogram_of_a_chosen_layer(f
     _graph_has(page, "hist-time-graph", "data.some(t => t.type === 'heatmap' && t.x.length === 3)")
     bar, title = page.evaluate(
         "() => { const g = document.querySelector('#hist-graph .js-plotly-plot');"
-        " return [g.data[0], g.layout.title.text]; }"
+        " return [g.data[0], g.layout.title.subtitle.text]; }"
     )
     zeros = int(re.search(r"zeros ([\d,]+)", title).group(1).replace(",", ""))
     assert sum(bar["y"]) + zeros == 32 * 32  # every element of hidden.weight's gradient is counted once

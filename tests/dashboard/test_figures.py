@@ -220,6 +220,19 @@ def test_uirevision_is_set_so_refreshes_keep_the_users_zoom():
     assert figures.empty_figure("Loss", uirevision="run-7").layout.uirevision == "run-7"
 
 
+def test_every_figure_is_as_wide_as_its_card_from_the_first_drawing():
+    # Else plotly.js draws it 700 px wide first, and dcc.Graph's resize draws it all again.
+    drawn = [
+        figures.loss_figure({"steps": [0], "values": [1.0]}).to_plotly_json(),
+        figures.empty_figure_dict("Loss", "loading…"),
+        figures.heatmap_placeholder("Gradient norm per layer", "loading…", layer_count=200),
+        figures.layer_heatmap_figure(
+            {"layers": ["a", "b"], "steps": [0, 10], "values": [[1.0, 2.0], [3.0, 4.0]]}, "Norm", "‖g‖"
+        ),
+    ]
+    assert [figure["layout"]["autosize"] for figure in drawn] == [True] * len(drawn)
+
+
 @pytest.mark.parametrize(
     ("scale", "text"),
     [

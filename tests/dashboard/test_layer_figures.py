@@ -202,7 +202,8 @@ def test_histogram_at_a_step_draws_bins_and_the_fp16_limits():
     )  # bin -12 spans log2|g| in [-13, -12)
     assert min(bars.customdata) == -36 and max(bars.customdata) <= 8  # from the underflow limit up
     assert "step 20" in figure.layout.title.text and "&lt;b&gt;x&lt;/b&gt;" in figure.layout.title.text
-    assert "zeros 4" in figure.layout.title.text and "NaN/Inf 1" in figure.layout.title.text
+    counts = figure.layout.title.subtitle.text
+    assert "zeros 4" in counts and "NaN/Inf 1" in counts
     assert sorted(shape.x0 for shape in figure.layout.shapes) == [-34.0, pytest.approx(math.log2(65504) - 10)]
 
 

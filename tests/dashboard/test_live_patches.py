@@ -148,6 +148,34 @@ def test_live_refresh_fetches_from_the_last_step_shown_and_appends():
     assert second["live-cursor"]["data"]["last"]["loss"] == 3
 
 
+def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
+    api = live_api()
+    failing = [False]
+
+    def transport(request):
+        if failing[0]:
+            return httpx.Response(503, json={"detail": "restarting"})
+        return api(request)
+
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(transport))
+    ).server.test_client()
+    first = refresh(client)
+    cursor = first["live-cursor"]["data"]
+
+    failing[0] = True
+    broken = refresh(client, cursor=cursor, header_cursor=first["header-cursor"]["data"])
+    assert "restarting" in str(broken["run-header"]["children"])  # the banner fills the header's slot
+    assert broken["header-cursor"]["data"] is None  # so what the header showed is forgotten
+
+    failing[0] = False
+    grow(api, "loss", 3, 1.4)
+    news = refresh(client, cursor=cursor, header_cursor=broken["header-cursor"]["data"])
+    header = news["run-header"]["children"]
+    assert isinstance(header, list) and len(header) == 3  # header, verdict and incidents: no patch
+    assert "restarting" not in str(header)
+
+
 @pytest.mark.parametrize(
     "change",
     [

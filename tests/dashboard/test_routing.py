@@ -87,7 +87,7 @@ def test_graphs_get_plotly_js_cartesian_bundle_of_plotly_py_s_version_preloaded_
 
     index = get(dash_client, "/")
     url = "/dashboard/" + app.PLOTLY_JS
-    assert f'<link rel="preload" href="{url}" as="script">'.encode() in index.data
+    assert f'<link rel="preload" href="{url}" as="script" fetchpriority="low">'.encode() in index.data
     assert app.PLOTLY_BUNDLE.encode() not in index.data  # loaded by dcc.Graph, not by every page
 
     served = dash_client.get("/" + app.PLOTLY_JS, headers={"Accept-Encoding": "gzip, br"})
@@ -98,6 +98,17 @@ def test_graphs_get_plotly_js_cartesian_bundle_of_plotly_py_s_version_preloaded_
     assert f"plotly.js (cartesian - minified) v{get_plotlyjs_version()}\n".encode() in bundle[:200]
     again = dash_client.get("/" + app.PLOTLY_JS, headers={"If-None-Match": served.headers["ETag"]})
     assert again.status_code == 304
+
+
+def test_pages_load_regenerator_runtime_instead_of_babel_s_polyfill(dash_client):
+    scripts = re.findall(r'<script src="([^"]+)"', get(dash_client, "/").data.decode())
+    assert not [src for src in scripts if "polyfill" in src]
+    runtime = next(src for src in scripts if "/assets/regenerator-runtime.js" in src)
+    renderer = next(src for src in scripts if "dash_renderer" in src)
+    assert scripts.index(runtime) < scripts.index(renderer)  # there before any component loads lazily
+    served = dash_client.get(runtime.removeprefix("/dashboard"))
+    assert "regeneratorRuntime = runtime" in served.get_data(as_text=True)
+    served.close()
 
 
 def test_the_figures_draw_only_traces_the_plotly_bundle_has():
@@ -153,15 +164,25 @@ def test_parse_run_ids(search, ids):
 
 
 def test_the_step_marker_is_not_patched_onto_charts_on_the_page_s_first_call(dash_client):
-    # Drawn with the marker (or none) from the start; a patch then would draw them all again.
-    outputs = callback_outputs(dash_client, [f"{graph_id}.figure" for graph_id in run.STEP_GRAPHS])
-    body = {
-        "output": ".." + "...".join(outputs) + "..",
-        "outputs": [dict(zip(("id", "property"), output.split("."), strict=True)) for output in outputs],
-        "inputs": [{"id": "selected-step", "property": "data", "value": 4}],
-        "changedPropIds": [],
-    }
-    assert dash_client.post("/_dash-update-component", json=body).status_code == 204  # no update
-    body["changedPropIds"] = ["selected-step.data"]
-    marked = dash_client.post("/_dash-update-component", json=body).json["response"]
+    # Drawn with the marker (or none) from the start; a patch then would draw them all again. The
+    # renderer calls it as the page's layout is inserted, with the step as changed: "opened-step"
+    # tells that call apart from a click.
+    outputs = callback_outputs(
+        dash_client, [*(f"{graph_id}.figure" for graph_id in run.STEP_GRAPHS), "opened-step.data"]
+    )
+
+    def mark(step, opened):
+        body = {
+            "output": ".." + "...".join(outputs) + "..",
+            "outputs": [dict(zip(("id", "property"), o.split("."), strict=True)) for o in outputs],
+            "inputs": [{"id": "selected-step", "property": "data", "value": step}],
+            "state": [{"id": "opened-step", "property": "data", "value": opened}],
+            "changedPropIds": ["selected-step.data"],
+        }
+        return dash_client.post("/_dash-update-component", json=body).json["response"]
+
+    for opened_at in (None, 4):  # a plain page; an alert's link (?step=4)
+        assert mark(opened_at, {"step": opened_at}) == {"opened-step": {"data": None}}  # charts untouched
+    marked = mark(7, None)  # a click
     assert set(marked) == set(run.STEP_GRAPHS)
+    assert mark(4, None).keys() == marked.keys()  # back to the step the page opened at: marked too

@@ -324,6 +324,7 @@ def test_a_live_heatmap_asks_only_for_new_steps_and_appends_them(dash_client, fa
 
 HISTOGRAM_OUTPUTS = [
     "hist-step.options",
+    "hist-steps.data",
     "hist-step.value",
     "hist-graph.figure",
     "hist-time-graph.figure",
@@ -365,6 +366,7 @@ def test_histogram_of_the_chosen_layer_at_the_latest_step_then_at_a_selected_ste
     response = show_histogram(dash_client, "fc1.bias")
     assert response["hist-step"]["value"] == 20
     assert [option["value"] for option in response["hist-step"]["options"]] == [20, 0]
+    assert response["hist-steps"]["data"] == [0, 20]  # what typing in the step picker searches
     assert "fc1.bias" in apply_patch(response["hist-graph"]["figure"])["layout"]["title"]["text"]
     assert "S=2^13" in json.dumps(apply_patch(response["hist-graph"]["figure"])["layout"]["annotations"])
     over_time = apply_patch(response["hist-time-graph"]["figure"])
@@ -407,6 +409,41 @@ def test_the_layer_picker_lists_a_few_layers_at_a_time_and_searches_the_rest():
     assert [o["value"] for o in found] == [layers[0], layers[17]]  # the chosen one stays listed
     clicked = run_layers.picker_options(layers, None, layers[150])  # a heatmap click picked it
     assert layers[150] in [o["value"] for o in clicked] and len(clicked) == run_layers.MAX_PICKED_OPTIONS
+
+
+def test_the_step_picker_lists_the_steps_around_the_chosen_one_and_searches_the_rest(dash_client):
+    steps = list(range(0, 100_000, 1000))
+    limit = run_layers.MAX_STEP_OPTIONS
+    latest = [o["value"] for o in run_layers.step_picker_options(steps, None, 99_000)]
+    assert latest == steps[::-1][:limit]  # latest first
+    around = [o["value"] for o in run_layers.step_picker_options(steps, None, 50_000)]
+    assert len(around) == limit and 50_000 in around and around == sorted(around, reverse=True)
+    oldest = [o["value"] for o in run_layers.step_picker_options(steps, None, 0)]
+    assert oldest[-1] == 0 and len(oldest) == limit
+    typed = run_layers.step_picker_options(steps, "12,0", 99_000)
+    assert [o["value"] for o in typed] == [99_000, 12_000]  # the chosen one stays listed
+    assert typed[1]["label"] == "step 12,000"
+
+    response = dash_call(
+        dash_client,
+        ["hist-step.options"],
+        [(("hist-step", "search_value"), "3000")],
+        state=[(("hist-step", "value"), 99_000), (("hist-steps", "data"), steps)],
+    )
+    assert [o["value"] for o in response["hist-step"]["options"]] == [
+        99_000,
+        93_000,
+        83_000,
+        73_000,
+        63_000,
+        53_000,
+        43_000,
+        33_000,
+        30_000,
+        23_000,
+        13_000,
+        3_000,
+    ]
 
 
 def test_typing_in_the_layer_picker_asks_the_dashboard_for_matching_layers(dash_client):
