@@ -126,10 +126,17 @@ def register(
     @app.callback(
         output=REFRESH_OUTPUTS,
         inputs=[Input("refresh", "n_intervals")],
-        state=[State("run-id", "data"), State("selected-step", "data"), State("live-cursor", "data")],
+        state=[
+            State("run-id", "data"),
+            State("selected-step", "data"),
+            State("live-cursor", "data"),
+            State("header-cursor", "data"),
+        ],
         prevent_initial_call="initial_duplicate",  # called as the page opens; header-cursor is shared
     )
-    def refresh_run(_n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any) -> dict[str, Any]:
+    def refresh_run(
+        n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any, header_cursor: Any = None
+    ) -> dict[str, Any]:
         # The line charts only: the header and the timeline follow once the cursor has moved
         # (refresh_header), so the charts do not wait for the calls only those need. A live run's
         # charts get only the points after the last step shown, appended (see `live`); the first
@@ -139,8 +146,13 @@ def register(
             ended = run.get("status") != "running"
             signature = [*live.run_signature(run), run_status(run)]
             appendable = not ended and live.can_append(cursor, run_id)
-            if appendable and cursor.get("run") == signature:
-                return {**UNCHANGED, "stop_polling": False, "stop_polling_layers": False}  # nothing new
+            if appendable and cursor.get("run") == signature:  # nothing new
+                quiet = {**UNCHANGED, "stop_polling": False, "stop_polling_layers": False}
+                if header_cursor is None:
+                    # The header's slot still shows an error banner, and the API answers again: the
+                    # cursor moved by a tick number alone makes the header's refresh draw it in full.
+                    return {**quiet, "cursor": {**cursor, "header_redraw": n_intervals}}
+                return quiet
             starts = live_starts(cursor) if appendable else None
             # A sharded run's ranks each measure their own shard: its global norm is theirs combined.
             ranks = api.ranks(run_id) if world_size(run) > 1 else None

@@ -332,6 +332,7 @@ def refresh(client, run_id="r1", selected_step=None, cursor=None, header_cursor=
             (("run-id", "data"), run_id),
             (("selected-step", "data"), selected_step),
             (("live-cursor", "data"), cursor),
+            (("header-cursor", "data"), header_cursor),
         ],
     )
     if "live-cursor" in response:

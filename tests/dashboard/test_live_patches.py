@@ -176,6 +176,36 @@ def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
     assert "restarting" not in str(header)
 
 
+def test_once_the_api_answers_again_an_error_banner_goes_without_waiting_for_news():
+    api = live_api()
+    failing = [False]
+
+    def transport(request):
+        if failing[0]:
+            return httpx.Response(503, json={"detail": "restarting"})
+        return api(request)
+
+    client = create_dash_app(
+        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(transport))
+    ).server.test_client()
+    first = refresh(client)
+    cursor, shown = first["live-cursor"]["data"], first["header-cursor"]["data"]
+    quiet = refresh(client, cursor=cursor, header_cursor=shown)
+    assert "live-cursor" not in quiet and "run-header" not in quiet  # the header drawn: nothing sent
+
+    failing[0] = True
+    broken = refresh(client, cursor=cursor, header_cursor=shown)
+    assert "restarting" in str(broken["run-header"]["children"])
+
+    failing[0] = False  # back, and the run has nothing new: the banner still goes at the next tick
+    back = refresh(client, cursor=cursor, header_cursor=broken["header-cursor"]["data"])
+    header = back["run-header"]["children"]
+    assert isinstance(header, list) and len(header) == 3 and "restarting" not in str(header)
+    assert back["header-cursor"]["data"] is not None  # and the ticks after it are quiet again
+    after = refresh(client, cursor=back["live-cursor"]["data"], header_cursor=back["header-cursor"]["data"])
+    assert "live-cursor" not in after and "run-header" not in after
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -205,10 +235,11 @@ def test_a_live_tick_with_no_news_asks_only_for_the_run():
     client = create_dash_app(
         "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(api))
     ).server.test_client()
-    cursor = refresh(client)["live-cursor"]["data"]
+    first = refresh(client)
+    cursor = first["live-cursor"]["data"]
     api.requests.clear()
 
-    quiet = refresh(client, cursor=cursor)
+    quiet = refresh(client, cursor=cursor, header_cursor=first["header-cursor"]["data"])
 
     assert [r.url.path for r in api.requests] == ["/api/v1/runs/r1"]
     assert "live-cursor" not in quiet and "loss-graph" not in quiet  # nothing redrawn
@@ -257,6 +288,7 @@ def test_the_line_charts_do_not_wait_for_what_only_the_header_and_timeline_read(
             (("run-id", "data"), "r1"),
             (("selected-step", "data"), None),
             (("live-cursor", "data"), None),
+            (("header-cursor", "data"), None),
         ],
     )
 
