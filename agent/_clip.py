@@ -91,7 +91,7 @@ def _patched(original: Any) -> Any:
             total_norm, calls = _call_recording_norms(original, parameters, max_norm, *args, **kwargs)
         else:
             total_norm = original(parameters, max_norm, *args, **kwargs)
-        for watcher, records in zip(list(_watchers), recording, strict=False):
+        for watcher, records in zip(_watchers, recording, strict=False):
             watcher.after_clip(parameters, max_norm, total_norm, calls if records else None)
         return total_norm
 

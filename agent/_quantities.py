@@ -43,16 +43,21 @@ def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
     present = [t for t in tensors if t is not None]
     if not present:
         return torch.zeros(len(tensors), dtype=torch.float32, device=like.device)
-    norms: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_norm(
-        present, 2, dtype=torch.float32
-    )
-    if len(present) != len(tensors):
-        it = iter(norms)
+    norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32))
+    return stack_per_layer([next(norms) if t is not None else None for t in tensors], like)
+
+
+def stack_per_layer(values: Sequence[Any], like: Any) -> Any:
+    """One 0-dim float32 tensor per layer (None: a layer without a gradient, taken as 0) stacked into
+    one 1-d tensor; gathered on `like`'s device first when they live on several (model parallel)."""
+    import torch
+
+    if any(v is None for v in values):
         zero = torch.zeros((), dtype=torch.float32, device=like.device)
-        norms = [next(it) if t is not None else zero for t in tensors]
-    if len({n.device for n in norms}) > 1:  # model parallel: gather the scalars on one device
-        norms = [n.to(like.device, non_blocking=True) for n in norms]
-    return torch.stack(norms)
+        values = [zero if v is None else v for v in values]
+    if len({v.device for v in values}) > 1:
+        values = [v.to(like.device, non_blocking=True) for v in values]
+    return torch.stack(list(values))
 
 
 def global_norm(per_layer: Any) -> Any:

@@ -376,22 +376,14 @@ class Watcher:
                 for t, n in zip(tensors, result, strict=True):
                     by_tensor[id(t)] = n
         grads = self._grads()
-        zero: Any = None
         norms: list[Any] = []
         for g in grads:
-            if g is None:
-                if zero is None:
-                    zero = torch.zeros((), dtype=torch.float32, device=self._like.device)
-                norms.append(zero)
-                continue
-            norm = by_tensor.get(id(g))
-            if norm is None:
+            norm = by_tensor.get(id(g)) if g is not None else None
+            if g is not None and norm is None:
                 coefficient = torch.clamp(max_norm / (total_norm.detach().float() + 1e-6), max=1.0)
                 norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32) / coefficient
             norms.append(norm)
-        if len({n.device for n in norms}) > 1:  # model parallel: gather the scalars on one device
-            norms = [n.to(self._like.device, non_blocking=True) for n in norms]
-        self._record_layer_norms(grads, torch.stack(norms))
+        self._record_layer_norms(grads, _quantities.stack_per_layer(norms, self._like))
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
         """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a

@@ -148,7 +148,9 @@ def test_live_refresh_fetches_from_the_last_step_shown_and_appends():
     assert second["live-cursor"]["data"]["last"]["loss"] == 3
 
 
-def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
+def _failing_on_demand():
+    """A live run's API, a switch (failing[0] = True: every request answered 503 "restarting") and a
+    dashboard test client on it."""
     api = live_api()
     failing = [False]
 
@@ -160,6 +162,11 @@ def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
     client = create_dash_app(
         "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(transport))
     ).server.test_client()
+    return api, failing, client
+
+
+def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
+    api, failing, client = _failing_on_demand()
     first = refresh(client)
     cursor = first["live-cursor"]["data"]
 
@@ -177,17 +184,7 @@ def test_after_an_error_banner_the_next_news_draws_the_whole_header_again():
 
 
 def test_once_the_api_answers_again_an_error_banner_goes_without_waiting_for_news():
-    api = live_api()
-    failing = [False]
-
-    def transport(request):
-        if failing[0]:
-            return httpx.Response(503, json={"detail": "restarting"})
-        return api(request)
-
-    client = create_dash_app(
-        "http://gradwatch.test", http_client=httpx.Client(transport=httpx.MockTransport(transport))
-    ).server.test_client()
+    _, failing, client = _failing_on_demand()
     first = refresh(client)
     cursor, shown = first["live-cursor"]["data"], first["header-cursor"]["data"]
     quiet = refresh(client, cursor=cursor, header_cursor=shown)
