@@ -47,6 +47,12 @@ class LiveReads:
         """What is new for `cursor`, advancing the cursor past it (only once everything was read: a read
         that fails leaves it where it was). Raises NotFound once the run is gone."""
         with Session(self.engine) as session:
+            if self.engine.dialect.name == "postgresql":
+                # One snapshot for the read's statements (SQLite's read transaction is one already).
+                # Under READ COMMITTED each statement sees its own: a batch committed between the
+                # points read and the status read was announced by a status naming steps whose points
+                # came only in the next message. A read-only REPEATABLE READ never fails to serialize.
+                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
             return _read_new(session, cursor, max_points, max_events)
 
 
@@ -185,7 +191,7 @@ def _read_new(
     series, ranks = _series_and_ranks(session, cursor)
     points, last_steps, more = _new_points(session, cursor, series, ranks, max_points)
     events, more_events = _new_events(session, cursor, ranks, max_events)
-    status = _run_status(session, cursor.run_id)  # last: the status covers at least the data above
+    status = _run_status(session, cursor.run_id)  # the same snapshot: it covers exactly the data above
     changed = status != cursor.status
     cursor.points.update(last_steps)
     cursor.events.update({event.rank: (event.step, event.id) for event in events})
