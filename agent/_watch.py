@@ -198,6 +198,11 @@ class Watcher:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
         self._reset_step_state()
+        # On the CPU, when the next step takes a snapshot too, this step's copies are kept and written
+        # over (_quantities.snapshot); otherwise, and always on other devices, they are freed after
+        # the step, so a GPU's peak memory (forward and backward) never holds a second model copy.
+        self._cpu_params = all(p.device.type == "cpu" for p in self._local_params())
+        self._spent_snapshot: _quantities.Snapshot | None = None
         self._awaiting_update: int | None = None
         self._clipped_last_step = False  # whether to expect a clip_grad_norm_ call this step
         self._last_step_end: float | None = None
@@ -461,7 +466,8 @@ class Watcher:
         self._optimizer_stepped = True
         self._observe_gradients()  # takes per-layer norms still waiting for a clip that never came
         if self.options.due(self.options.update_ratio_every, self.sink.step):
-            self._snapshot = _quantities.snapshot(self._local_params())
+            self._snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)
+            self._spent_snapshot = None
 
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
         step = self.sink.step
@@ -469,6 +475,8 @@ class Watcher:
             update = _quantities.update_stats(
                 self._local_params(), self._grads(), self._snapshot, histograms=self._histograms
             )
+            if self._cpu_params and self.options.due(self.options.update_ratio_every, step + 1):
+                self._spent_snapshot = self._snapshot
             self._snapshot = None
             self.sink.add_tensor(UNCHANGED_COUNTS, step, update.unchanged_counts)
             self.sink.add_tensor("update/ratio", step, update.ratios)

@@ -31,6 +31,15 @@ configuration, --isolation process, two identical baselines differed by ~10% on 
 gradwatch run keeps its step counter across its blocks, so its every-10 / every-100-step schedules
 play out as in one long run; its data buffered at a block's end is flushed in its next block.
 
+The allocator (--allocator kept, the default). glibc malloc adapts its thresholds as memory is freed
+and gives memory back to the OS by its own rules, so the baseline's own per-step allocations (the
+gradients, set to None and made again every step; activations) re-faulted anywhere from 300 to 6,300
+pages a step from one run to the next, moving its system time by ~15 ms a step. The benchmark fixes
+the thresholds for the training process (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=1 TiB:
+freed memory is kept for reuse, as PyTorch's CPU tuning guides advise with jemalloc or tcmalloc), the
+same for every configuration; --allocator default measures under glibc's own. The table reports each
+configuration's minor page faults per step (this process, not wandb-core).
+
 Timed blocks are INTERLEAVED: each round runs every configuration for --steps-per-round steps, in an
 order rotated every round to cancel drift. After each block the process sleeps --settle seconds so
 that asynchronous work a configuration started (gradwatch's sender threads, the server's ingest,
@@ -65,6 +74,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import resource
 import shutil
 import socket
 import statistics
@@ -594,6 +604,7 @@ class SharedRunner:
             "threads": torch.get_num_threads(),
         }
         self.skipped = {c: 0 for c in configs}
+        self.faults: dict[str, list[float]] = {c: [] for c in configs}  # minor page faults per step, by block
 
     def _cpu(self) -> float:
         """This process (all threads) plus its child processes (wandb-core), not the server."""
@@ -609,6 +620,7 @@ class SharedRunner:
         scale = trainer.scaler.get_scale()
         times = []
         before = self._cpu()
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(steps):
             start = time.perf_counter()
             trainer.step(monitor)
@@ -616,6 +628,8 @@ class SharedRunner:
             new_scale = trainer.scaler.get_scale()  # untimed: a skipped step lowers the scale
             self.skipped[config] += new_scale < scale
             scale = new_scale
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+        self.faults[config].append(faults / max(steps, 1))
         time.sleep(settle)
         cpu = self._cpu() - before
         monitor.detach()
@@ -813,6 +827,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)"
     )
     parser.add_argument(
+        "--allocator",
+        choices=("kept", "default"),
+        default="kept",
+        help="kept (default): glibc malloc keeps freed memory for reuse (fixed mmap threshold 32 MiB, "
+        "no trimming; the environment of the training process, every configuration alike); default: "
+        "glibc's adaptive thresholds, under which the baseline's own per-step allocations re-fault "
+        "from 300 to 6,300 pages a step depending on the allocator's state",
+    )
+    parser.add_argument(
         "--precision",
         choices=("fp32", "fp16", "bf16"),
         default="fp32",
@@ -863,8 +886,16 @@ def _warmup(args: argparse.Namespace, config: str) -> int:
     return max(args.warmup, args.gradwatch_warmup) if config.startswith("gw") else args.warmup
 
 
+# glibc malloc settings of --allocator kept: read once, when the process starts (hence the re-exec).
+KEPT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.allocator == "kept" and any(os.environ.get(k) != v for k, v in KEPT_ALLOCATOR.items()):
+        os.environ.update(KEPT_ALLOCATOR)
+        if argv is None:  # run as a script: start again with the allocator settings in force
+            os.execv(sys.executable, [sys.executable, *sys.argv])
     # Idle OpenMP threads sleep instead of spinning, so CPU seconds measure work, not waiting (workers
     # inherit this; it applies to every configuration alike).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -912,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = runner.checks()
         closing = runner.close()
         info, skipped = runner.info, runner.skipped
+        # the timed blocks' page faults (the warm-up block first is left out); none with process isolation
+        faults = {c: v[-args.rounds :] for c, v in getattr(runner, "faults", {}).items()}
         runner = None
         profiles = {}
         if args.profile_steps > 0:
@@ -938,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed,
             info,
             skipped,
+            faults,
         )
     finally:
         if runner is not None:
@@ -985,6 +1019,7 @@ def report(
     elapsed: float,
     info: dict[str, Any],
     skipped: dict[str, int],
+    faults: dict[str, list[float]],
 ) -> None:
     import torch
 
@@ -1000,7 +1035,10 @@ def report(
         f"- machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}, torch CPU "
         f"capability {torch.backends.cpu.get_cpu_capability()}), "
         f"torch {torch.__version__}, {info['threads']} intra-op threads "
-        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Python {platform.python_version()}, "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), allocator {args.allocator} "
+        f"(MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, "
+        f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}), "
+        f"Python {platform.python_version()}, "
         f"gradwatch at {git_state()}"
     )
     out(
@@ -1020,9 +1058,9 @@ def report(
     out(
         "| configuration | step ms, median of rounds [min, max] | wall overhead [95% CI] | "
         "median of per-round overheads | CPU ms/step, training side | CPU overhead, training side [95% CI] | "
-        "server CPU ms/step |"
+        "server CPU ms/step | page faults/step, median of rounds |"
     )
-    out("|---|---|---|---|---|---|---|")
+    out("|---|---|---|---|---|---|---|---|")
     for config in configs:
         w = [v * 1000 for v in wall[config]]
         paired = statistics.median(wall[config][i] / base_wall[i] - 1 for i in range(rounds))
@@ -1043,7 +1081,8 @@ def report(
             paired_text = fmt_pct(paired)
         out(
             f"| {CONFIGS[config]} | {statistics.median(w):.0f} [{min(w):.0f}, {max(w):.0f}] | {wall_text} | "
-            f"{paired_text} | {statistics.mean(cpu[config]) * 1000:.0f} | {cpu_text} | {server_text} |"
+            f"{paired_text} | {statistics.mean(cpu[config]) * 1000:.0f} | {cpu_text} | {server_text} | "
+            f"{f'{statistics.median(faults[config]):.0f}' if faults.get(config) else '—'} |"
         )
     out("")
     for ours, theirs in (("gw_all", "wandb"), ("gw_all_off", "wandb")):

@@ -1,7 +1,10 @@
 """Each per-step quantity checked against a plain-autograd reference on a tiny model."""
 
 import math
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
@@ -393,3 +396,86 @@ def test_update_ratios_are_exact_over_consecutive_sampled_steps():
     assert sorted(recorded) == list(range(4))
     for step, ratios in recorded.items():
         assert ratios == pytest.approx(expected[step], rel=1e-5)
+
+
+def test_update_norms_of_large_cpu_layers_match_a_float64_reference():
+    """Layers past the fused-distance row length (whole rows, a tail, exactly one row, non-finite
+    weights) measure the same update norm as a float64 subtraction; the rounded-away counts too."""
+    torch.manual_seed(5)
+    row = q._DISTANCE_ROW
+    params = [
+        torch.randn(3 * row + 123) * 0.02,  # whole rows and a tail
+        torch.randn(row),  # exactly one row
+        torch.randn(64, 2 * row // 64),  # 2-d, whole rows only
+        torch.randn(row + 7),  # its weights become non-finite below
+        torch.randn(10),  # small: the foreach path
+        torch.randn(row).bfloat16(),  # large, not float32: the foreach path
+    ]
+    grads = [torch.randn_like(p) for p in params]
+    before = q.snapshot(params)
+    reference = [p.detach().clone().double() for p in params]
+    for p in params[:3] + params[4:5]:
+        p.add_(torch.randn_like(p) * 1e-4)
+    params[5][: row // 2].add_(1.0)  # bf16: the other half's updates are not applied at all
+    params[3][5] = float("inf")
+    ratios, counts = q.update_stats(params, grads, before)
+    for i, (p, old) in enumerate(zip(params, reference, strict=True)):
+        expected = ((old - p.double()).norm() / old.norm()).item()
+        if math.isnan(expected):
+            assert math.isnan(ratios[i].item())
+        else:
+            tolerance = 2e-5 if p.dtype == torch.float32 else 1e-2  # bf16: the difference is taken in bf16
+            assert ratios[i].item() == pytest.approx(expected, rel=tolerance), i
+    # fp32: stepped, none unchanged; bf16 counted element by element: the half left as it was
+    assert counts.tolist() == [[0, g.numel()] for g in grads[:5]] + [[row - row // 2, row]]
+
+
+def _reference_histogram(values):
+    """One float32 layer's histogram row, computed from torch.frexp (no bit tricks)."""
+    finite = torch.isfinite(values)
+    zero = finite & (values.abs() < 2.0**-126)
+    exponents = torch.frexp(values[finite & ~zero].abs()).exponent.clamp(q.EXPONENT_MIN, q.EXPONENT_MAX)
+    row = torch.bincount(exponents.long() - q.EXPONENT_MIN, minlength=q.N_BINS + 2)
+    row[q.ZERO_COLUMN] = int(zero.sum())
+    row[q.NON_FINITE_COLUMN] = int((~finite).sum())
+    return row
+
+
+def _large_layer():
+    torch.manual_seed(6)
+    n = q._PIECE + q._HELPER_MIN + 17
+    values = torch.randn(n) * 10.0 ** torch.randint(-30, 12, (n,)).float()
+    values[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, 1e-40, -(2.0**60)])
+    return values
+
+
+def test_large_layers_counted_on_the_helper_thread_are_exact(monkeypatch):
+    big = _large_layer()
+    tensors = [big, torch.randn(10), None, big.bfloat16()]
+    counted = q.log2_histograms(tensors, torch.zeros(()))
+    assert torch.equal(counted[0], _reference_histogram(big))
+    assert torch.equal(counted[3], _reference_histogram(big.bfloat16().float()))
+    monkeypatch.setattr(q, "_HELPER_MIN", 1 << 62)  # everything counted by the caller
+    assert torch.equal(q.log2_histograms(tensors, torch.zeros(())), counted)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_forked_child_counts_with_a_helper_thread_of_its_own():
+    big = _large_layer()
+    expected = _reference_histogram(big)
+    assert torch.equal(q.log2_histograms([big], torch.zeros(()))[0], expected)  # the parent's thread exists
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's helper thread was not copied; a wait on it would never end
+        torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's thread pool does not survive a fork
+        ok = torch.equal(q.log2_histograms([big], torch.zeros(()))[0], expected)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's histogram never finished: it waited on the parent's helper thread")
