@@ -139,34 +139,39 @@ def update_stats(
 
     with torch.no_grad():
         device = before.norms.device
-        zero_row = torch.zeros(2, dtype=torch.int64, device=device)
         zeros = histograms[:, ZERO_COLUMN].to(device, non_blocking=True) if histograms is not None else None
-        rows: list[Any] = []
-        whole_layer: list[int] = []  # indices of the rows filled in from the layers' update norms
+        counts = torch.zeros(len(params), 2, dtype=torch.int64, device=device)  # no gradient: [0, 0]
+        element_wise: list[int] = []  # sub-32-bit layers, counted element by element
+        element_rows: list[Any] = []
+        whole_layer: list[int] = []  # layers whose rows follow from their update norms
+        whole_sizes: list[int] = []
+        whole_counted: list[Any] = []  # their non-zero gradient counts, when no histogram has them
         for i, (p, g, copy) in enumerate(zip(params, grads, before.copies, strict=True)):
             if g is None or g.layout != torch.strided:
-                rows.append(zero_row)
                 continue
             g = g.detach()
             if p.dtype.itemsize < 4:  # counted before the copies turn into differences below
                 stepped = torch.count_nonzero(g)
                 unchanged = torch.count_nonzero((g != 0).logical_and_(copy == p.detach()))
-                rows.append(torch.stack((unchanged, stepped)).to(device, non_blocking=True))
+                element_wise.append(i)
+                element_rows.append(torch.stack((unchanged, stepped)).to(device, non_blocking=True))
             else:
-                if zeros is not None:
-                    rows.append(g.numel() - zeros[i])
-                else:
-                    rows.append(torch.count_nonzero(g).to(device, non_blocking=True))
                 whole_layer.append(i)
+                whole_sizes.append(g.numel())
+                if zeros is None:
+                    whole_counted.append(torch.count_nonzero(g).to(device, non_blocking=True))
         delta_norms = _update_norms(params, before.copies)
         ratios = delta_norms / before.norms
+        if element_wise:
+            counts.index_copy_(0, _index(tuple(element_wise), device), torch.stack(element_rows))
         if whole_layer:
-            stepped = torch.stack([rows[i] for i in whole_layer])
-            index = torch.tensor(whole_layer, device=device)
+            index = _index(tuple(whole_layer), device)
+            if zeros is None:
+                stepped = torch.stack(whole_counted)
+            else:  # all elements but the histogram's zeros (its zero column holds fp32 subnormals too)
+                stepped = _index(tuple(whole_sizes), device) - zeros.index_select(0, index)
             unchanged = torch.where(delta_norms.index_select(0, index) == 0, stepped, 0)
-            for i, row in zip(whole_layer, torch.stack((unchanged, stepped), dim=1), strict=True):
-                rows[i] = row
-        counts = torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64, device=device)
+            counts.index_copy_(0, index, torch.stack((unchanged, stepped), dim=1))
         return UpdateStats(ratios, counts)
 
 
@@ -223,6 +228,14 @@ def _distance(a: Any, b: Any) -> Any:
     return torch.linalg.vector_norm(torch.cat([part.reshape(-1) for part in parts]))
 
 
+@functools.lru_cache(maxsize=64)
+def _index(values: tuple[int, ...], device: Any) -> Any:
+    """An int64 tensor of `values` on `device`, made once per distinct tuple (the same every step)."""
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 @functools.cache
 def _exponent_column_map(device: Any) -> Any:
     """Column of the output row for each float32 biased exponent E (0..255), on `device` (built once).
@@ -272,8 +285,10 @@ def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
             # it, falls away), in a quarter of the bytes that bincount then reads.
             exponent = bits.bitwise_right_shift(shift).to(torch.uint8)
             counts[i] = torch.bincount(exponent, minlength=256).to(like.device, non_blocking=True)
-    for i, row in _cpu_exponent_counts(on_cpu):
-        counts[i] += row.to(like.device, non_blocking=True)
+    pieces = _cpu_exponent_counts(on_cpu)
+    if pieces:  # a layer's pieces summed into its row, all in one op
+        rows = torch.stack([row for _, row in pieces]).to(like.device, non_blocking=True)
+        counts.index_add_(0, _index(tuple(i for i, _ in pieces), like.device), rows)
     out = torch.zeros(len(tensors), N_BINS + 2, dtype=torch.int64, device=like.device)
     out.index_add_(1, _exponent_column_map(like.device), counts)
     return out
