@@ -443,7 +443,7 @@ def _reference_histogram(values):
 
 def _large_layer():
     torch.manual_seed(6)
-    n = q._PIECE + q._HELPER_MIN + 17
+    n = 2 * q._PIECE + 4099  # two whole pieces and a tail
     values = torch.randn(n) * 10.0 ** torch.randint(-30, 12, (n,)).float()
     values[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, 1e-40, -(2.0**60)])
     return values
@@ -455,8 +455,21 @@ def test_large_layers_counted_on_the_helper_thread_are_exact(monkeypatch):
     counted = q.log2_histograms(tensors, torch.zeros(()))
     assert torch.equal(counted[0], _reference_histogram(big))
     assert torch.equal(counted[3], _reference_histogram(big.bfloat16().float()))
-    monkeypatch.setattr(q, "_HELPER_MIN", 1 << 62)  # everything counted by the caller
+    monkeypatch.setattr(q, "_helper_threads", lambda: None)  # everything counted by the caller
     assert torch.equal(q.log2_histograms(tensors, torch.zeros(())), counted)
+
+
+@pytest.mark.skipif(q._usable_cpus() < 2, reason="the histogram helpers need two usable CPUs")
+def test_the_helpers_run_torch_single_threaded_and_leave_the_training_threads_setting_alone():
+    threads = torch.get_num_threads()
+    q.log2_histograms([_large_layer()], torch.zeros(()))  # the helpers exist from here on
+    helpers = q._helper_threads()
+    if "OpenMP" not in torch.__config__.parallel_info():
+        assert helpers is None
+        return
+    assert helpers is not None
+    assert torch.get_num_threads() == threads
+    assert {helpers.submit(torch.get_num_threads).result() for _ in range(8)} == {1}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
