@@ -47,8 +47,29 @@ def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
     present = [t for t in tensors if t is not None]
     if not present:
         return torch.zeros(len(tensors), dtype=torch.float32, device=like.device)
-    norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32))
+    norms = iter(float32_norms(present))
     return stack_per_layer([next(norms) if t is not None else None for t in tensors], like)
+
+
+def float32_norms(tensors: Sequence[Any]) -> list[Any]:
+    """L2 norm of each tensor as a 0-dim float32 tensor, in foreach calls: half-precision tensors
+    are summed in float32 (their own dtype would round the sum), float64 ones in float64 and then
+    rounded (a float32 accumulation argument is refused for them)."""
+    import torch
+
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    if not wide:
+        return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    norms: list[Any] = [None] * len(tensors)
+    narrow = [i for i in range(len(tensors)) if tensors[i].dtype != torch.float64]
+    if narrow:
+        for i, norm in zip(
+            narrow, torch._foreach_norm([tensors[i] for i in narrow], 2, dtype=torch.float32), strict=True
+        ):
+            norms[i] = norm
+    for i, norm in zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2), strict=True):
+        norms[i] = norm.float()
+    return norms
 
 
 def stack_per_layer(values: Sequence[Any], like: Any) -> Any:
@@ -85,7 +106,7 @@ class Snapshot:
                 torch._foreach_copy_(self.copies, detached)
             else:
                 self.copies = torch._foreach_mul(detached, 1.0)
-            self.norms = torch.stack(torch._foreach_norm(self.copies, 2, dtype=torch.float32))
+            self.norms = torch.stack(float32_norms(self.copies))
 
 
 def snapshot(params: Sequence[Any], reuse: Snapshot | None = None) -> Snapshot:
@@ -207,7 +228,7 @@ def _update_norms(params: Sequence[Any], copies: Sequence[Any]) -> Any:
     if foreach:
         differences = [copies[i] for i in foreach]
         torch._foreach_sub_(differences, [params[i].detach() for i in foreach])  # W_before - W_after
-        for i, norm in zip(foreach, torch._foreach_norm(differences, 2, dtype=torch.float32), strict=True):
+        for i, norm in zip(foreach, float32_norms(differences), strict=True):
             norms[i] = norm
     for i in fused:
         norms[i] = _distance(params[i].detach().reshape(-1), copies[i].reshape(-1))

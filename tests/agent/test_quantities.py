@@ -528,3 +528,26 @@ def test_consecutive_snapshots_write_over_the_same_copies():
             optimizer.step()
             copies.append([id(c) for c in watcher._spent_snapshot.copies])
     assert copies[0] == copies[1] == copies[2]  # no new model-sized allocation after the first
+
+
+def test_a_float64_model_gets_its_norms_and_update_ratios(recwarn):
+    torch.manual_seed(9)
+    model = TinyNet().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        run.watch(model, optimizer, layer_norms_every=1, param_norms_every=1, update_ratio_every=1)
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 4, (8,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads = [p.grad.norm().item() for p in model.parameters()]
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        ratios = [
+            ((p.detach() - b).norm() / b.norm()).item()
+            for p, b in zip(model.parameters(), before, strict=True)
+        ]
+    assert not [w for w in recwarn.list if "gradwatch" in str(w.message)]  # no feature switched off
+    assert transport.vectors("grad/norm")[0] == pytest.approx(grads, rel=1e-6)
+    assert transport.vectors("update/ratio")[0] == pytest.approx(ratios, rel=1e-5)
+    assert len(transport.vectors("param/norm")[0]) == len(grads)
