@@ -364,7 +364,7 @@ def _count_pieces(pieces: list[tuple[int, Any, int]]) -> list[tuple[int, Any]]:
     largest = max(bits.numel() for _, bits, _ in pieces)
     scratch = getattr(_scratch, "buffer", None)
     if scratch is None or scratch.numel() < largest:
-        scratch = _scratch.buffer = torch.empty(max(largest, min(_PIECE, 1 << 16)), dtype=torch.int32)
+        scratch = _scratch.buffer = torch.empty(largest, dtype=torch.int32)
     counted = []
     for i, bits, shift in pieces:
         shifted = scratch.view(bits.dtype)[: bits.numel()]  # int16 bits: twice as many in the buffer

@@ -494,39 +494,50 @@ def test_a_forked_child_counts_with_a_helper_thread_of_its_own():
     pytest.fail("the forked child's histogram never finished: it waited on the parent's helper thread")
 
 
-def test_a_cpu_snapshot_is_kept_for_the_next_step_only_when_that_step_takes_one():
-    torch.manual_seed(7)
+def _watched_adam_steps(seed, steps, transport, seen, **options):
+    """`steps` Adam steps on TinyNet watched with `options`; seen(watcher) after each step, collected."""
+    torch.manual_seed(seed)
     model = TinyNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    transport = RecordingTransport()
-    kept = []
+    collected = []
     with _run(transport) as run:
-        # every step during the dense start (steps 0-3), then every 2nd: snapshots at 0, 1, 2, 3, 4, 6
-        run.watch(model, optimizer, update_ratio_every=2, dense_start_steps=4, layer_norms_every=0)
+        run.watch(model, optimizer, **options)
         watcher = run._watchers[-1]
-        for _ in range(7):
+        for _ in range(steps):
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
             optimizer.step()
-            kept.append(watcher._spent_snapshot is not None)
+            collected.append(seen(watcher))
+    return collected
+
+
+def test_a_cpu_snapshot_is_kept_for_the_next_step_only_when_that_step_takes_one():
+    transport = RecordingTransport()
+    # every step during the dense start (steps 0-3), then every 2nd: snapshots at 0, 1, 2, 3, 4, 6
+    kept = _watched_adam_steps(
+        7,
+        7,
+        transport,
+        lambda w: w._spent_snapshot is not None,
+        update_ratio_every=2,
+        dense_start_steps=4,
+        layer_norms_every=0,
+    )
     # kept after a step whose next step takes one too (0-3), freed after 4 (5 takes none) and 6
     assert kept == [True, True, True, True, False, False, False]
     assert sorted(transport.vectors("update/ratio")) == [0, 1, 2, 3, 4, 6]
 
 
 def test_consecutive_snapshots_write_over_the_same_copies():
-    torch.manual_seed(8)
-    model = TinyNet()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    copies = []
-    with _run(RecordingTransport()) as run:
-        run.watch(model, optimizer, update_ratio_every=1, layer_norms_every=0, histograms_every=0)
-        watcher = run._watchers[-1]
-        for _ in range(3):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
-            optimizer.step()
-            copies.append([id(c) for c in watcher._spent_snapshot.copies])
+    copies = _watched_adam_steps(
+        8,
+        3,
+        RecordingTransport(),
+        lambda w: [id(c) for c in w._spent_snapshot.copies],
+        update_ratio_every=1,
+        layer_norms_every=0,
+        histograms_every=0,
+    )
     assert copies[0] == copies[1] == copies[2]  # no new model-sized allocation after the first
 
 
