@@ -184,12 +184,15 @@ def _fast_logger(run: Any, keys: int = KEYS, steps: int = STEPS) -> int:
 
 
 def test_a_fast_loggers_finish_drains_everything_and_prints_progress(gate, tmp_path, capsys, caplog):
-    # Each batch is held 0.7 s on top of what the real server needs to store it: ~6 s of upload,
-    # longer than stall_timeout -- finish() goes on because every batch is progress.
-    gate.delay = lambda request: 0.7
+    # Each batch is held until finish() begins, then 0.7 s on top of what the real server needs to
+    # store it: the whole upload (six batches, over 4.2 s) happens inside finish() and is longer than
+    # stall_timeout -- finish() goes on because every batch is progress.
+    finishing = threading.Event()
+    gate.delay = lambda request: 0.7 if finishing.wait(60) else 0.0
     run = gradwatch.init(project="p", server=gate.url, spool_dir=tmp_path)
     points = _fast_logger(run)
     started = time.monotonic()
+    finishing.set()
     run.finish(stall_timeout=3.0)
     took = time.monotonic() - started
     print(f"finish took {took:.1f} s for {points:,} points in {run.stats.sent_batches} batches")
@@ -236,16 +239,16 @@ def test_a_server_that_takes_nothing_ends_finish_after_the_stall_bound_with_the_
         run.log({"x": float(step)}, step=step)
         time.sleep(0.002)
     started = time.monotonic()
-    run.finish(stall_timeout=1.5)
+    run.finish(stall_timeout=3.0)  # tried about 60 times in that while (backoff 50 ms), more than enough
     took = time.monotonic() - started
 
-    assert 1.5 <= took < 10
+    assert 3.0 <= took < 30
     spool = tmp_path / spool_file_name(run.id, 0)
     assert spooled_points(spool) == 50 and run.stats.spooled == 50
     assert run.stats.dead_lettered == 0 and run.stats.dropped == 0
     assert not dead_letter_path(spool).exists()
     text = gradwatch_warnings(caplog)
-    assert f"the server took nothing for 1.5 s (POST /api/v1/runs/{run.id}/batches: HTTP {status}" in text
+    assert f"the server took nothing for 3 s (POST /api/v1/runs/{run.id}/batches: HTTP {status}" in text
     assert detail in text and f"50 points wait in {spool}" in text
     assert "None" not in text
     if status == 500:
@@ -254,14 +257,16 @@ def test_a_server_that_takes_nothing_ends_finish_after_the_stall_bound_with_the_
 
 
 def test_finish_timeout_caps_the_wait_and_what_is_left_is_synced_later(gate, tmp_path, caplog):
-    gate.delay = lambda request: 1.0
+    finishing = threading.Event()  # batches held until finish() begins, then 1 s each
+    gate.delay = lambda request: 1.0 if finishing.wait(60) else 0.0
     run = gradwatch.init(project="p", server=gate.url, spool_dir=tmp_path)
     points = _fast_logger(run, keys=100, steps=2000)  # four 50,000-point batches, 1 s or more each
     started = time.monotonic()
+    finishing.set()
     run.finish(timeout=1.5)
     took = time.monotonic() - started
 
-    assert 1.5 <= took < 5
+    assert 1.5 <= took < 30  # the timeout, then writing what is left (seconds on a loaded machine)
     spool = tmp_path / spool_file_name(run.id, 0)
     assert run.stats.spooled >= 100_000  # the two last batches at least
     text = gradwatch_warnings(caplog)
@@ -378,7 +383,7 @@ def test_an_auth_refusal_is_never_dead_lettered_the_batches_wait_for_a_fixed_tok
     for step in range(30):
         run.log({"x": float(step)}, step=step)
         time.sleep(0.005)
-    run.finish(stall_timeout=1.5)
+    run.finish(stall_timeout=3.0)
 
     spool = tmp_path / spool_file_name(run.id, 0)
     assert len(gate.batches()) > REFUSAL_TRIES + SERVER_ERROR_TRIES  # tried on and on
@@ -498,7 +503,8 @@ def test_the_spool_fsyncs_while_it_is_written_at_most_once_a_second(tmp_path, mo
     sender = Sender(None, RUN, 0, Spool(path, RUN), spill_after=0.05)
     started = time.monotonic()
     step = 0
-    while time.monotonic() - started < 3.3:
+    # At least 3.3 s, and on a loaded machine on until the third fsync (a starved collector is late).
+    while (elapsed := time.monotonic() - started) < 3.3 or (len(calls) < 3 and elapsed < 30):
         buffer = StepBuffer()
         buffer.add_scalar("x", step, float(step))
         sender.submit(buffer.take([], None))
@@ -509,8 +515,8 @@ def test_the_spool_fsyncs_while_it_is_written_at_most_once_a_second(tmp_path, mo
 
     appends = sum(1 for r in scan(path).records if r.type == "batch")
     gaps = [b - a for a, b in itertools.pairwise(during)]
-    print(f"{appends} appends, {len(during)} fsyncs in 3.3 s; gaps {[round(g, 2) for g in gaps]}")
-    assert appends >= 30 and len(during) >= 3  # written data reaches the disk within about a second
+    print(f"{appends} appends, {len(during)} fsyncs in {elapsed:.1f} s; gaps {[round(g, 2) for g in gaps]}")
+    assert appends >= 10 and len(during) >= 3  # written data reaches the disk within about a second
     assert min(gaps) >= 0.95  # but an fsync at most once a second, however often it is written
     assert len(calls) <= len(during) + 1  # close() adds one
     assert spooled_points(path) == step
@@ -536,7 +542,9 @@ def test_an_idle_run_keeps_telling_the_server_it_is_alive(sqlite_server, monkeyp
                 return str(json.loads(answer.read())["updated_at"])
 
         first = updated_at()
-        time.sleep(1.5)  # idle: several keep-alive periods
+        deadline = time.monotonic() + 10  # idle: a keep-alive every 0.3 s, however loaded the machine
+        while updated_at() == first and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert updated_at() > first
     with urllib.request.urlopen(f"{sqlite_server.url}/api/v1/runs/{run.id}/series?key=loss") as answer:
         series = json.loads(answer.read())

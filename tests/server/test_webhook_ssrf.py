@@ -122,7 +122,7 @@ def _server(database_url: str, **overrides: Any) -> BackgroundServer:
         outbox_poll_interval_s=0.05,
         outbox_backoff_base_s=0.2,
         outbox_backoff_max_s=0.5,
-        webhook_timeout_s=2.0,
+        webhook_timeout_s=10.0,  # a loaded machine: a timed-out delivery is retried (a second copy)
         **overrides,
     )
     return BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
@@ -187,7 +187,7 @@ def _refused(target: str) -> str:
     return f"webhook host {host} {verb} {TARGETS[target]}; {ALLOW_PRIVATE_HINT}"
 
 
-def _settled(api: httpx.Client, webhook_id: int, count: int = 1, timeout: float = 15.0) -> list[dict]:
+def _settled(api: httpx.Client, webhook_id: int, count: int = 1, timeout: float = 30.0) -> list[dict]:
     """The webhook's deliveries (newest first) once at least `count` exist and all are delivered or failed."""
     deadline = time.monotonic() + timeout
     while True:
