@@ -11,6 +11,8 @@
     mlflow_missing    why an MLflow venv cannot be used (with the command that creates it), or None
     mlflow_version    the MLflow version a venv holds
     free_port, process_tree_cpu, LOOPBACK (a urllib opener that ignores *_proxy settings)
+    cpu_name          the CPU's model name, for the header every script prints
+    percentile        the q-quantile of a list (nearest rank)
 
 The scripts run as `python bench/NAME.py`, which puts bench/ first on sys.path: `from _common import ...`.
 Nothing here imports gradwatch or a database driver at module level (ingest_end_to_end.py runs part of
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import signal
 import socket
 import sqlite3
@@ -41,10 +44,12 @@ __all__ = [
     "BackendCpu",
     "Database",
     "Server",
+    "cpu_name",
     "free_port",
     "loopback_env",
     "mlflow_missing",
     "mlflow_version",
+    "percentile",
     "process_tree_cpu",
     "server_command",
     "server_env",
@@ -100,6 +105,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def process_tree_cpu(pid: int) -> float:

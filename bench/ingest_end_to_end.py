@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import sqlite3
 import statistics
@@ -56,6 +55,7 @@ from _common import (
     LOOPBACK,
     BackendCpu,
     Database,
+    cpu_name,
     free_port,
     loopback_env,
     mlflow_missing,
@@ -69,16 +69,6 @@ from _common import (
 ROOT = Path(__file__).resolve().parent.parent
 ROWS_PER_TRANSACTION = 50_000
 MLFLOW_METRICS_PER_CALL = 1000  # log-batch's maximum per request (MAX_METRICS_PER_BATCH)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_capability() -> str:

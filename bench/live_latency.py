@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -32,22 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import Database, Server, free_port, server_command, server_env
+from _common import Database, Server, cpu_name, free_port, percentile, server_command, server_env
 from websockets.sync.client import connect
 
 PROMISE_S = 1.0
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class StreamViewer(threading.Thread):
@@ -236,7 +223,9 @@ def main() -> None:
                 f"{figures['within'] * 100:.1f} % | {result['load'][0]:.2f} → {result['load'][1]:.2f} |"
             )
     for kind, result in rows:
-        ratio = result["poll"]["p50"] / max(result["stream"]["p50"], 1e-4)
+        ratio = result["poll"]["p50"] / max(
+            result["stream"]["p50"], 1e-3
+        )  # a median under 1 ms counts as 1 ms
         print(
             f"{kind}: the stream's median latency is 1/{ratio:.0f} of polling's "
             f"({result['poll_requests']} polls)"

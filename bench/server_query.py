@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _common import server_command
+from _common import percentile, server_command
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_ADMIN = os.environ.get(
@@ -49,11 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def fill(database_url: str, points: int, layers: int, steps: int) -> tuple[str, float, float]:
