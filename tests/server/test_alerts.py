@@ -7,13 +7,12 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 from conftest import free_port
 from training import RecordingTransport, train
-from webhook_receiver import WebhookReceiver
+from webhook_receiver import WebhookReceiver, settled_deliveries
 
 import gradwatch
 from gradwatch.server.alerts.webhooks import verify
@@ -413,20 +412,9 @@ def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_s
     discord = by_format["discord"].json
     assert discord["content"] and discord["embeds"][0]["url"].startswith(PUBLIC_URL)
 
-    log = _settled_delivery_log(api, hooks["json"]["id"])
-    assert log["count"] == 1 and {d["status"] for d in log["data"]} == {"delivered"}, log
-    assert all(d["response_status"] == 200 and d["attempts"] == 1 for d in log["data"])
-
-
-def _settled_delivery_log(api: httpx.Client, hook_id: int, timeout: float = 30.0) -> dict[str, Any]:
-    """A webhook's delivery log once every delivery in it is delivered, or as it is after `timeout`:
-    the outbox records a delivery after the receiver has answered, so it can still say pending."""
-    deadline = time.monotonic() + timeout
-    while True:
-        log: dict[str, Any] = api.get(f"/api/v1/webhooks/{hook_id}/deliveries").json()
-        if {d["status"] for d in log["data"]} == {"delivered"} or time.monotonic() >= deadline:
-            return log
-        time.sleep(0.05)
+    log = settled_deliveries(api, hooks["json"]["id"])
+    assert len(log) == 1 and {d["status"] for d in log} == {"delivered"}, log
+    assert all(d["response_status"] == 200 and d["attempts"] == 1 for d in log)
 
 
 def test_redirects_are_not_followed(alert_server, api, receiver):

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from conftest import free_port, unavailable
-from webhook_receiver import WebhookReceiver
+from webhook_receiver import WebhookReceiver, settled_deliveries
 
 from gradwatch.server.alerts import egress
 from gradwatch.server.alerts.egress import ALLOW_PRIVATE_HINT, EgressRefused, PinnedTransport, refusal
@@ -187,17 +187,6 @@ def _refused(target: str) -> str:
     return f"webhook host {host} {verb} {TARGETS[target]}; {ALLOW_PRIVATE_HINT}"
 
 
-def _settled(api: httpx.Client, webhook_id: int, count: int = 1, timeout: float = 30.0) -> list[dict]:
-    """The webhook's deliveries (newest first) once at least `count` exist and all are delivered or failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        data = api.get(f"/api/v1/webhooks/{webhook_id}/deliveries").json()["data"]
-        if len(data) >= count and all(d["status"] in ("delivered", "failed") for d in data):
-            return data
-        assert time.monotonic() < deadline, data
-        time.sleep(0.05)
-
-
 # -- the rule ---------------------------------------------------------------------------------------
 
 
@@ -287,7 +276,7 @@ def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(
     else:
         assert test.status_code == 422 and test.json()["detail"] == _refused(target), test.text
 
-    deliveries = _settled(apis["strict"], hook["id"], count=2 if target in NAMES else 1)
+    deliveries = settled_deliveries(apis["strict"], hook["id"], count=2 if target in NAMES else 1)
     for delivery in deliveries:
         assert delivery["status"] == "failed" and delivery["attempts"] == 1, delivery
         assert delivery["last_error"] == _refused(target) and delivery["response_status"] is None
@@ -309,7 +298,7 @@ def test_with_allow_private_loopback_receivers_get_the_post(lenient_api, receive
         hook = lenient_api.post("/api/v1/webhooks", json={"url": url, "project": "lan"})
         assert hook.status_code == 201, hook.text
         assert lenient_api.post(f"/api/v1/webhooks/{hook.json()['id']}/test").status_code == 202
-        [delivery] = _settled(lenient_api, hook.json()["id"])
+        [delivery] = settled_deliveries(lenient_api, hook.json()["id"])
         assert delivery["status"] == "delivered" and delivery["response_status"] == 200, delivery
     assert [r.path for r in receiver.received] == ["/hook", "/a", "/b", "/c"]
     assert set(connections.by_worker()) <= {("127.0.0.1", port), ("::1", port)}  # resolved, then pinned
@@ -319,7 +308,7 @@ def test_with_allow_private_loopback_receivers_get_the_post(lenient_api, receive
         "/api/v1/webhooks", json={"url": f"http://0177.0.0.1:{port}/d", "project": "lan"}
     ).json()
     lenient_api.post(f"/api/v1/webhooks/{hook['id']}/test")
-    [delivery] = _settled(lenient_api, hook["id"])
+    [delivery] = settled_deliveries(lenient_api, hook["id"])
     assert delivery["status"] == "failed" and delivery["attempts"] == 1
     assert delivery["last_error"].startswith("webhook url cannot be sent: ")
     assert len(receiver.received) == 4
@@ -337,7 +326,7 @@ def test_a_pinned_request_keeps_the_original_host_header(lenient_api, receiver, 
     assert received.headers["Host"] == f"receiver.test:{receiver.port}" and received.path == "/hook"
     assert connections.by_worker() == [("127.0.0.1", receiver.port)]
     assert dns.lookups == ["receiver.test"]  # one lookup, and the connection went to its answer
-    assert _settled(lenient_api, hook["id"])[0]["status"] == "delivered"
+    assert settled_deliveries(lenient_api, hook["id"])[0]["status"] == "delivered"
 
 
 def test_dns_rebinding_cannot_redirect_a_checked_request(strict_api, receiver, connections, monkeypatch):
@@ -350,7 +339,7 @@ def test_dns_rebinding_cannot_redirect_a_checked_request(strict_api, receiver, c
     url = f"http://rebind.test:{receiver.port}/hook"
     hook = strict_api.post("/api/v1/webhooks", json={"url": url, "project": "rebind"}).json()
     assert strict_api.post(f"/api/v1/webhooks/{hook['id']}/test").status_code == 202
-    [delivery] = _settled(strict_api, hook["id"])
+    [delivery] = settled_deliveries(strict_api, hook["id"])
     assert delivery["status"] == "failed" and delivery["attempts"] == 2, delivery
     assert delivery["last_error"] == f"webhook host rebind.test resolves to {LOOPBACK}; {ALLOW_PRIVATE_HINT}"
     assert connections.by_worker() == [("203.0.113.5", receiver.port)]

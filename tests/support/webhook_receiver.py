@@ -94,3 +94,17 @@ class WebhookReceiver:
                     f"expected {count} webhook requests within {timeout} s, got {len(self.received)}"
                 )
             time.sleep(0.02)
+
+
+def settled_deliveries(
+    api: Any, webhook_id: int, count: int = 1, timeout: float = 30.0
+) -> list[dict[str, Any]]:
+    """A webhook's deliveries (newest first) through the API client `api`, once at least `count` exist
+    and all are delivered or failed: the outbox records a delivery after the receiver has answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data: list[dict[str, Any]] = api.get(f"/api/v1/webhooks/{webhook_id}/deliveries").json()["data"]
+        if len(data) >= count and all(d["status"] in ("delivered", "failed") for d in data):
+            return data
+        assert time.monotonic() < deadline, data
+        time.sleep(0.05)
