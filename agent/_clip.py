@@ -6,6 +6,12 @@ watcher may also ask for the per-tensor norms the clip computes on its way to th
 torch._foreach_norm call): they are recorded as they pass, never recomputed, so the clip runs the
 very same operations on the very same tensors. The patch is installed with the first watcher and
 removed with the last; behaviour of the call itself is unchanged (same arguments, same result).
+
+torch.nn.utils.clip_grads_with_norm_ (torch >= 2.6) is intercepted too: code that clips in two parts,
+get_total_norm then clip_grads_with_norm_(parameters, max_norm, total_norm) (Accelerate >= 1.x, and so
+the Hugging Face Trainer), hands it the pre-clip total norm, which is reused the same way. Its
+per-tensor norms were computed before the call: a watcher that wants per-layer norms that step takes
+them from the gradients before they are scaled.
 """
 
 from __future__ import annotations
@@ -73,57 +79,109 @@ def _norm_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, A
     return norm_type, foreach
 
 
+# Depth of intercepted clip calls on this thread: a clip inside a clip (a torch whose clip_grad_norm_
+# calls the public clip_grads_with_norm_) is the outer call's business, seen once.
+_inside = threading.local()
+
+
+def _nested() -> bool:
+    return getattr(_inside, "depth", 0) > 0
+
+
+class _Inside:
+    def __enter__(self) -> None:
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+
+    def __exit__(self, *_: object) -> None:
+        _inside.depth -= 1
+
+
 def _patched(original: Any) -> Any:
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        if not _watchers:
+        if not _watchers or _nested():
             return original(parameters, max_norm, *args, **kwargs)
-        # A generator would be consumed by our look at it: hand the original the same items as a list.
-        if not hasattr(parameters, "grad"):
-            parameters = list(parameters)
-        norm_type, foreach = _norm_options(args, kwargs)
-        # A watcher answers True when it wants the per-tensor norms of this call.
-        recording = [watcher.before_clip(parameters, max_norm, norm_type, foreach) for watcher in _watchers]
-        calls: list[Any] | None = None
-        # Not while torch.compile traces the call: the graph would capture the swap of torch's
-        # function; the watcher then measures the norms itself, in eager code.
-        if any(recording) and not _compiling():
-            total_norm, calls = _call_recording_norms(original, parameters, max_norm, *args, **kwargs)
-        else:
-            total_norm = original(parameters, max_norm, *args, **kwargs)
-        for watcher, records in zip(_watchers, recording, strict=False):
-            watcher.after_clip(parameters, max_norm, total_norm, calls if records else None)
-        return total_norm
+        with _Inside():
+            return _observed_clip(original, parameters, max_norm, *args, **kwargs)
 
     clip_grad_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]  # a marker on a function
     return clip_grad_norm_
 
 
-def _patched_modules() -> tuple[Any, ...]:
-    """The modules whose clip_grad_norm_ is replaced: torch.nn.utils re-exports clip_grad's, and code
-    calls either. Typed Any: to a type checker a tuple of modules holds plain ModuleTypes."""
+def _observed_clip(original: Any, parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+    # A generator would be consumed by our look at it: hand the original the same items as a list.
+    if not hasattr(parameters, "grad"):
+        parameters = list(parameters)
+    norm_type, foreach = _norm_options(args, kwargs)
+    # A watcher answers True when it wants the per-tensor norms of this call.
+    recording = [watcher.before_clip(parameters, max_norm, norm_type, foreach) for watcher in _watchers]
+    calls: list[Any] | None = None
+    # Not while torch.compile traces the call: the graph would capture the swap of torch's
+    # function; the watcher then measures the norms itself, in eager code.
+    if any(recording) and not _compiling():
+        total_norm, calls = _call_recording_norms(original, parameters, max_norm, *args, **kwargs)
+    else:
+        total_norm = original(parameters, max_norm, *args, **kwargs)
+    for watcher, records in zip(_watchers, recording, strict=False):
+        watcher.after_clip(parameters, max_norm, total_norm, calls if records else None)
+    return total_norm
+
+
+def _patched_with_norm(original: Any) -> Any:
+    @functools.wraps(original)
+    def clip_grads_with_norm_(
+        parameters: Any, max_norm: float, total_norm: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not _watchers or _nested():
+            return original(parameters, max_norm, total_norm, *args, **kwargs)
+        with _Inside():
+            if not hasattr(parameters, "grad"):
+                parameters = list(parameters)
+            foreach = args[0] if args else kwargs.get("foreach")
+            # norm_type None: the norms were computed before this call, none pass through it.
+            for watcher in _watchers:
+                watcher.before_clip(parameters, max_norm, None, foreach)
+            result = original(parameters, max_norm, total_norm, *args, **kwargs)
+            for watcher in _watchers:
+                watcher.after_clip(parameters, max_norm, total_norm, None)
+            return result
+
+    clip_grads_with_norm_.__gradwatch_original__ = original  # type: ignore[attr-defined]  # a marker on a function
+    return clip_grads_with_norm_
+
+
+def _patch_points() -> list[tuple[Any, str, Any]]:
+    """(module, attribute, wrapper factory) of each function replaced: torch.nn.utils re-exports
+    clip_grad's clip_grad_norm_, and code calls either; the two-part API is public in torch.nn.utils
+    only (torch's own clip_grad_norm_ calls clip_grad's private _clip_grads_with_norm_, not this)."""
     import torch.nn.utils
     import torch.nn.utils.clip_grad
 
-    return (torch.nn.utils, torch.nn.utils.clip_grad)
+    points: list[tuple[Any, str, Any]] = [
+        (torch.nn.utils, "clip_grad_norm_", _patched),
+        (torch.nn.utils.clip_grad, "clip_grad_norm_", _patched),
+    ]
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        points.append((torch.nn.utils, "clip_grads_with_norm_", _patched_with_norm))
+    return points
 
 
 def register(watcher: Any) -> None:
-    modules = _patched_modules()
+    points = _patch_points()
     with _lock:
         if not _watchers:
-            for module in modules:
-                original = module.clip_grad_norm_
-                _originals[module.__name__] = original
-                module.clip_grad_norm_ = _patched(original)
+            for module, name, wrap in points:
+                original = getattr(module, name)
+                _originals[f"{module.__name__}.{name}"] = original
+                setattr(module, name, wrap(original))
         _watchers.append(watcher)
 
 
 def unregister(watcher: Any) -> None:
-    modules = _patched_modules()
+    points = _patch_points()
     with _lock:
         if watcher in _watchers:
             _watchers.remove(watcher)
         if not _watchers and _originals:
-            for module in modules:
-                module.clip_grad_norm_ = _originals.pop(module.__name__)
+            for module, name, _ in points:
+                setattr(module, name, _originals.pop(f"{module.__name__}.{name}"))

@@ -13,7 +13,7 @@ Where each signal comes from:
 - GradScaler (wrapped on the instance): scale (the unscaled loss of each micro-batch), unscale_
   (gradients are unscaled from here on), step (scale used, found_inf for fused optimizers whose step
   always runs), update (scale after, growth tracker), load_state_dict (a resumed scaler).
-- clip_grad_norm_ (see _clip): the pre-clip total norm it returns is reused as grad/global_norm
+- clip_grad_norm_ and clip_grads_with_norm_ (see _clip): the pre-clip total norm is reused as grad/global_norm
   (not with sharded gradients: there it is already the global norm, computed by a collective); its
   max_norm is sent as grad/clip_max_norm. On steps that sample per-layer gradient norms, a run that
   clipped its last step has them taken from the clip's own per-tensor norms (recorded as the clip
@@ -344,7 +344,8 @@ class Watcher:
         """Whether this clip call computes every per-layer norm we need, as we would: the L2 norm by
         torch._foreach_norm of each of our float32 gradients (a half-precision gradient's norm would
         come back rounded to its dtype), unsharded."""
-        if self._dtensor is not None or self.partial_norms or foreach is False:
+        # norm_type None: clip_grads_with_norm_, whose norms were computed before the call.
+        if norm_type is None or self._dtensor is not None or self.partial_norms or foreach is False:
             return False
         try:
             if float(norm_type) != 2.0:

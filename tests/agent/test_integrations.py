@@ -125,12 +125,16 @@ def test_accelerate_tracker_records_config_logs_and_gradients(sqlite_server, pre
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
     run = tracker.watch(accelerator, model, optimizer, layer_norms_every=1)
     generator = torch.Generator().manual_seed(1)
+    clip_norms = []
     for step in range(5):
         x = torch.randn(8, 8, generator=generator)
         with accelerator.autocast():
             loss = nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
         optimizer.zero_grad()
         accelerator.backward(loss)
+        # Accelerate >= 1.x clips in two parts (get_total_norm, clip_grads_with_norm_), never
+        # through clip_grad_norm_: what is recorded must still be the norm before the clip.
+        clip_norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.01).item())
         optimizer.step()
         accelerator.log({"loss": loss.item(), "phase": "train"}, step=step)
     assert tracker.tracker is run
@@ -141,6 +145,9 @@ def test_accelerate_tracker_records_config_logs_and_gradients(sqlite_server, pre
         keys = client.get(f"/api/v1/runs/{run.id}/keys").json()["data"]
         loss = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "loss"}).json()
         norms = client.get(f"/api/v1/runs/{run.id}/vectors", params={"key": "grad/norm"}).json()
+        global_norm = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "grad/global_norm"}).json()
     assert record["status"] == "finished" and record["config"] == {"lr": 0.05, "precision": precision}
+    assert global_norm["steps"] == [0, 1, 2, 3, 4]
+    assert global_norm["values"] == pytest.approx(clip_norms, rel=1e-5) and min(clip_norms) > 0.1
     assert loss["steps"] == [0, 1, 2, 3, 4] and "phase" not in keys and "grad/global_norm" in keys
     assert norms["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"] and len(norms["steps"]) == 5

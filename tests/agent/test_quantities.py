@@ -298,10 +298,22 @@ def test_a_watch_derivation_reports_the_scale_below_one_once():
     assert [e["kind"] for e in second.events] == ["skip"]
 
 
-def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5):
-    """fp32 steps of TinyNet (GradScaler optional) with clip_grad_norm_ on the steps in `clip_at`;
-    returns the transport, the reference pre-clip per-layer norms of each step, and how many times
-    gradwatch computed per-layer norms itself."""
+def _clip_in_two_parts(parameters, max_norm):
+    """Accelerate's way (and so the Hugging Face Trainer's): the total norm, then the clip with it."""
+    parameters = list(parameters)
+    total = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def _clip_grad_norm(parameters, max_norm):
+    return nn.utils.clip_grad_norm_(parameters, max_norm)  # looked up at call time, as users do
+
+
+def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5, clip=_clip_grad_norm):
+    """fp32 steps of TinyNet (GradScaler optional) with clip(parameters, max_norm) on the steps in
+    `clip_at`; returns the transport, the reference pre-clip per-layer norms of each step (and
+    their global norm under "total"), and how many times gradwatch computed per-layer norms itself."""
     torch.manual_seed(3)
     model = TinyNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -339,7 +351,7 @@ def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5):
                     loss.backward()
                 reference[step] = [p.grad.norm().item() for p in model.parameters()]
                 if step in clip_at:
-                    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                    clip(model.parameters(), 0.05)
                 if amp_scaler is not None:
                     amp_scaler.step(optimizer)
                     amp_scaler.update()
@@ -360,6 +372,25 @@ def test_per_layer_norms_are_taken_from_the_clip_without_a_pass_of_our_own(scale
     # The first step does not know yet that the run clips: gradwatch measures after unscale_ (with a
     # scaler) or takes the clip's norms at once (without one, the clip is the first place it sees).
     assert len(own_calls) == (1 if scaler else 0)
+
+
+@pytest.mark.parametrize("scaler", [True, False], ids=["grad-scaler", "no-scaler"])
+def test_a_clip_in_two_parts_is_seen_with_its_pre_clip_norms(scaler):
+    # get_total_norm + clip_grads_with_norm_ (Accelerate's clip) never calls clip_grad_norm_: the
+    # norms recorded are still those before the clip, never the clipped gradients' (about 0.05).
+    transport, reference, _ = _clipped_fp32_steps(clip_at=range(5), scaler=scaler, clip=_clip_in_two_parts)
+    recorded = transport.vectors("grad/norm")
+    assert sorted(recorded) == list(range(5))
+    global_norms = transport.series("grad/global_norm")
+    for step, norms in recorded.items():
+        assert norms == pytest.approx(reference[step], rel=1e-6)
+        expected = math.sqrt(sum(n * n for n in reference[step]))
+        assert global_norms[step] == pytest.approx(expected, rel=1e-5)
+        assert expected > 5 * 0.05  # far above max_norm: the clip really scaled the gradients
+    assert transport.series("grad/clip_max_norm") == {step: pytest.approx(0.05) for step in range(5)}
+    assert transport.series("grad/global_norm_post_clip") == {
+        step: pytest.approx(0.05, rel=1e-3) for step in range(5)
+    }
 
 
 def test_a_step_that_stops_clipping_still_records_pre_step_norms():
