@@ -111,6 +111,12 @@ def _job(rank: int, world_size: int, job: dict) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    # Collectives through gloo alone. DeepSpeed's CPU backend would JIT-compile its shared-memory
+    # all-reduce op into ~/.cache/torch_extensions under a lock file: a rank killed while building
+    # leaves the lock, and every later job on the machine waits on it forever (CI hung 6 x 600 s).
+    # (The module by name: the package's attribute `torch` is PyTorch, star-imported.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
     accelerator = get_accelerator()
     if job["precision"] == "fp16" and not accelerator.is_fp16_supported():
         # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (CPUs without
