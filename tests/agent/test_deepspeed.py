@@ -33,7 +33,7 @@ LAYERS = ["0.weight", "0.bias", "2.weight", "2.bias"]
 pytestmark = [  # the same, where this process imports DeepSpeed (test_watch_rejects_...)
     pytest.mark.filterwarnings(f"ignore:{message}:{category.__name__}")
     for message, category in DEEPSPEED_WARNINGS
-]
+] + [pytest.mark.timeout(300)]  # a job takes 3-30 s: a hung rank fails in minutes, not the suite's 10
 
 
 @pytest.fixture(scope="module", autouse=True)
