@@ -108,10 +108,14 @@ def _patched(original: Any) -> Any:
     return clip_grad_norm_
 
 
+def _as_list(parameters: Any) -> Any:
+    """A generator would be consumed by our look at it: the original gets the same items as a list
+    (a single tensor stays as it is)."""
+    return parameters if hasattr(parameters, "grad") else list(parameters)
+
+
 def _observed_clip(original: Any, parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-    # A generator would be consumed by our look at it: hand the original the same items as a list.
-    if not hasattr(parameters, "grad"):
-        parameters = list(parameters)
+    parameters = _as_list(parameters)
     norm_type, foreach = _norm_options(args, kwargs)
     # A watcher answers True when it wants the per-tensor norms of this call.
     recording = [watcher.before_clip(parameters, max_norm, norm_type, foreach) for watcher in _watchers]
@@ -135,8 +139,7 @@ def _patched_with_norm(original: Any) -> Any:
         if not _watchers or _nested():
             return original(parameters, max_norm, total_norm, *args, **kwargs)
         with _Inside():
-            if not hasattr(parameters, "grad"):
-                parameters = list(parameters)
+            parameters = _as_list(parameters)
             foreach = args[0] if args else kwargs.get("foreach")
             # norm_type None: the norms were computed before this call, none pass through it.
             for watcher in _watchers:

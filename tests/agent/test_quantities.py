@@ -312,8 +312,8 @@ def _clip_grad_norm(parameters, max_norm):
 
 def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5, clip=_clip_grad_norm):
     """fp32 steps of TinyNet (GradScaler optional) with clip(parameters, max_norm) on the steps in
-    `clip_at`; returns the transport, the reference pre-clip per-layer norms of each step (and
-    their global norm under "total"), and how many times gradwatch computed per-layer norms itself."""
+    `clip_at`; returns the transport, the reference pre-clip per-layer norms of each step, and how
+    many times gradwatch computed per-layer norms itself."""
     torch.manual_seed(3)
     model = TinyNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
