@@ -4,7 +4,7 @@ Pure functions of plain host values (the steps, floats and lists of a Resolved p
 device, no watcher): skip events naming the layers whose gradients went non-finite, weights too large
 for fp16, the loss scale falling below 1, fp16 underflow / precision-loss / overflow and zero fractions
 from the gradient histograms, the safe-scale band, update ratios and rounded-away fractions with the
-skipped steps left out, and the post-clip global norm. derive() applies them all to one packet;
+skipped steps left out, and the clip threshold. derive() applies them all to one packet;
 WatchDerivation binds it to one watched model and keeps the once-per-run state. The histogram
 arithmetic itself (fp16_fractions, safe_scale_band…) lives with the other quantities in _quantities.
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 SCALE_BEFORE = "_amp/scale_before"  # the loss scale a step was taken with (before scaler.update)
 UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
 CLIP_MAX_NORM = "grad/clip_max_norm"
+POST_CLIP_NORM = "grad/global_norm_post_clip"
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
 MAX_LAYERS_IN_EVENT = 50
 
@@ -103,17 +104,23 @@ def scale_below_one_event(scalars: Scalars) -> Event | None:
     return None
 
 
-def post_clip_norms(scalars: Scalars) -> list[tuple[int, float]] | None:
-    """grad/global_norm_post_clip at the steps that clipped (CLIP_MAX_NORM present), or None when no
-    step in the packet did: clip_grad_norm_ multiplies by max_norm / (norm + 1e-6), capped at 1."""
-    max_norms = dict(scalars.get(CLIP_MAX_NORM, []))
-    if not max_norms:
-        return None
-    return [
-        (step, norm * min(1.0, max_norms[step] / (norm + 1e-6)))
-        for step, norm in scalars.get("grad/global_norm", [])
-        if step in max_norms
-    ]
+def clip_thresholds(scalars: Scalars, last: float | None) -> tuple[list[tuple[int, float]], float | None]:
+    """grad/clip_max_norm at the steps whose gradients a clip rewrote (POST_CLIP_NORM recorded), from
+    the pre- and post-clip global norms, and the threshold known after them.
+
+    A clip by the global norm multiplies every gradient by max_norm / (norm + 1e-6) when that is
+    below 1, so a step it cut gives max_norm = post * (norm + 1e-6) / norm (6 significant digits:
+    float32 rounding). A step it left as it was says nothing new: the last threshold seen (`last`,
+    from earlier packets) is repeated; before any, none is recorded."""
+    pre = dict(scalars.get("grad/global_norm", []))
+    thresholds = []
+    for step, post in scalars.get(POST_CLIP_NORM, []):
+        norm = pre.get(step)
+        if norm is not None and math.isfinite(norm) and math.isfinite(post) and 0 < post < norm * (1 - 1e-5):
+            last = float(f"{post * (norm + 1e-6) / norm:.6g}")
+        if last is not None:
+            thresholds.append((step, last))
+    return thresholds, last
 
 
 def histogram_fractions(
@@ -158,11 +165,13 @@ def derive(
     loss_scaling: bool,
     partial_norms: bool,
     report_scale_below_one: bool = True,
+    clip_threshold: list[float | None] | None = None,
 ) -> bool:
     """Add one packet's host-side quantities and events to `resolved`, in place; drop the update
     ratios of skipped steps. loss_scaling: the run uses a GradScaler (fp16 fractions are computed);
-    partial_norms: this rank's norms cover its shard only (no post-clip norm from them);
-    report_scale_below_one: look for the scale falling below 1. Returns whether that event was added."""
+    partial_norms: this rank's norms cover its shard only (no clip threshold from them);
+    report_scale_below_one: look for the scale falling below 1; clip_threshold: a one-item list holding
+    the last clip threshold seen, read and updated here. Returns whether that event was added."""
     scalars, vectors = resolved.scalars, resolved.vectors
     resolved.layers = list(layer_names)
     resolved.events.extend(oversized_weight_events(scalars))
@@ -176,10 +185,11 @@ def derive(
     below_one = scale_below_one_event(scalars) if report_scale_below_one else None
     if below_one is not None:
         resolved.events.append(below_one)
-    if not partial_norms:
-        post = post_clip_norms(scalars)
-        if post is not None:
-            scalars["grad/global_norm_post_clip"] = post
+    if not partial_norms and POST_CLIP_NORM in scalars:
+        holder: list[float | None] = clip_threshold if clip_threshold is not None else [None]
+        thresholds, holder[0] = clip_thresholds(scalars, holder[0])
+        if thresholds:
+            scalars[CLIP_MAX_NORM] = thresholds
     scale_at = dict(scalars.get(SCALE_BEFORE, [])) if loss_scaling else None
     fraction_vectors, fraction_scalars = histogram_fractions(resolved.matrices.get("grad/hist", []), scale_at)
     for key, rows in fraction_vectors.items():
@@ -192,7 +202,8 @@ def derive(
 class WatchDerivation:
     """derive() for one watched model, called by the sender thread on each packet (a Packet deriver).
 
-    Holds the once-per-run state: a `scale_below_one` event is reported once. Set loss_scaling to
+    Holds the once-per-run state: a `scale_below_one` event is reported once; the last clip
+    threshold seen is carried to the packets after it. Set loss_scaling to
     False when the loss scale cannot be read (the fp16 fractions would be taken at a wrong scale).
     """
 
@@ -201,6 +212,7 @@ class WatchDerivation:
         self.loss_scaling = loss_scaling
         self.partial_norms = partial_norms
         self.scale_below_one_reported = False
+        self.clip_threshold: list[float | None] = [None]
 
     def __call__(self, resolved: Resolved) -> None:
         if derive(
@@ -209,5 +221,6 @@ class WatchDerivation:
             loss_scaling=self.loss_scaling,
             partial_norms=self.partial_norms,
             report_scale_below_one=not self.scale_below_one_reported,
+            clip_threshold=self.clip_threshold,
         ):
             self.scale_below_one_reported = True

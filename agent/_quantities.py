@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 # log2 histogram bins: bin e counts |g| in [2^(e-1), 2^e) (torch.frexp's exponent), e in
@@ -282,8 +280,8 @@ def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
     (None) gives a zero row.
 
     Cost: the exponent is read from the float32 (or bfloat16) bit pattern, with no float math: a
-    shift, a cast to one byte per element, and torch.bincount of the bytes (on the CPU in pieces, on
-    two helper threads: _cpu_exponent_counts).
+    shift, a cast to one byte per element, and torch.bincount of the bytes (on the CPU in pieces:
+    _cpu_exponent_counts).
     """
     import torch
 
@@ -315,25 +313,22 @@ def log2_histograms(tensors: Sequence[Any], like: Any) -> Any:
     return out
 
 
-# Elements per piece of a CPU layer in _cpu_exponent_counts: bounds each thread's scratch buffer (4 MB).
+# Elements per piece of a CPU layer in _cpu_exponent_counts: bounds the scratch buffer (4 MB).
 _PIECE = 1 << 20
 _scratch = threading.local()
-_helpers: ThreadPoolExecutor | None = None
-_helpers_pid: int | None = None
 
 
 def _cpu_exponent_counts(layers: list[tuple[int, Any, int]]) -> list[tuple[int, Any]]:
     """Exponent-byte counts of CPU layers given as (layer index, int32/int16 bits, shift): one
-    (layer index, 256 counts) per piece of at most _PIECE elements.
+    (layer index, 256 counts) per piece of at most _PIECE elements, counted on the calling thread with
+    torch's own threads as the training loop set them (no thread of ours, no thread count changed:
+    a reduction of the loop's run with another count would sum in another order).
 
     Each piece is shifted into a reused scratch buffer (a fresh tensor per pass costs page faults
-    once the C allocator has given memory back to the OS), cast to bytes and counted. Two helper
-    threads, each running torch single-threaded, take half of the pieces each while the caller
-    waits: torch.bincount is a serial loop, and the shift is bound by memory bandwidth, so two
-    threads each doing both beat torch's own threads sharing each pass (on 2 cores, 13.1 -> 10.0 ms
-    a step for a 14M-parameter model; 21.7 ms before any of this). Without helpers (one usable CPU,
-    a torch built without OpenMP) the caller counts every piece itself.
+    once the C allocator has given memory back to the OS), cast to bytes and counted.
     """
+    import torch
+
     pieces = [
         (i, bits[start : start + _PIECE], shift)
         for i, bits, shift in layers
@@ -341,26 +336,6 @@ def _cpu_exponent_counts(layers: list[tuple[int, Any, int]]) -> list[tuple[int, 
     ]
     if not pieces:
         return []
-    helpers = _helper_threads()
-    if helpers is None:
-        return _count_pieces(pieces)
-    halves: tuple[list[Any], list[Any]] = ([], [])
-    loads = [0, 0]
-    for piece in sorted(pieces, key=lambda p: -p[1].numel()):  # largest first, to the lighter half
-        half = 0 if loads[0] <= loads[1] else 1
-        halves[half].append(piece)
-        loads[half] += piece[1].numel()
-    try:
-        futures = [helpers.submit(_count_pieces, half) for half in halves if half]
-    except RuntimeError:  # the interpreter is shutting down: no new threads
-        return _count_pieces(pieces)
-    return [counted for future in futures for counted in future.result()]
-
-
-def _count_pieces(pieces: list[tuple[int, Any, int]]) -> list[tuple[int, Any]]:
-    """(layer, 256 counts) of each (layer, bits, shift) piece, through this thread's scratch buffer."""
-    import torch
-
     largest = max(bits.numel() for _, bits, _ in pieces)
     scratch = getattr(_scratch, "buffer", None)
     if scratch is None or scratch.numel() < largest:
@@ -372,52 +347,6 @@ def _count_pieces(pieces: list[tuple[int, Any, int]]) -> list[tuple[int, Any]]:
         exponent = shifted.to(torch.uint8)  # the low 8 bits: the biased exponent
         counted.append((i, torch.bincount(exponent, minlength=256)))
     return counted
-
-
-def _helper_threads() -> ThreadPoolExecutor | None:
-    """The two histogram helpers of this process (made on first use, and again in a forked child,
-    which has no copy of its parent's threads), or None where they would not help."""
-    global _helpers, _helpers_pid
-    if _helpers_pid != os.getpid():
-        _helpers_pid = os.getpid()
-        _helpers = _start_helpers()
-    return _helpers
-
-
-def _start_helpers() -> ThreadPoolExecutor | None:
-    """Two threads whose torch ops run single-threaded. torch.set_num_threads in a thread sets that
-    thread's OpenMP thread count (and the process-wide default new threads start from): each helper
-    sets 1 for itself, then the default is put back as it was. The training thread's own setting is
-    never changed. Only with torch's OpenMP backend (its native pool has one process-wide setting)."""
-    import torch
-
-    if _usable_cpus() < 2 or "OpenMP" not in torch.__config__.parallel_info():
-        return None
-    default = torch.get_num_threads()
-    both = threading.Barrier(2)
-
-    def single_threaded() -> None:
-        torch.get_num_threads()  # torch's once-per-thread set-up first: it would set the default again
-        torch.set_num_threads(1)
-        both.wait(timeout=30)  # holds the first helper until the second exists and is set too
-
-    pool = ThreadPoolExecutor(2, thread_name_prefix="gradwatch-histogram")
-    try:
-        for started in [pool.submit(single_threaded) for _ in range(2)]:
-            started.result(timeout=30)
-    except Exception:  # noqa: BLE001 - no helpers then: the caller counts
-        pool.shutdown(wait=False)
-        return None
-    finally:
-        torch.set_num_threads(default)
-    return pool
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 # -- host side (sender thread): derivations from transferred histograms --------------------------

@@ -487,7 +487,11 @@ class Run:
                 continue
             self.buffer.add_scalar(str(key), at, value)
         self._logged_since_flush += len(data)
-        self._maybe_flush()
+        if not any(watcher.step_open for watcher in self._watchers):
+            # Mid-step (a log between backward and the optimizer step) the flush waits for the step's
+            # end: a packet holds whole steps, so what is derived from several keys of one step (a
+            # skip's scales, the clip threshold) is derived from all of them.
+            self._maybe_flush()
 
     def _log_batch(self, ids: Any, step: int | None) -> None:
         try:

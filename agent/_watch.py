@@ -1,36 +1,39 @@
-"""Hooks on the user's optimizer, GradScaler and clip_grad_norm_: what is observed at each step.
+"""Hooks on the user's optimizer, GradScaler and parameters: what is observed at each step.
 
 One Watcher owns every hook handle and method wrapper it installs and removes them all in remove();
-nothing is written onto the user's model. Observations are computed on the device (see _quantities)
-and handed to the run's StepSink; the user's own calls run exactly as before (their exceptions
-propagate unchanged, ours never reach them).
+nothing is written onto the user's model and nothing of torch is patched. Observations are computed
+on the device (see _quantities) and handed to the run's StepSink; the user's own calls run exactly as
+before (their exceptions propagate unchanged, ours never reach them).
 
 Where each signal comes from:
-- optimizer step pre/post hooks: step counting without a scaler; the parameter snapshot, update
-  ratio and rounded-away updates; for non-fused optimizers under a GradScaler, "the optimizer really
-  stepped" — so a skipped step is known on the host with no device sync, and only skipped steps pay
-  for localisation.
+- the end of each backward pass (see _gradients): the pre-clip, unscaled per-layer gradient norms
+  and from them grad/global_norm, however (or whether) the loop clips; the gradients' version
+  counters, to see a clip later; the histograms of a run without a GradScaler; backward passes per
+  step (amp/micro_batches).
+- optimizer step pre/post hooks: step counting without a scaler; the post-clip norm when the
+  gradients were rewritten since they were measured; the parameter snapshot, update ratio and
+  rounded-away updates; for non-fused optimizers under a GradScaler, "the optimizer really stepped" —
+  so a skipped step is known on the host with no device sync.
 - GradScaler (wrapped on the instance): scale (the unscaled loss of each micro-batch), unscale_
-  (gradients are unscaled from here on), step (scale used, found_inf for fused optimizers whose step
-  always runs), update (scale after, growth tracker), load_state_dict (a resumed scaler).
-- clip_grad_norm_ and clip_grads_with_norm_ (see _clip): the pre-clip total norm is reused as grad/global_norm
-  (not with sharded gradients: there it is already the global norm, computed by a collective); its
-  max_norm is sent as grad/clip_max_norm. On steps that sample per-layer gradient norms, a run that
-  clipped its last step has them taken from the clip's own per-tensor norms (recorded as the clip
-  computes them) instead of a second pass over every gradient; a step that turns out not to clip
-  computes them itself before the optimizer steps.
+  (gradients rewritten before it: a clip of scaled gradients; the histograms of unscaled gradients
+  after it), step (scale used, found_inf for fused optimizers whose step always runs), update (scale
+  after, growth tracker), load_state_dict (a resumed scaler).
 
 Keys recorded here. Every step: amp/scale, amp/skipped, amp/growth_tracker, amp/loss (mean of the
-losses passed to scaler.scale in the step), amp/micro_batches (backward passes in the step, from the
-last parameter's post-accumulate-grad hook; else the scale() calls), grad/global_norm,
-grad/global_norm_post_clip and grad/clip_max_norm (when clipping), lr, lr/1…, perf/step_time,
-perf/samples_per_sec, perf/tokens_per_sec. Per layer on sampled steps (WatchOptions; denser during
-the first dense_start_steps): grad/norm, param/norm, update/ratio, update/rounded_away_frac,
-grad/hist and from it grad/zero_frac, grad/underflow_frac, grad/precision_loss_frac,
-grad/overflow_frac (with their grad/global_* scalars) and amp/safe_scale_min / amp/safe_scale_max.
-Once, when watching an fp16 run starts: param/max_abs (each layer's largest |weight|).
-Events: skip, no_gradient, scaler_state_loaded, scale_below_one, and the misuse kinds
-clip_before_unscale, bf16_model_in_fp16, weights_exceed_fp16 (bad_batch comes from the Run).
+losses passed to scaler.scale in the step), amp/micro_batches, grad/global_norm,
+grad/global_norm_post_clip (when a clip rewrote the gradients; grad/clip_max_norm is inferred from it
+on the sender thread, see _derive), lr, lr/1…, perf/step_time, perf/samples_per_sec,
+perf/tokens_per_sec. Per layer on sampled steps (WatchOptions; denser during the first
+dense_start_steps) and on every skipped step (grad/norm: which layer went non-finite): grad/norm,
+param/norm, update/ratio, update/rounded_away_frac, grad/hist and from it grad/zero_frac,
+grad/underflow_frac, grad/precision_loss_frac, grad/overflow_frac (with their grad/global_* scalars)
+and amp/safe_scale_min / amp/safe_scale_max. Once, when watching an fp16 run starts: param/max_abs
+(each layer's largest |weight|). Events: skip, no_gradient, scaler_state_loaded, scale_below_one,
+norms_unmeasured, and the misuse kinds clip_before_unscale, bf16_model_in_fp16, weights_exceed_fp16
+(bad_batch comes from the Run).
+
+Layers are the trainable parameters the optimizer holds, in the model's named_parameters() order
+(parameters the optimizer holds that the model does not name come last).
 
 Collaborators: the run is seen only as a StepSink (_sink: the current step, record, end a step);
 the GradScaler's private state only through a ScalerView (_scaler); what the sender thread derives
@@ -50,11 +53,11 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _clip, _distributed, _quantities
+from . import _distributed, _gradients, _quantities
 from ._derive import (  # the agent-internal keys this module records for _derive
-    CLIP_MAX_NORM,
     MAX_ABS_WEIGHT,
     MAX_LAYERS_IN_EVENT,
+    POST_CLIP_NORM,
     SCALE_BEFORE,
     UNCHANGED_COUNTS,
     WatchDerivation,
@@ -173,8 +176,10 @@ class Watcher:
             id(p): name
             for (_, p), name in zip(named, user_layer_names(model, [n for n, _ in named]), strict=True)
         }
-        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self._param_ids = {id(p) for p in self.params}
+        self.params = _in_model_order(
+            [p for _, p in named],
+            [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad],
+        )
         self.layer_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
         # DTensor parameters (FSDP2): every quantity reads the local shard, so no collective is added.
         dtensor = _distributed.dtensor_class()
@@ -186,8 +191,8 @@ class Watcher:
         except Exception as exc:  # noqa: BLE001 - a wrapper we cannot read: watch it as one process's
             sink.features.disable("gradient layout detection", exc)
             self.parallelism, self.layout = "unknown", _distributed.LOCAL
-        # A sharded rank's norms are partial: it neither reuses clip_grad_norm_'s (global) total nor
-        # derives a post-clip norm from its own.
+        # A sharded rank's norms are partial (the server combines the ranks'): no clip threshold is
+        # inferred from them.
         self.partial_norms = self.layout in (_distributed.SHARDED, _distributed.HYBRID)
         self.histograms_here = options.takes_histograms(sink.rank, self.layout)
         # Runs on the sender thread (a Packet deriver); shares nothing with the step's state.
@@ -197,6 +202,9 @@ class Watcher:
         self._like = self._local(self.params[0]) if self.params else torch.zeros(())
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
+        # Guarded once here, not per call: the hooks and wrappers are on the step's path.
+        guard = sink.features.guarded("step observation")
+        self._backward_end = _gradients.BackwardEnd(guard(self._on_backward_end))
         self._reset_step_state()
         # On the CPU, when the next step takes a snapshot too, this step's copies are kept and written
         # over (_quantities.snapshot); otherwise, and always on other devices, they are freed after
@@ -204,33 +212,32 @@ class Watcher:
         self._cpu_params = all(p.device.type == "cpu" for p in self._local_params())
         self._spent_snapshot: _quantities.Snapshot | None = None
         self._awaiting_update: int | None = None
-        self._clipped_last_step = False  # whether to expect a clip_grad_norm_ call this step
         self._last_step_end: float | None = None
         self._misuse_reported: set[str] = set()
         self._missing_reported: tuple[str, ...] = ()  # the layers without a gradient last reported
+        self._unmeasured_reported = False
 
-        # Guarded once here, not per call: the wrappers are on the step's path.
-        guard = sink.features.guarded("step observation")
-        self.before_clip = guard(self._before_clip)
-        self.after_clip = guard(self._after_clip)
         self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
         self._handles.append(optimizer.register_step_post_hook(guard(self._post_step_hook)))
         if self.scaler is not None:
-            self._wrap(self.scaler, "unscale_", after=self._after_unscale)
+            self._wrap(self.scaler, "unscale_", before=self._before_unscale, after=self._after_unscale)
             self._wrap(self.scaler, "step", before=self._before_scaler_step, after=self._after_scaler_step)
             self._wrap(self.scaler, "update", after=self._after_update)
             self._wrap(self.scaler, "scale", after=self._after_scale)
             self._wrap(self.scaler, "load_state_dict", after=self._after_scaler_load)
-        if self.params:
-            # Backward passes per optimizer step (gradient accumulation), from one parameter's
-            # accumulation hook.
-            try:
+        try:
+            # The end of each backward pass (the gradients' measurement) and, from the last layer's
+            # hook alone, how many passes reach the model per step (gradient accumulation; a nested
+            # backward of reentrant checkpointing is not a micro-batch of its own).
+            backward_hook = guard(self._backward_end.hook)
+            for param in self.params[:-1]:
+                self._handles.append(param.register_post_accumulate_grad_hook(backward_hook))
+            if self.params:
                 self._handles.append(
-                    self.params[-1].register_post_accumulate_grad_hook(guard(self._on_backward))
+                    self.params[-1].register_post_accumulate_grad_hook(guard(self._on_last_layer_grad))
                 )
-            except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
-                sink.features.disable("micro-batch counting", exc)
-        _clip.register(self)
+        except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
+            sink.features.disable("gradient measurement at the end of backward", exc)
         guard(self._check_setup)(model)  # its observations go through the same sink as the step's
         sink.features.guarded("rank report")(self._report_rank)()
 
@@ -242,7 +249,6 @@ class Watcher:
 
     def remove(self) -> None:
         """Remove every hook and wrapper this watcher installed."""
-        _clip.unregister(self)
         for handle in self._handles:
             handle.remove()
         for obj, name in self._wrapped:
@@ -270,9 +276,13 @@ class Watcher:
         self._wrapped.append((obj, name))
 
     def _reset_step_state(self) -> None:
-        self._grad_norms_seen = False  # per-layer norms / histograms already taken this step
-        self._norms_pending = False  # per-layer norms due this step, left for the clip to provide
-        self._clipped = False  # clip_grad_norm_ ran on these gradients this step
+        self._step_open = False  # something of the current step has been observed
+        self._pre_clip: Any = None  # per-layer unscaled norms of the step's last backward pass (device)
+        self._measured_at: _gradients.Versions | None = None  # the gradients' versions when measured
+        self._measured_grads: list[Any] = []
+        self._post_clip: Any = None  # the global norm after a clip rewrote the gradients (device)
+        self._gradients_settled = False  # the optimizer step (or the skip) came: no clip after it
+        self._layer_norms_wanted = False  # a skipped step: per-layer norms name the non-finite layers
         self._global_norm: Any = None
         self._global_norm_given = False  # set_global_norm() was called: no norm of our own
         self._optimizer_stepped = False
@@ -280,7 +290,24 @@ class Watcher:
         self._histograms: Any = None  # this step's grad/hist (on the device), when taken
         self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
         self._loss_count = 0
-        self._backwards = 0  # backward passes that reached the last parameter this step
+        self._backwards = 0  # backward passes that reached the last layer this step
+        self._backward_end.reset()
+
+    @property
+    def step_open(self) -> bool:
+        """Whether the current step has begun (a backward pass or a scaled loss was seen) and not yet
+        ended: its values are not all recorded, so the run does not flush them yet."""
+        return self._step_open or self._awaiting_update is not None
+
+    def measure_gradients(self) -> None:
+        """For an integration whose engine rewrites the gradients after backward itself (DeepSpeed's
+        all-reduce at the accumulation boundary): the gradients as they are now are this step's,
+        not yet clipped and not loss-scaled by a GradScaler. Measured again, histograms included."""
+        self._step_open = True
+        grads = self._grads()
+        self._measure(grads, scaled=False)
+        if self._histograms_due():
+            self._take_histograms(grads)
 
     def set_global_norm(self, norm: Any) -> None:
         """This step's pre-clip global gradient norm as the training framework computed it (DeepSpeed's
@@ -304,92 +331,117 @@ class Watcher:
             return self.params
         return [self._local(p) for p in self.params]
 
-    def _observe_gradients(self, norms_from_clip: bool = False) -> None:
-        """Per-layer norms and histograms on sampled steps, once per step, before any clipping.
+    def _histograms_due(self) -> bool:
+        return self.histograms_here and self.options.due(self.options.histograms_every, self.sink.step)
 
-        norms_from_clip: the per-layer norms may wait for a clip_grad_norm_ call to come (see
-        _before_clip); any later call without it takes them at once if still pending."""
-        if self._grad_norms_seen:
-            if self._norms_pending and not norms_from_clip:
-                self._record_layer_norms(self._grads())
+    def _on_last_layer_grad(self, param: Any) -> None:
+        self._backwards += 1  # a host counter: the hook runs once per backward pass, no device work
+        self._backward_end.hook(param)
+
+    def _on_backward_end(self) -> None:
+        """A backward pass has ended (see _gradients): measure the gradients as they are now, before
+        any clip. Under a GradScaler they are still scaled: the norms are divided by the scale the
+        pass used. A run without a scaler takes its sampled histograms here too (with one, after
+        unscale_: they are binned unscaled)."""
+        self._step_open = True
+        grads = self._grads()
+        self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
+        if self.scaler is None and self._histograms_due():
+            self._take_histograms(grads)
+
+    def _unscaled(self) -> bool | None:
+        view = self.scaler_view
+        return view.unscaled(self.optimizer) if view is not None else None
+
+    def _measure(self, grads: list[Any], scaled: bool) -> None:
+        per_layer = _quantities.layer_norms(grads, self._like)
+        if scaled:
+            scale = self.scaler_view.scale() if self.scaler_view is not None else None
+            if scale is not None:
+                per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
+        self._pre_clip = per_layer
+        self._measured_grads = grads  # held until the step ends (an engine may clear them before)
+        self._measured_at = _gradients.versions(grads)
+
+    def _take_histograms(self, grads: list[Any]) -> None:
+        self._histograms = _quantities.log2_histograms(grads, self._like)
+        self.sink.add_tensor("grad/hist", self.sink.step, self._histograms)
+
+    def _before_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
+        if optimizer is not self.optimizer or self._measured_at is None or self.fused:
             return
-        self._grad_norms_seen = True
-        step = self.sink.step
-        options = self.options
-        norms_due = options.due(options.layer_norms_every, step)
-        histograms_due = self.histograms_here and options.due(options.histograms_every, step)
-        if not (norms_due or histograms_due):
-            return  # most steps: nothing per layer, not even the list of gradients
+        if _gradients.rewritten(self._measured_at, self._grads()):
+            self._report_misuse(
+                "clip_before_unscale",
+                "the gradients were rewritten in place while still SCALED (before scaler.unscale_): a "
+                "clip_grad_norm_ there compares S*||g|| with max_norm, clips on nearly every step and "
+                "shrinks the true gradient to max_norm/S. Call scaler.unscale_(optimizer) before "
+                "clipping.",
+            )
+
+    def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
+        if optimizer is not self.optimizer:
+            return
+        self._step_open = True
         grads = self._grads()
-        if norms_due:
-            if norms_from_clip:
-                self._norms_pending = True
-            else:
-                self._record_layer_norms(grads)
-        if histograms_due:
-            self._histograms = _quantities.log2_histograms(grads, self._like)
-            self.sink.add_tensor("grad/hist", step, self._histograms)
+        if self._pre_clip is None:
+            # No backward pass was seen (gradients assigned by hand): unscaled and not yet clipped
+            # here, as a clip of scaled gradients is a misuse.
+            self._measure(grads, scaled=False)
+        if self._histograms_due() and self._histograms is None:
+            self._take_histograms(grads)
+        self._measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
 
-    def _record_layer_norms(self, grads: list[Any], per_layer: Any = None) -> None:
-        """grad/norm of this step (computed here unless given), the global norm from it, and a
-        no_gradient event when the layers without a gradient changed."""
-        self._norms_pending = False
-        if per_layer is None:
-            per_layer = _quantities.layer_norms(grads, self._like)
-        self.sink.add_tensor("grad/norm", self.sink.step, per_layer)
-        self._global_norm = _quantities.global_norm(per_layer)
-        self._report_missing_gradients(grads)
-
-    def _clip_norms_usable(self, parameters: list[Any], norm_type: Any, foreach: Any) -> bool:
-        """Whether this clip call computes every per-layer norm we need, as we would: the L2 norm by
-        torch._foreach_norm of each of our float32 gradients (a half-precision gradient's norm would
-        come back rounded to its dtype), unsharded."""
-        # norm_type None: clip_grads_with_norm_, whose norms were computed before the call.
-        if norm_type is None or self._dtensor is not None or self.partial_norms or foreach is False:
-            return False
-        try:
-            if float(norm_type) != 2.0:
-                return False
-        except (TypeError, ValueError):
-            return False
-        torch = self._torch
-        clipped = {id(p) for p in parameters}
-        for p in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            if (
-                id(p) not in clipped
-                or type(g) is not torch.Tensor
-                or g.dtype != torch.float32
-                or g.layout != torch.strided
-                or g.device.type not in ("cpu", "cuda")
-            ):
-                return False
-        return True
-
-    def _norms_from_clip(self, calls: list[Any], max_norm: Any, total_norm: Any) -> None:
-        """Record this step's pending per-layer norms from the clip's torch._foreach_norm calls.
-
-        A gradient the calls did not show (a torch whose clip computes its norms otherwise) is
-        measured again, after the clip, and divided by the clip's coefficient (max_norm / (total +
-        1e-6), capped at 1: the factor the clip multiplied every gradient by)."""
-        torch = self._torch
-        by_tensor: dict[int, Any] = {}
-        for tensors, args, kwargs, result in calls:
-            ord_ = args[0] if args else kwargs.get("ord", 2)
-            if float(ord_) == 2.0 and kwargs.get("dtype") in (None, torch.float32):
-                for t, n in zip(tensors, result, strict=True):
-                    by_tensor[id(t)] = n
+    def _settle_gradients(self) -> None:
+        """The optimizer step (or the skip) has come: whatever clip there was is done. A gradient
+        rewritten since it was measured was clipped: its post-clip global norm, one more pass."""
+        if self._gradients_settled:
+            return
+        self._gradients_settled = True
+        if self._measured_at is None:
+            return
         grads = self._grads()
-        norms: list[Any] = []
-        for g in grads:
-            norm = by_tensor.get(id(g)) if g is not None else None
-            if g is not None and norm is None:
-                coefficient = torch.clamp(max_norm / (total_norm.detach().float() + 1e-6), max=1.0)
-                norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32) / coefficient
-            norms.append(norm)
-        self._record_layer_norms(grads, _quantities.stack_per_layer(norms, self._like))
+        if self._histograms_due() and self._histograms is None and self._unscaled() is not False:
+            # A run whose histograms were not taken at the end of backward or after unscale_ (no
+            # backward pass seen): before the optimizer step, unscaled (a fused optimizer under a
+            # GradScaler that never unscales them in .grad takes none).
+            self._take_histograms(grads)
+        if _gradients.rewritten(self._measured_at, grads):
+            self._post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
+
+    def _record_gradient_norms(self, step: int) -> None:
+        """grad/global_norm (and post-clip), and per-layer grad/norm on sampled and skipped steps,
+        from the step's measurement; a step that could not be measured records none (said once)."""
+        sink = self.sink
+        if self._global_norm_given:
+            if self._global_norm is not None:
+                sink.add_scalar("grad/global_norm", step, self._global_norm)
+        elif self._pre_clip is not None:
+            sink.add_scalar("grad/global_norm", step, _quantities.global_norm(self._pre_clip))
+        else:
+            self._report_unmeasured(step)
+        if self._pre_clip is None:
+            return
+        if self._post_clip is not None:
+            sink.add_scalar(POST_CLIP_NORM, step, self._post_clip)
+        if self._layer_norms_wanted or self.options.due(self.options.layer_norms_every, step):
+            sink.add_tensor("grad/norm", step, self._pre_clip)
+            self._report_missing_gradients(self._measured_grads)
+
+    def _report_unmeasured(self, step: int) -> None:
+        if self._unmeasured_reported or not self.params:
+            return
+        self._unmeasured_reported = True
+        self.sink.add_event(
+            step,
+            "norms_unmeasured",
+            {
+                "reason": "no backward pass reached the watched parameters before this optimizer step "
+                "(gradients assigned by hand?) and no GradScaler unscaled them: their pre-clip norms "
+                "cannot be told from clipped ones, so grad/global_norm and grad/norm are not recorded "
+                "for such steps",
+            },
+        )
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
         """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a
@@ -407,65 +459,11 @@ class Watcher:
             },
         )
 
-    def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
-        if optimizer is self.optimizer:
-            self._observe_gradients(norms_from_clip=self._clipped_last_step)
-
-    def _before_clip(
-        self, parameters: list[Any], max_norm: float | torch.Tensor, norm_type: Any = 2.0, foreach: Any = None
-    ) -> bool:
-        """Observations due before the clip; True when this call's per-tensor norms are wanted."""
-        if not parameters or id(parameters[0]) not in self._param_ids:
-            return False
-        # None (the scaler's stage cannot be read): not reported, gradients observed as usual.
-        if (
-            self.scaler_view is not None
-            and not self.fused
-            and self.scaler_view.unscaled(self.optimizer) is False
-        ):
-            self._report_misuse(
-                "clip_before_unscale",
-                "clip_grad_norm_ was called on SCALED gradients (before scaler.unscale_): it compares "
-                "S*||g|| with max_norm, clips on nearly every step and shrinks the true gradient to "
-                "max_norm/S. Call scaler.unscale_(optimizer) before clipping.",
-                max_norm=float(max_norm),
-            )
-            return False
-        usable = (
-            (self._norms_pending or not self._grad_norms_seen)
-            and self.options.due(self.options.layer_norms_every, self.sink.step)
-            and self._clip_norms_usable(parameters, norm_type, foreach)
-        )
-        self._observe_gradients(norms_from_clip=usable)
-        return self._norms_pending
-
-    def _after_clip(
-        self,
-        parameters: list[Any],
-        max_norm: float | torch.Tensor,
-        total_norm: Any,
-        norm_calls: list[Any] | None = None,
-    ) -> None:
-        if (
-            not parameters
-            or id(parameters[0]) not in self._param_ids
-            or "clip_before_unscale" in self._misuse_reported
-        ):
-            return
-        self._clipped = True
-        if self._norms_pending and norm_calls is not None and type(total_norm) is self._torch.Tensor:
-            self._norms_from_clip(norm_calls, max_norm, total_norm)
-        if self._global_norm is None and not self.partial_norms and type(total_norm) is self._torch.Tensor:
-            self._global_norm = total_norm.detach()  # the user's own pre-clip norm, reused
-        # The threshold as given: a number stays on the host, a tensor on its device (no sync).
-        threshold = max_norm if isinstance(max_norm, self._torch.Tensor) else float(max_norm)
-        self.sink.add_scalar(CLIP_MAX_NORM, self.sink.step, threshold)
-
     # -- optimizer hooks --------------------------------------------------------------------------
 
     def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_stepped = True
-        self._observe_gradients()  # takes per-layer norms still waiting for a clip that never came
+        self._settle_gradients()
         if self.options.due(self.options.update_ratio_every, self.sink.step):
             self._snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)
             self._spent_snapshot = None
@@ -490,6 +488,7 @@ class Watcher:
     def _after_scale(self, *args: Any, **kwargs: Any) -> None:
         """Sum the one-element losses passed to scaler.scale this step (a device add, no sync): their
         mean is amp/loss, as passed (a loss divided by the accumulation steps stays divided)."""
+        self._step_open = True
         outputs = args[0] if args else kwargs.get("outputs")
         if not isinstance(outputs, self._torch.Tensor) or outputs.numel() != 1:
             return  # a list/tuple of losses, or not a loss: left alone
@@ -499,9 +498,6 @@ class Watcher:
         else:
             self._loss_sum = self._loss_sum + loss.to(self._loss_sum.device, non_blocking=True)
         self._loss_count += 1
-
-    def _on_backward(self, _param: Any) -> None:
-        self._backwards += 1  # a host counter: the hook runs once per backward pass, no device work
 
     def _after_scaler_load(self, *args: Any, **kwargs: Any) -> None:
         """A `scaler_state_loaded` event: the steps after it are a new calibration, not a scale jump.
@@ -535,9 +531,8 @@ class Watcher:
         else:
             skipped_on_host = not self._optimizer_stepped
             sink.add_scalar("amp/skipped", step, 1.0 if skipped_on_host else 0.0)
-            if skipped_on_host and not self.options.due(self.options.layer_norms_every, step):
-                # Localise the inf/NaN: per-layer norms, paid for on skipped steps only.
-                sink.add_tensor("grad/norm", step, _quantities.layer_norms(self._grads(), self._like))
+            # Localise the inf/NaN: the per-layer norms (measured anyway) recorded on skipped steps.
+            self._layer_norms_wanted = skipped_on_host
         self._awaiting_update = step
         self._finish_step()
 
@@ -567,15 +562,8 @@ class Watcher:
         sink = self.sink
         step = sink.step
         options = self.options
-        if self._norms_pending:  # a skipped step: no clip and no optimizer step came to take them
-            self._record_layer_norms(self._grads())
-        self._clipped_last_step = self._clipped
-        if self._global_norm is None and not self._global_norm_given:
-            # No clip call and no sampled per-layer norms: one fused norm over the gradients (at this
-            # point unscaled; unchanged since backward, as nothing clipped them).
-            self._global_norm = _quantities.global_norm(_quantities.layer_norms(self._grads(), self._like))
-        if self._global_norm is not None:
-            sink.add_scalar("grad/global_norm", step, self._global_norm)
+        self._settle_gradients()
+        self._record_gradient_norms(step)
         if self._loss_count:
             sink.add_scalar("amp/loss", step, self._loss_sum / self._loss_count)
         micro_batches = self._backwards or self._loss_count
@@ -675,3 +663,15 @@ class Watcher:
                 "histograms": self.histograms_here and self.options.histograms_every > 0,
             },
         )
+
+
+def _in_model_order(model_params: list[Any], trainable: list[Any]) -> list[Any]:
+    """The trainable parameters the optimizer holds, in the model's order (its param groups may list
+    them otherwise: a decay / no-decay split); any the model does not name follow, in the groups'
+    order. Each once, however often it is listed."""
+    wanted = {id(p): p for p in trainable}
+    ordered: dict[int, Any] = {}
+    for p in [*model_params, *trainable]:
+        if id(p) in wanted:
+            ordered.setdefault(id(p), p)
+    return list(ordered.values())

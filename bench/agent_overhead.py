@@ -310,12 +310,7 @@ class Trainer:
         monitor.on_loss(loss)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        clip = torch.nn.utils.clip_grad_norm_  # looked up at call time, as user code does
-        if not monitor.gradwatch:
-            # Without a gradwatch watcher attached the patch is not installed; should one be (process
-            # isolation: never), call past it so the other configurations never pay for it.
-            clip = getattr(clip, "__gradwatch_original__", clip)
-        clip(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         monitor.after_step(loss, self.named_parameters)
@@ -339,16 +334,18 @@ def free_port() -> int:
 # (owner, attribute, label, top_level). Top-level entries are what torch's hooks and gradwatch's wrappers
 # call on the training thread; they do not nest in one another, so their sum is gradwatch's time there.
 INSTRUMENTED = [
+    ("gradients.BackwardEnd", "hook", "BackwardEnd.hook (each parameter's post-accumulate hook)", True),
+    ("watch.Watcher", "_on_last_layer_grad", "  Watcher._on_last_layer_grad (the last layer's hook)", False),
+    ("watch.Watcher", "_on_backward_end", "Watcher._on_backward_end (end of backward: pre-clip norms)", True),
+    ("watch.Watcher", "_before_unscale", "Watcher._before_unscale (before scaler.unscale_)", True),
     ("watch.Watcher", "_after_unscale", "Watcher._after_unscale (after scaler.unscale_)", True),
-    ("watch.Watcher", "_before_clip", "Watcher._before_clip", True),
-    ("watch.Watcher", "_after_clip", "Watcher._after_clip", True),
     ("watch.Watcher", "_pre_step_hook", "Watcher._pre_step_hook (optimizer pre-step)", True),
     ("watch.Watcher", "_post_step_hook", "Watcher._post_step_hook (optimizer post-step)", True),
     ("watch.Watcher", "_before_scaler_step", "Watcher._before_scaler_step", True),
     ("watch.Watcher", "_after_scaler_step", "Watcher._after_scaler_step", True),
     ("watch.Watcher", "_after_update", "Watcher._after_update (after scaler.update)", True),
     ("run.Run", "log", "Run.log", True),
-    ("watch.Watcher", "_observe_gradients", "  Watcher._observe_gradients", False),
+    ("watch.Watcher", "_settle_gradients", "  Watcher._settle_gradients (post-clip norm)", False),
     ("watch.Watcher", "_finish_step", "  Watcher._finish_step", False),
     ("run.Run", "_flush", "  Run._flush (every 1 s)", False),
     ("buffer.StepBuffer", "take", "    StepBuffer.take (flatten + one copy)", False),
@@ -364,9 +361,15 @@ def install_instrumentation() -> dict[str, list[float]]:
     """Wrap gradwatch's functions (before run.watch binds them) to add up inclusive wall time and
     process CPU time ([wall s, calls, CPU s] per label). CPU time does not count the time the process
     waits for a core, so on a loaded machine it is the steadier of the two."""
-    from gradwatch import _buffer, _quantities, _run, _watch
+    from gradwatch import _buffer, _gradients, _quantities, _run, _watch
 
-    modules = {"watch": _watch, "run": _run, "buffer": _buffer, "quantities": _quantities}
+    modules = {
+        "watch": _watch,
+        "run": _run,
+        "buffer": _buffer,
+        "quantities": _quantities,
+        "gradients": _gradients,
+    }
     timings: dict[str, list[float]] = {}
     for owner, attribute, label, _top in INSTRUMENTED:
         module_name, _, class_name = owner.partition(".")
@@ -385,30 +388,6 @@ def install_instrumentation() -> dict[str, list[float]]:
 
         setattr(target, attribute, functools.wraps(original)(timed))
     return timings
-
-
-def clip_wrapper_cost(trainer: Trainer, repeats: int = 500) -> float:
-    """Microseconds the patched clip_grad_norm_ adds for parameters gradwatch does NOT watch: every
-    registered watcher's before/after check. (The list() it makes of a generator replaces the one
-    clip_grad_norm_ makes itself, so it is not counted.) Calls the un-instrumented methods, so the
-    instrumentation neither adds to this nor counts it."""
-    import torch
-
-    from gradwatch import _clip, _watch
-
-    before_clip = getattr(_watch.Watcher._before_clip, "__wrapped__", _watch.Watcher._before_clip)
-    after_clip = getattr(_watch.Watcher._after_clip, "__wrapped__", _watch.Watcher._after_clip)
-    other = build_model(trainer.size)
-    for p in other.parameters():
-        p.grad = torch.zeros_like(p)
-    parameters = list(other.parameters())
-    total_norm = torch.zeros(())
-    start = time.perf_counter()
-    for _ in range(repeats):
-        for watcher in list(_clip._watchers):
-            before_clip(watcher, parameters, 1.0)
-            after_clip(watcher, parameters, 1.0, total_norm)
-    return (time.perf_counter() - start) / repeats * 1e6
 
 
 # -- worker process -----------------------------------------------------------------------------------
@@ -474,10 +453,7 @@ def worker_main(
                 )
             elif command == "timings":
                 report = {label: list(v) for label, v in (timings or {}).items()}
-                clip_us = clip_wrapper_cost(trainer) if argument else None
-                connection.send(
-                    ("ok", {"timings": report, "steps": trainer.step_index, "clip_wrapper_us": clip_us})
-                )
+                connection.send(("ok", {"timings": report, "steps": trainer.step_index}))
             elif command == "close":
                 monitor.detach()
                 connection.send(("ok", monitor.close()))
@@ -1002,7 +978,6 @@ def profile_run(worker: Worker, steps: int) -> dict[str, Any]:
         "step_time": statistics.median(times),
         "mean_step_time": statistics.mean(times),
         "step_cpu": step_cpu,
-        "clip_wrapper_us": after["clip_wrapper_us"],
     }
 
 
@@ -1146,18 +1121,6 @@ def report(
         out(
             f"\ngradwatch's share of the step: {top_total / steps / profile['mean_step_time']:.2%} of the "
             f"mean step's wall time, {top_cpu / steps / profile['step_cpu']:.2%} of its process CPU time"
-        )
-        where = (
-            "the patch exists only while a gradwatch watcher is attached, "
-            "i.e. only during gradwatch's own blocks"
-            if args.isolation == "toggle"
-            else "the other configurations run in their own processes"
-        )
-        out(
-            "\nclip_grad_norm_ patch, cost for parameters gradwatch does not watch: "
-            f"{profile['clip_wrapper_us']:.1f} µs/call with one watcher registered (its id check before and "
-            "after the call); in this benchmark "
-            f"the configurations without gradwatch never pay it: {where}"
         )
 
 

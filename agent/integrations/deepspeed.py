@@ -53,7 +53,6 @@ except ImportError as exc:  # pragma: no cover - exercised only where DeepSpeed 
     ) from exc
 
 import gradwatch
-from gradwatch import _quantities
 from gradwatch._derive import SCALE_BEFORE
 
 __all__ = ["watch"]
@@ -121,7 +120,6 @@ class _EngineSteps:
         self._own_norm = False
         self._fp16 = bool(engine.fp16_enabled())
         self._steps_before: int | None = None
-        self._norm_before: Any = None
         self._wrapper: Any = None  # the engine.step wrapper installed by start()
 
     @property
@@ -143,8 +141,9 @@ class _EngineSteps:
     def start(self, watcher: Any, *, gradients_visible: bool) -> None:
         """Begin observing the engine's steps for `watcher` (the Watcher built over this object)."""
         self._watcher = watcher
-        # Only a plain torch optimizer (fp32, ZeRO stage 0) leaves the global norm to us; DeepSpeed's
-        # own optimizers compute it (its clipping needs it).
+        self._gradients_visible = gradients_visible
+        # Only a plain torch optimizer (fp32, ZeRO stage 0) leaves the global norm to us (the
+        # watcher's measurement); DeepSpeed's own optimizers compute it (its clipping needs it).
         self._own_norm = gradients_visible and not hasattr(self._engine.optimizer, "_global_grad_norm")
         guard = watcher.sink.features.guarded(_FEATURE)
         before, after = guard(self._before_step), guard(self._after_step)
@@ -186,12 +185,11 @@ class _EngineSteps:
         scale = self._loss_scale()
         if scale is not None:
             sink.add_scalar(SCALE_BEFORE, sink.step, scale)
+        if self._gradients_visible:
+            # After the engine's all-reduce, before it clips and clears them: the step's gradients.
+            self._watcher.measure_gradients()
         for hook in list(self._pre.values()):
-            hook(self, (), {})  # the Watcher: sampled per-layer gradients, the parameter snapshot
-        if self._own_norm:
-            # Before the engine clips and clears the gradients: the pre-clip norm of the visible ones.
-            grads = [p.grad for p in self._params]
-            self._norm_before = _quantities.global_norm(_quantities.layer_norms(grads, self._params[0]))
+            hook(self, (), {})  # the Watcher: the parameter snapshot
         return True
 
     def _after_step(self) -> None:
@@ -205,12 +203,12 @@ class _EngineSteps:
         scale = self._loss_scale()
         if scale is not None:
             sink.add_scalar("amp/scale", step, scale)
-        norm = self._norm_before if self._own_norm else engine.get_global_grad_norm()
-        if isinstance(norm, torch.Tensor):
-            norm = norm.detach().clone()  # a 0-dim tensor: stays on its device until the flush
-        elif norm is not None:
-            norm = float(norm)
-        watcher.set_global_norm(norm)
-        self._norm_before = None
+        if not self._own_norm:
+            norm = engine.get_global_grad_norm()
+            if isinstance(norm, torch.Tensor):
+                norm = norm.detach().clone()  # a 0-dim tensor: stays on its device until the flush
+            elif norm is not None:
+                norm = float(norm)
+            watcher.set_global_norm(norm)
         for hook in list(self._post.values()):
             hook(self, (), {})  # the Watcher: update ratios, lr, step time; ends the step

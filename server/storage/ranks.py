@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 COMBINES = ("auto", "l2", "sum", "mean", "min", "max")
-NORM_KEYS = frozenset({"grad/global_norm", "grad/norm", "param/norm"})
+NORM_KEYS = frozenset({"grad/global_norm", "grad/global_norm_post_clip", "grad/norm", "param/norm"})
 RANK_EVENT = "rank"
 SKIPPED_KEY = "amp/skipped"
 SHARDED = "sharded"

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from training import HostSyncs, RecordingTransport, TinyNet, train
+from training import HostSyncs, RecordingTransport, Reference, TinyNet, train
 
 import gradwatch
 from gradwatch import GradwatchWarning
@@ -483,10 +483,16 @@ def test_loading_a_scaler_state_is_an_event_with_its_scale():
 
 def test_clip_max_norm_is_sent_on_clipped_steps_only():
     transport = RecordingTransport()
+    reference = Reference()
     with _run(transport) as run:
-        train(4, run=run)
-    assert transport.series("grad/clip_max_norm") == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
-    assert len(transport.series("grad/global_norm_post_clip")) == 4
+        train(6, run=run, reference=reference, max_norm=0.5)
+    post_clip = transport.series("grad/global_norm_post_clip")
+    assert sorted(post_clip) == list(range(6))  # the clip rewrote the gradients on every step
+    for step, norm in enumerate(reference.global_norms):
+        assert post_clip[step] == pytest.approx(min(norm, 0.5), rel=1e-4)
+    # max_norm is known from the first step the clip cut (norm above 0.5), and carried after it
+    first_cut = next(step for step, norm in enumerate(reference.global_norms) if norm > 0.5)
+    assert transport.series("grad/clip_max_norm") == {step: 0.5 for step in range(first_cut, 6)}
     unclipped = RecordingTransport()
     with _run(unclipped) as run:
         train(4, run=run, clip=None)

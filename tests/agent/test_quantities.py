@@ -238,7 +238,8 @@ def _host_packet():
             "_amp/scale_before": [(0, 1024.0), (1, 1024.0)],
             "amp/scale": [(0, 1024.0), (1, 0.5)],
             "grad/global_norm": [(0, 4.0), (1, math.inf)],
-            "grad/clip_max_norm": [(0, 1.0)],
+            # clip_grad_norm_(max_norm=1.0): step 0 cut 4.0 to 1.0, step 1 (inf) made everything NaN
+            "grad/global_norm_post_clip": [(0, 4.0 * (1.0 / (4.0 + 1e-6))), (1, math.nan)],
         },
         vectors={"grad/norm": [(1, [1.0, math.nan])], "update/ratio": [(0, [0.1, 0.2]), (1, [0.0, 0.0])]},
         matrices={
@@ -270,7 +271,8 @@ def test_host_derivation_is_a_function_of_host_values():
     assert resolved.vectors["update/ratio"] == [(0, [0.1, 0.2])], "a skipped step's ratios are dropped"
     [(step, fractions)] = resolved.vectors["update/rounded_away_frac"]
     assert step == 0 and fractions[0] == 0.25 and math.isnan(fractions[1])
-    assert resolved.scalars["grad/global_norm_post_clip"] == [(0, pytest.approx(1.0))]
+    # the threshold from the step it cut, carried to the step that says nothing new
+    assert resolved.scalars["grad/clip_max_norm"] == [(0, 1.0), (1, 1.0)]
     assert resolved.vectors["grad/underflow_frac"] == [(0, [1.0, 1.0])]
     assert resolved.scalars["grad/global_underflow_frac"] == [(0, 1.0)]
     assert resolved.vectors["grad/zero_frac"] == [(0, [0.0, 0.0])]
@@ -283,8 +285,35 @@ def test_host_derivation_is_a_function_of_host_values():
         is False
     )
     assert [e["kind"] for e in unscaled.events] == ["skip"]
-    assert "grad/global_norm_post_clip" not in unscaled.scalars, "a shard's norm is not the global one"
+    assert "grad/clip_max_norm" not in unscaled.scalars, "a shard's norms do not give the threshold"
     assert "grad/zero_frac" in unscaled.vectors and "grad/underflow_frac" not in unscaled.vectors
+
+
+def test_the_clip_threshold_is_inferred_once_a_clip_cuts_and_carried_across_packets():
+    from gradwatch._buffer import Resolved
+    from gradwatch._derive import WatchDerivation
+
+    def packet(pre, post):
+        return Resolved(
+            scalars={
+                "grad/global_norm": list(enumerate(pre)),
+                "grad/global_norm_post_clip": list(enumerate(post)),
+            },
+            vectors={},
+            matrices={},
+            events=[],
+        )
+
+    derivation = WatchDerivation(["a"], loss_scaling=False, partial_norms=False)
+    uncut = packet([0.5, 0.7], [0.5, 0.7])  # a clip ran (the gradients were rewritten) but cut nothing
+    derivation(uncut)
+    assert "grad/clip_max_norm" not in uncut.scalars  # the threshold is not known yet
+    cut = packet([0.5, 3.0], [0.5, 3.0 * (0.25 / (3.0 + 1e-6))])
+    derivation(cut)
+    assert cut.scalars["grad/clip_max_norm"] == [(1, 0.25)]
+    later = packet([0.1], [0.1])
+    derivation(later)
+    assert later.scalars["grad/clip_max_norm"] == [(0, 0.25)]
 
 
 def test_a_watch_derivation_reports_the_scale_below_one_once():
@@ -363,15 +392,14 @@ def _clipped_fp32_steps(clip_at, scaler=True, inf_at=(), steps=5, clip=_clip_gra
 
 
 @pytest.mark.parametrize("scaler", [True, False], ids=["grad-scaler", "no-scaler"])
-def test_per_layer_norms_are_taken_from_the_clip_without_a_pass_of_our_own(scaler):
+def test_per_layer_norms_are_pre_clip_from_one_pass_and_a_clip_costs_one_more(scaler):
     transport, reference, own_calls = _clipped_fp32_steps(clip_at=range(5), scaler=scaler)
     recorded = transport.vectors("grad/norm")
     assert sorted(recorded) == list(range(5))
     for step, norms in recorded.items():
         assert norms == pytest.approx(reference[step], rel=1e-6)  # pre-clip, every layer
-    # The first step does not know yet that the run clips: gradwatch measures after unscale_ (with a
-    # scaler) or takes the clip's norms at once (without one, the clip is the first place it sees).
-    assert len(own_calls) == (1 if scaler else 0)
+    # One pass at the end of each backward (the pre-clip norms), one after the clip rewrote them.
+    assert len(own_calls) == 2 * 5
 
 
 @pytest.mark.parametrize("scaler", [True, False], ids=["grad-scaler", "no-scaler"])
@@ -480,36 +508,39 @@ def _large_layer():
     return values
 
 
-def test_large_layers_counted_on_the_helper_thread_are_exact(monkeypatch):
+def test_large_layers_counted_in_pieces_are_exact():
     big = _large_layer()
     tensors = [big, torch.randn(10), None, big.bfloat16()]
     counted = q.log2_histograms(tensors, torch.zeros(()))
     assert torch.equal(counted[0], _reference_histogram(big))
     assert torch.equal(counted[3], _reference_histogram(big.bfloat16().float()))
-    monkeypatch.setattr(q, "_helper_threads", lambda: None)  # everything counted by the caller
-    assert torch.equal(q.log2_histograms(tensors, torch.zeros(())), counted)
+    assert counted[2].sum() == 0
 
 
-@pytest.mark.skipif(q._usable_cpus() < 2, reason="the histogram helpers need two usable CPUs")
-def test_the_helpers_run_torch_single_threaded_and_leave_the_training_threads_setting_alone():
+def test_histograms_leave_torch_threading_alone():
+    # A thread count set anywhere (even in a helper thread, even for a moment) is process state: a
+    # reduction of the training loop's run with another count sums in another order.
+    import threading
+
     threads = torch.get_num_threads()
-    q.log2_histograms([_large_layer()], torch.zeros(()))  # the helpers exist from here on
-    helpers = q._helper_threads()
-    if "OpenMP" not in torch.__config__.parallel_info():
-        assert helpers is None
-        return
-    assert helpers is not None
+    before = {t.ident for t in threading.enumerate()}
+    q.log2_histograms([_large_layer()], torch.zeros(()))
     assert torch.get_num_threads() == threads
-    assert {helpers.submit(torch.get_num_threads).result() for _ in range(8)} == {1}
+    assert {t.ident for t in threading.enumerate()} == before  # no thread of ours
+    seen_in_new_thread = []
+    thread = threading.Thread(target=lambda: seen_in_new_thread.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen_in_new_thread == [threads]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
-def test_a_forked_child_counts_with_a_helper_thread_of_its_own():
+def test_a_forked_child_counts_its_histograms():
     big = _large_layer()
     expected = _reference_histogram(big)
     assert torch.equal(q.log2_histograms([big], torch.zeros(()))[0], expected)  # the parent's thread exists
     pid = os.fork()
-    if pid == 0:  # the child: the parent's helper thread was not copied; a wait on it would never end
+    if pid == 0:  # the child: no thread of the parent's was copied; nothing may wait on one
         torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's thread pool does not survive a fork
         ok = torch.equal(q.log2_histograms([big], torch.zeros(()))[0], expected)
         os._exit(0 if ok else 1)
@@ -522,7 +553,7 @@ def test_a_forked_child_counts_with_a_helper_thread_of_its_own():
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    pytest.fail("the forked child's histogram never finished: it waited on the parent's helper thread")
+    pytest.fail("the forked child's histogram never finished")
 
 
 def _watched_adam_steps(seed, steps, transport, seen, **options):

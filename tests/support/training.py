@@ -49,6 +49,7 @@ def train(
     clip: str | None = "after_unscale",
     fused: bool = False,
     init_scale: float = 2.0**16,
+    max_norm: float = 1.0,
 ) -> TinyNet:
     """Train TinyNet for `steps` optimizer steps; `overflow_steps` blow up activations to inf in fp16."""
     torch.manual_seed(seed)
@@ -75,7 +76,7 @@ def train(
         if scaler is not None:
             scaler.scale(loss).backward()
             if clip == "before_unscale":
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             scaler.unscale_(optimizer)
             if reference is not None:
                 reference.global_norms.append(_global_norm(model))
@@ -90,7 +91,7 @@ def train(
                     > 0
                 )
             if clip == "after_unscale":
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             scaler.step(optimizer)
             scaler.update()
             if reference is not None:
@@ -101,7 +102,7 @@ def train(
                 reference.global_norms.append(_global_norm(model))
                 reference.skipped.append(False)
             if clip:
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
         if reference is not None:
             reference.losses.append(loss.item())
@@ -294,6 +295,7 @@ def _train_sharded_or_replicated(job: dict[str, Any], run: Any) -> nn.Module:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=20) if fp16 else None
     if run is not None:
         run.watch(model, optimizer, scaler=scaler, **job.get("watch", {}))
+    clip_totals = job["clip_totals"] = []  # what the clip returned, per step (this training's)
     for step in range(job["steps"]):
         x, y = global_batch(step, world_size)
         x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
@@ -311,7 +313,11 @@ def _train_sharded_or_replicated(job: dict[str, Any], run: Any) -> nn.Module:
         else:
             loss.backward()
         if job.get("clip"):
-            nn.utils.clip_grad_norm_(model.parameters(), job["clip"])
+            if job.get("clip_style") == "fsdp":  # FSDP1's own: the shards' norms combined by a collective
+                total = model.clip_grad_norm_(job["clip"])
+            else:
+                total = nn.utils.clip_grad_norm_(model.parameters(), job["clip"])
+            clip_totals.append(total.item())
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -356,6 +362,7 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict[str, Any]) -
         ) as run:
             watched = _train_sharded_or_replicated(job, run)
         result["run_id"] = run.id
+        result["clip_totals"] = job.get("clip_totals", [])
         result["stats"] = {"sent": run.stats.sent, "dropped": run.stats.dropped, "spooled": run.stats.spooled}
         if plain is not None:
             a, b = _local_state(plain), _local_state(watched)

@@ -1,0 +1,280 @@
+"""What gradwatch records is what happened, however the loop is written: the unscaled gradient norms
+before clipping on every step, with any clip or none, the post-clip norm whenever a clip rewrote the
+gradients, nothing lost at flush steps, layers in the model's order."""
+
+# As training scripts write it: the clip imported by name at the top, before gradwatch is imported.
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm  # isort: skip
+
+import math
+
+import httpx
+import pytest
+import torch
+from torch import nn
+from training import RecordingTransport, TinyNet, TrappedNet, spawn_ranks
+
+import gradwatch
+
+MAX_NORM = 0.05  # far below TinyNet's gradient norms: every clip cuts
+
+
+def _hand_written_clip(parameters, max_norm):
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient)
+
+
+def _two_part_clip(parameters, max_norm):
+    parameters = list(parameters)
+    total = get_total_norm([p.grad for p in parameters if p.grad is not None])
+    clip_grads_with_norm_(parameters, max_norm, total)
+
+
+CLIPS = {
+    "by-name": lambda params, max_norm: clip_grad_norm_(params, max_norm),
+    "two-part-by-name": _two_part_clip,
+    "hand-written": _hand_written_clip,
+    "none": None,
+}
+
+
+def _value(stored):
+    """A stored value as a float ("NaN", "Infinity" travel as strings)."""
+    return float(stored) if isinstance(stored, str) else stored
+
+
+def _same(recorded, expected, rel=1e-5):
+    recorded = _value(recorded)
+    if math.isnan(expected):
+        return math.isnan(recorded)
+    if math.isinf(expected):
+        return recorded == expected
+    return recorded == pytest.approx(expected, rel=rel)
+
+
+def _train(clip, precision, steps=8, accumulate=1, overflow_at=(), layer_norms_every=3, **init):
+    """TinyNet trained `steps` optimizer steps in `precision` (fp16: autocast and a real GradScaler;
+    bf16: autocast, no scaler; fp32) with `clip` (a CLIPS entry) after unscale_; returns the transport
+    and, per step, the reference: pre-clip per-layer and global norms, the post-clip global norm."""
+    torch.manual_seed(0)
+    model = TrappedNet()  # a step in overflow_at gives one layer (`trap`) an infinite gradient
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) if precision == "fp16" else None
+    )
+    transport = RecordingTransport()
+    reference = []
+    generator = torch.Generator().manual_seed(0)
+    with gradwatch.init(project="true-numbers", transport=transport, **init) as run:
+        run.watch(model, optimizer, scaler=scaler, layer_norms_every=layer_norms_every, dense_start_steps=0)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            model.poison = math.inf if step in overflow_at else 0.0
+            for _ in range(accumulate):
+                x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+                with torch.autocast(
+                    "cpu", dtype=torch.float16 if scaler else torch.bfloat16, enabled=precision != "fp32"
+                ):
+                    loss = nn.functional.cross_entropy(model(x).float(), y) / accumulate
+                (scaler.scale(loss) if scaler else loss).backward()
+            run.log({"loss": loss.detach()})  # mid-step, as many loops do
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            layers = [p.grad.float().norm().item() for p in model.parameters()]
+            if clip is not None:
+                clip(model.parameters(), MAX_NORM)
+            post = math.sqrt(sum(p.grad.float().norm().item() ** 2 for p in model.parameters()))
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            reference.append(
+                {"layers": layers, "global": math.sqrt(sum(n * n for n in layers)), "post": post}
+            )
+    return transport, reference, [name for name, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_pre_clip_norms_on_every_step_whatever_the_clip(clip, precision):
+    overflow_at = (5,) if precision == "fp16" else ()
+    transport, reference, names = _train(CLIPS[clip], precision, overflow_at=overflow_at)
+    assert transport.layers() == names
+    global_norms = transport.series("grad/global_norm")
+    assert sorted(global_norms) == list(range(8))
+    per_layer = transport.vectors("grad/norm")
+    assert sorted(per_layer) == sorted({0, 3, 6, *overflow_at})  # sampled, and every skipped step
+    for step, expected in enumerate(reference):
+        assert _same(global_norms[step], expected["global"]), (step, global_norms[step], expected)
+        if step in per_layer:
+            for recorded, layer in zip(per_layer[step], expected["layers"], strict=True):
+                assert _same(recorded, layer), (step, per_layer[step], expected["layers"])
+    if precision == "fp16":
+        # The skipped step's layers are their real unscaled norms: the trapped one infinite, the
+        # others finite and not 0 (a clip of an infinite total multiplies every gradient by 0).
+        [skip] = transport.events("skip")
+        assert skip["step"] == 5 and skip["data"]["non_finite_layers"] == ["trap"]
+        finite = [_value(v) for v in per_layer[5] if math.isfinite(_value(v))]
+        assert len(finite) == len(names) - 1 and all(v > 0 for v in finite)
+    post_clip = transport.series("grad/global_norm_post_clip")
+    if clip == "none":
+        assert post_clip == {} and transport.series("grad/clip_max_norm") == {}
+        return
+    assert sorted(post_clip) == list(range(8))  # every step the clip rewrote, none lost mid-step
+    for step, expected in enumerate(reference):
+        assert _same(post_clip[step], expected["post"], rel=1e-4), (step, post_clip[step], expected)
+    thresholds = transport.series("grad/clip_max_norm")
+    assert {s: pytest.approx(v) for s, v in thresholds.items() if s not in overflow_at} == {
+        s: pytest.approx(MAX_NORM, rel=1e-5) for s in range(8) if s not in overflow_at
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_accumulated_micro_batches_give_the_steps_summed_gradients(precision):
+    transport, reference, _ = _train(CLIPS["by-name"], precision, steps=5, accumulate=3, layer_norms_every=1)
+    global_norms, per_layer = transport.series("grad/global_norm"), transport.vectors("grad/norm")
+    for step, expected in enumerate(reference):
+        assert _same(global_norms[step], expected["global"])
+        assert all(_same(r, e) for r, e in zip(per_layer[step], expected["layers"], strict=True))
+    assert transport.series("amp/micro_batches") == dict.fromkeys(range(5), 3.0)
+
+
+def test_no_point_is_lost_when_the_run_flushes_mid_step():
+    # A flush due at every log (mid-step, after backward): the step's values travel together.
+    transport, _, _ = _train(CLIPS["by-name"], "fp16", steps=12, overflow_at=(4, 9), flush_interval=1e-9)
+    assert sorted(transport.series("grad/global_norm_post_clip")) == list(range(12))
+    assert sorted(transport.series("grad/global_norm")) == list(range(12))
+    skips = transport.events("skip")
+    assert [e["step"] for e in skips] == [4, 9]
+    for skip in skips:  # the scale before and after, and the layers: from one packet
+        assert skip["data"]["scale_before"] is not None and skip["data"]["scale_after"] is not None
+        assert skip["data"]["non_finite_layer_count"] >= 1
+
+
+def test_layers_follow_the_model_not_the_optimizers_groups():
+    torch.manual_seed(0)
+    model = TinyNet()
+    named = list(model.named_parameters())
+    # nanoGPT's split: weights that decay, then biases that do not
+    groups = [
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    transport = RecordingTransport()
+    with gradwatch.init(project="order", transport=transport) as run:
+        run.watch(model, optimizer, layer_norms_every=1)
+        nn.functional.cross_entropy(model(torch.randn(4, 16)), torch.tensor([0, 1, 2, 3])).backward()
+        reference = [p.grad.norm().item() for _, p in named]
+        optimizer.step()
+    assert transport.layers() == [n for n, _ in named]
+    assert transport.vectors("grad/norm")[0] == pytest.approx(reference, rel=1e-6)
+
+
+def test_gradients_assigned_by_hand_without_a_scaler_are_not_measured_and_say_why():
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    transport = RecordingTransport()
+    with gradwatch.init(project="by-hand", transport=transport) as run:
+        run.watch(model, optimizer)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+    assert transport.series("grad/global_norm") == {}  # never a post-clip value under the pre-clip key
+    [event] = transport.events("norms_unmeasured")
+    assert event["step"] == 0 and "no backward pass" in event["data"]["reason"]
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_fsdp1_model_clip_on_two_gloo_ranks(sqlite_server, tmp_path, fp16):
+    # FSDP1's own clip (model.clip_grad_norm_), a collective over the shards: each rank records its
+    # shard's pre-clip norm, and the server's combination of them is the clip's own total.
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    run_id = f"fsdp1-clip-{fp16}"
+    job = {
+        "server": sqlite_server.url,
+        "spool_dir": str(spool),
+        "project": "fsdp1-clip",
+        "parallel": "fsdp1",
+        "steps": 4,
+        "fp16": fp16,
+        "clip": MAX_NORM,
+        "clip_style": "fsdp",
+        "watch": {"layer_norms_every": 1},
+        "init": {"run_id": run_id},
+    }
+    results = spawn_ranks(2, job, tmp_path)
+    totals = results[0]["clip_totals"]
+    assert len(totals) == 4 and all(t > MAX_NORM for t in totals)
+    with httpx.Client(base_url=sqlite_server.url, timeout=30) as api:
+        for key, expected in (
+            ("grad/global_norm", totals),
+            ("grad/global_norm_post_clip", [MAX_NORM] * 4),
+        ):
+            response = api.get(f"/api/v1/runs/{run_id}/ranks/series", params={"key": key})
+            assert response.status_code == 200, response.text
+            combined = response.json()
+            assert combined["combine"] == "l2" and combined["steps"] == list(range(4)), (key, combined)
+            for value, wanted in zip(combined["values"], expected, strict=True):
+                assert value == pytest.approx(wanted, rel=1e-4), (key, combined["values"], expected)
+
+
+class _Wide(nn.Module):
+    """Layers of 2^18 weights: torch splits their reductions (norms, the clip, AdamW's sums) over
+    its threads, so a thread count changed anywhere in the process would change their sums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 512)
+        self.hidden = nn.Linear(512, 512)
+        self.out = nn.Linear(512, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(torch.relu(self.inp(x)))))
+
+
+def _digest(watch: bool) -> str:
+    import hashlib
+
+    torch.manual_seed(0)
+    model = _Wide()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    generator = torch.Generator().manual_seed(1)
+    run = gradwatch.init(project="identical", transport=RecordingTransport()) if watch else None
+    if run is not None:
+        every_step = {"layer_norms_every": 1, "histograms_every": 1, "update_ratio_every": 1}
+        run.watch(model, optimizer, scaler=scaler, param_norms_every=1, **every_step)
+    for _ in range(10):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = torch.randn(32, 64, generator=generator), torch.randint(0, 8, (32,), generator=generator)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        if run is not None:
+            run.log({"loss": loss})
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+    if run is not None:
+        run.finish()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_twenty_watched_runs_with_everything_every_step_are_bit_identical_to_the_unwatched_one():
+    threads = torch.get_num_threads()
+    unwatched = _digest(watch=False)
+    watched = [_digest(watch=True) for _ in range(20)]
+    assert watched == [unwatched] * 20
+    assert torch.get_num_threads() == threads
