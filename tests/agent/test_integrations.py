@@ -146,7 +146,12 @@ def test_accelerate_tracker_records_config_logs_and_gradients(sqlite_server, pre
         loss = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "loss"}).json()
         norms = client.get(f"/api/v1/runs/{run.id}/vectors", params={"key": "grad/norm"}).json()
         global_norm = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "grad/global_norm"}).json()
+        post_clip = client.get(
+            f"/api/v1/runs/{run.id}/series", params={"key": "grad/global_norm_post_clip"}
+        ).json()
     assert record["status"] == "finished" and record["config"] == {"lr": 0.05, "precision": precision}
+    assert post_clip["steps"] == [0, 1, 2, 3, 4]  # every clipped step, at max_norm
+    assert post_clip["values"] == pytest.approx([0.01] * 5, rel=1e-3)
     assert global_norm["steps"] == [0, 1, 2, 3, 4]
     assert global_norm["values"] == pytest.approx(clip_norms, rel=1e-5) and min(clip_norms) > 0.1
     assert loss["steps"] == [0, 1, 2, 3, 4] and "phase" not in keys and "grad/global_norm" in keys

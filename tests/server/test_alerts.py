@@ -234,7 +234,7 @@ def test_the_misuse_the_agent_reported_is_the_incident_cause(alert_server, api):
     assert alerts["misuse"]["step"] == 0 and alerts["misuse"]["evidence"]["kinds"] == ["clip_before_unscale"]
     hint = alerts["scale_drop"]["hint"]
     assert hint.startswith(
-        "Likely cause (clip before unscale): clip_grad_norm_ was called on SCALED gradients"
+        "Likely cause (clip before unscale): the gradients were rewritten in place while still SCALED"
     )
     incidents = _incidents(api, run_id)["data"]
     assert incidents[-1]["cause_key"] == "clip_before_unscale"
