@@ -345,8 +345,32 @@ def _cpu_exponent_counts(layers: list[tuple[int, Any, int]]) -> list[tuple[int, 
         shifted = scratch.view(bits.dtype)[: bits.numel()]  # int16 bits: twice as many in the buffer
         torch.bitwise_right_shift(bits, shift, out=shifted)
         exponent = shifted.to(torch.uint8)  # the low 8 bits: the biased exponent
-        counted.append((i, torch.bincount(exponent, minlength=256)))
+        counted.append((i, _count_bytes(exponent)))
     return counted
+
+
+# A piece at least this long has its bytes counted two at a time (_count_bytes).
+_PAIRED_FROM = 1 << 16
+
+
+def _count_bytes(exponent: Any) -> Any:
+    """torch.bincount of uint8 values (256 counts), for a long piece in half the increments: bincount
+    is a serial loop of one increment per element, so each pair of bytes is read as one 16-bit value
+    and counted into 65536 bins, which fold back into 256 (the low byte's counts plus the high
+    byte's). On 2^20 elements: 11.3 -> 9.2 ms for 13.8M. Short pieces count bytes (65536 bins to
+    clear and fold would cost more than the increments saved)."""
+    import torch
+
+    n = exponent.numel()
+    if n < _PAIRED_FROM:
+        return torch.bincount(exponent, minlength=256)
+    even = n - n % 2
+    pairs = exponent[:even].view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+    grid = torch.bincount(pairs, minlength=1 << 16).view(256, 256)  # [high byte, low byte]
+    counts = grid.sum(0) + grid.sum(1)
+    if n % 2:
+        counts += torch.bincount(exponent[even:], minlength=256)
+    return counts
 
 
 # -- host side (sender thread): derivations from transferred histograms --------------------------

@@ -510,10 +510,12 @@ def _large_layer():
 
 def test_large_layers_counted_in_pieces_are_exact():
     big = _large_layer()
-    tensors = [big, torch.randn(10), None, big.bfloat16()]
+    odd = big[: q._PAIRED_FROM + 7]  # a piece counted in pairs of bytes, with one byte left over
+    tensors = [big, torch.randn(10), None, big.bfloat16(), odd]
     counted = q.log2_histograms(tensors, torch.zeros(()))
     assert torch.equal(counted[0], _reference_histogram(big))
     assert torch.equal(counted[3], _reference_histogram(big.bfloat16().float()))
+    assert torch.equal(counted[4], _reference_histogram(odd))
     assert counted[2].sum() == 0
 
 
