@@ -185,6 +185,7 @@ class Sender:
         self._poll_interval = poll_interval
         self._backoff = backoff or Backoff()
         self._seqs = SeqAllocator()
+        self._superseded_warned = False  # a resume by another process cut our data (said once)
         self._inbox: deque[tuple[Packet, int]] = deque()
         # Counters with a single writer each, so the training thread never takes a lock.
         self._submitted = 0  # training thread
@@ -712,11 +713,13 @@ class Sender:
             if isinstance(batch, bytes):
                 send_encoded = getattr(self.transport, "send_encoded", None)
                 if send_encoded is not None:
-                    send_encoded(self.run_id, batch)
+                    ack = send_encoded(self.run_id, batch)
                 else:
-                    self.transport.send_batch(self.run_id, json.loads(batch))
+                    ack = self.transport.send_batch(self.run_id, json.loads(batch))
             else:
-                self.transport.send_batch(self.run_id, batch)
+                ack = self.transport.send_batch(self.run_id, batch)
+            if isinstance(ack, dict) and ack.get("superseded_from") is not None:
+                self._warn_superseded(ack["superseded_from"])
             return _SENT
         except TransportError as exc:
             self._last_error = str(exc)
@@ -768,6 +771,20 @@ class Sender:
                 exc,
                 self._where(),
             )
+
+    def _warn_superseded(self, step: Any) -> None:
+        """The server cut a batch: another process resumed this run's rank at `step` (once per run)."""
+        if self._superseded_warned:
+            return
+        self._superseded_warned = True
+        logger.warning(
+            "gradwatch: run %s rank %s was resumed by another process at step %s: the server keeps this "
+            "process's data before that step only. If that resume was not yours, the project's ingest "
+            "token is in other hands: revoke it and make a new one.",
+            self.run_id,
+            self.rank,
+            step,
+        )
 
     def _warn_auth(self, exc: BaseException) -> None:
         """A token problem is the user's to fix, not the batch's: nothing is dropped for it."""

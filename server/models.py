@@ -74,6 +74,9 @@ class Run(Base):
     # Why the run is "crashed" (migration 0010): the agent's exception ("ValueError: loss is NaN"), a
     # signal ("SIGTERM"), or NO_HEARTBEAT when the server marked a silent run (undone by new data).
     status_reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    # The last step stored when the run last finished (migration 0012): its history, which a resume
+    # may replace only with an admin token (storage.resumes).
+    finished_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         Index("uq_runs_project_requested_id", "project", "requested_id", unique=True),

@@ -385,6 +385,11 @@ class BatchAck(BaseModel):
     duplicate: bool = Field(description="true when this (run, rank, seq) was stored before")
     points: int
     events: int
+    superseded_from: int | None = Field(
+        None,
+        description="present when a later process resumed the rank at this step: the batch's data from "
+        "this step on was not stored (it belongs to a process the resume replaced)",
+    )
 
 
 class SeriesOut(BaseModel):

@@ -104,6 +104,17 @@ def api_server(database_url) -> Iterator:
 
 
 @pytest.fixture
+def tokens(database_url, api_server) -> Iterator:
+    """The api_server's token store (tokens made here are the server's at once)."""
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine
+
+    engine = make_engine(database_url)
+    yield Tokens(engine)
+    engine.dispose()
+
+
+@pytest.fixture
 def sqlite_server(sqlite_url) -> Iterator:
     """The same on a SQLite file only: for tests of the agent against a real server, not of the storage."""
     yield from api_only_server(sqlite_url)

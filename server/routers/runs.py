@@ -139,10 +139,14 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
 def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> JSONResponse:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
     authorize_run(store, principal, run_id, "ingest")
-    result = store.ingest(run_id, batch)
+    # Replacing a finished run's steps (a resume below them) is an admin's; a job's token only adds.
+    result = store.ingest(run_id, batch, may_rewrite_history=principal.open or "admin" in principal.scopes)
     # The acknowledgement as a ready response: validating and serialising a BatchAck for it cost
     # more than the three fields are worth, on every batch.
-    return JSONResponse({"duplicate": result.duplicate, "points": result.points, "events": result.events})
+    ack: dict[str, object] = {"duplicate": result.duplicate, "points": result.points, "events": result.events}
+    if result.superseded_from is not None:
+        ack["superseded_from"] = result.superseded_from
+    return JSONResponse(ack)
 
 
 @router.get("/{run_id}/keys")

@@ -15,6 +15,11 @@ process has a lower seq), and a batch of an earlier process that arrives later (
 the resumed run, `gradwatch sync`) is cut to the steps before the resume and cannot change the run's
 status; the resume event of such a process (a resume that a later resume superseded) is recorded but
 deletes nothing. Agents with other seq schemes lose only these last guarantees.
+
+What a leaked ingest token can do is bounded: a resume whose seq lies in the future (beyond
+MAX_CLOCK_SKEW_S) is refused, so it cannot cut the run's later processes; a resume that would replace
+steps of a run that finished (runs.finished_step) needs an admin token; and a batch cut by a resume
+says so in its acknowledgement (superseded_from), so the agent whose data is cut warns its user.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ..errors import Conflict, InvalidRequest
 from ..models import (
     Event,
     HistogramPoint,
     PointRollup,
+    Run,
     RunResume,
     Series,
     VectorPoint,
@@ -39,6 +46,10 @@ from . import bulk, chunked_points, rollups
 
 RESUME_EVENT = "resume"
 SEQ_COUNTER_BITS = 20  # the agent's seq layout: (namespace << 20) | counter (gradwatch._sender)
+# How far ahead of the server's clock a resuming process may have started (its clock's skew). A resume
+# supersedes every process whose seqs lie below its own, so one from further ahead would silence the
+# run's processes for that long (a seq of 2^63 - 1: for ever).
+MAX_CLOCK_SKEW_S = 3600.0
 
 
 def seq_floor(seq: int) -> int:
@@ -50,6 +61,31 @@ def resume_event(batch: BatchIn) -> EventIn | None:
     """The batch's `resume` event (the earliest, should there be several), or None."""
     resumes = [event for event in batch.events if event.kind == RESUME_EVENT]
     return min(resumes, key=lambda event: event.step) if resumes else None
+
+
+def check_resume_seq(seq: int, now: float) -> None:
+    """Refuse a resume whose seq says its process started later than the server's clock allows."""
+    started_ms = seq >> SEQ_COUNTER_BITS
+    if started_ms > (now + MAX_CLOCK_SKEW_S) * 1000:
+        raise InvalidRequest(
+            f"a resume's seq ({seq}) says its process started at {started_ms} ms since the epoch, more "
+            f"than {MAX_CLOCK_SKEW_S:.0f} s after the server's clock ({now * 1000:.0f} ms): seqs of the "
+            "agent's layout are (the sender's start in ms << 20) + a counter; check the clocks"
+        )
+
+
+def check_history(run: Run, step: int, may_rewrite_history: bool) -> None:
+    """Refuse a resume that would replace steps of a run that finished, unless the caller may rewrite
+    history (an admin token, or a server without tokens): what every training job holds (an ingest
+    token) must not be able to erase a finished run."""
+    finished = run.finished_step
+    if finished is None or step > finished or may_rewrite_history:
+        return
+    raise Conflict(
+        f"run {run.id!r} finished at step {finished}; a resume at step {step} would replace its "
+        "history, which needs a token with admin scope: continue it from a later step, start a new "
+        "run, or resume it with an admin token"
+    )
 
 
 def superseding_step(session: Session, run_id: str, rank: int, seq: int) -> int | None:

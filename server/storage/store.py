@@ -94,6 +94,7 @@ class IngestResult:
     duplicate: bool
     points: int
     events: int
+    superseded_from: int | None = None  # a later process resumed at this step: the batch was cut there
 
 
 @dataclass(frozen=True)
@@ -406,10 +407,11 @@ class Store:
 
     # -- ingest -----------------------------------------------------------------------------------
 
-    def ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
-        """Store one agent batch in one transaction, exactly once per (run, rank, seq)."""
+    def ingest(self, run_id: str, batch: BatchIn, may_rewrite_history: bool = True) -> IngestResult:
+        """Store one agent batch in one transaction, exactly once per (run, rank, seq).
+        may_rewrite_history: whether a resume may replace steps of a run that finished (admin)."""
         try:
-            return self._ingest(run_id, batch)
+            return self._ingest(run_id, batch, may_rewrite_history)
         except IntegrityError:
             # SQLite reads the run before its first write takes the database lock: a run deleted in
             # between fails the batch's foreign key to runs. Say what happened instead of a 500.
@@ -418,11 +420,13 @@ class Store:
                     raise NotFound(f"run {run_id!r} does not exist (it was deleted)") from None
             raise
 
-    def _ingest(self, run_id: str, batch: BatchIn) -> IngestResult:
+    def _ingest(self, run_id: str, batch: BatchIn, may_rewrite_history: bool) -> IngestResult:
         now = time.time()
+        # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
+        resuming = any(event.kind == resumes.RESUME_EVENT for event in batch.events)
+        if resuming:
+            resumes.check_resume_seq(batch.seq, now)
         with self._transaction() as session:
-            # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
-            resuming = any(event.kind == resumes.RESUME_EVENT for event in batch.events)
             run = queries.require_run(session, run_id, lock=True, for_update=resuming)
             claimed = bulk.execute(  # plain SQL: statements of every batch skip the ORM
                 session,
@@ -434,8 +438,12 @@ class Store:
                 return IngestResult(duplicate=True, points=0, events=0)
             # A batch of a process that a later one resumed from: only its steps before the resume count.
             cutoff = resumes.superseding_step(session, run_id, batch.rank, batch.seq)
+            superseded_from = None
             if cutoff is not None:
-                batch = resumes.clip(batch, cutoff)
+                clipped = resumes.clip(batch, cutoff)
+                if clipped != batch.model_copy(update={"status": None}):
+                    superseded_from = cutoff  # something of it was cut: the sender is told
+                batch = clipped
             resume = resumes.resume_event(batch)
             if resume is not None:
                 resumes.record(session, self._insert, run_id, batch.rank, batch.seq, resume.step)
@@ -444,6 +452,7 @@ class Store:
                 # older processes' late batches (recorded above) but must not delete the later data.
                 batch, resume = resumes.without(batch, resume), None
             elif resume is not None:
+                resumes.check_history(run, resume.step, may_rewrite_history)
                 # How the run stood before: as init(resume=...) found it (the agent carries that, as the
                 # check set the run running again), else as it is now.
                 told = "previous_status" in resume.data
@@ -497,9 +506,18 @@ class Store:
             # A superseded process's batch (cutoff) says nothing about how the run stands.
             status = _status_sql(batch, resume is not None) if cutoff is None else None
             _update_run(session, run, now, batch.layers, reached_step, status)
+            if batch.status == "finished" and status is not None:
+                # What the run leaves as history (runs.finished_step): a resume below it needs admin.
+                bulk.execute(
+                    session,
+                    "UPDATE runs SET finished_step = last_step WHERE id = ? AND status = 'finished'",
+                    [run_id],
+                )
             for hook in self.after_ingest:
                 hook(session, run_id, batch)
-            result = IngestResult(duplicate=False, points=point_count, events=len(batch.events))
+            result = IngestResult(
+                duplicate=False, points=point_count, events=len(batch.events), superseded_from=superseded_from
+            )
         for notify in self.after_commit:
             notify(run_id, batch)
         return result

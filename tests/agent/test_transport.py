@@ -743,3 +743,23 @@ def test_exit_without_finish_flushes_and_an_uncaught_error_marks_the_run_crashed
     )
     assert crash.returncode == 1 and "training failed" in crash.stderr
     assert _spooled(tmp_path / "crash") == ({0: 2.0}, ["crashed"])
+
+
+def test_a_batch_the_server_cut_for_a_later_resume_is_told_once(caplog):
+    from training import RecordingTransport
+
+    class Superseded(RecordingTransport):
+        def send_batch(self, run_id, batch):
+            super().send_batch(run_id, batch)
+            return {"duplicate": False, "points": 0, "events": 0, "superseded_from": 3}
+
+    transport = Superseded()
+    with (
+        caplog.at_level("WARNING", logger="gradwatch"),
+        gradwatch.init(project="cut", transport=transport, flush_interval=0.01) as run,
+    ):
+        for step in range(3):
+            run.log({"loss": 1.0}, step=step)
+            time.sleep(0.05)
+    told = [r for r in caplog.records if "was resumed by another process at step 3" in r.getMessage()]
+    assert len(transport.batches) >= 2 and len(told) == 1

@@ -20,13 +20,6 @@ LAYERS = ["l0", "l1"]
 GRADWATCH = str(Path(sys.executable).with_name("gradwatch"))
 
 
-@pytest.fixture
-def tokens(database_url, api_server):
-    engine = make_engine(database_url)
-    yield Tokens(engine)
-    engine.dispose()
-
-
 # Tokens of the matrix: name -> (project, scope as given to Tokens.create).
 TOKENS = {
     "ingest-alpha": ("alpha", "ingest"),
