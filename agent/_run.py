@@ -26,7 +26,7 @@ from ._errors import FeatureSwitch, GradwatchWarning, crash_details
 from ._sender import DEFAULT_STALL_TIMEOUT, Sender
 from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
 from ._transport import Backoff, HttpTransport, Transport
-from ._wire import json_safe
+from ._wire import json_safe, key_problem
 
 if TYPE_CHECKING:
     from ._watch import Watcher
@@ -178,6 +178,7 @@ class Run:
         self._last_flush_step = 0
         self._logged_since_flush = 0  # values run.log took since the last flush (see FLUSH_AT_VALUES)
         self._watchers: list[Watcher] = []
+        self._refused_keys: set[str] = set()  # keys log() left out (warned once each)
         self._finished = False
         if mode == "offline" and transport is not None:
             raise ValueError("mode='offline' writes the spool file only; it takes no transport=")
@@ -471,9 +472,13 @@ class Run:
             if (kind is float or kind is int) and type(key) is str:  # the usual case, kept cheap
                 column = columns.get(key)
                 if column is None:
+                    if not self._key_accepted(key):
+                        continue
                     column = columns[key] = ([], [])
                 column[0].append(at)
                 column[1].append(float(value))
+                continue
+            if not self._key_accepted(str(key)):
                 continue
             if isinstance(value, bool) or not (
                 isinstance(value, (int, float)) or getattr(value, "numel", lambda: 0)() == 1
@@ -492,6 +497,22 @@ class Run:
             # end: a packet holds whole steps, so what is derived from several keys of one step (a
             # skip's scales, the clip threshold) is derived from all of them.
             self._maybe_flush()
+
+    def _key_accepted(self, key: str) -> bool:
+        """Whether the server can store `key` (checked when a key first enters the buffer). One bad
+        key would have the server refuse its whole batch, and the valid points with it: it is left
+        out instead, with one warning per key."""
+        problem = key_problem(key)
+        if problem is None:
+            return True
+        if key not in self._refused_keys:
+            self._refused_keys.add(key)
+            warnings.warn(
+                f"gradwatch: log() left out the key {key[:60]!r}{'…' if len(key) > 60 else ''}: {problem}",
+                GradwatchWarning,
+                stacklevel=4,
+            )
+        return False
 
     def _log_batch(self, ids: Any, step: int | None) -> None:
         try:

@@ -407,6 +407,25 @@ def _new_namespace() -> int:
         return _last_namespace
 
 
+MAX_KEY_LENGTH = 250  # the server's limit on a series key (server.schemas.MetricKey)
+
+
+def key_problem(key: str) -> str | None:
+    """Why the server would refuse `key` as a series key (empty, too long, a NUL character, a lone
+    UTF-16 surrogate), or None when it is fine."""
+    if not key:
+        return "a key must not be empty"
+    if len(key) > MAX_KEY_LENGTH:
+        return f"keys are at most {MAX_KEY_LENGTH} characters, this one has {len(key)}"
+    if "\x00" in key:
+        return "keys must not contain NUL characters"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "keys must be valid Unicode text (this one has a lone surrogate)"
+    return None
+
+
 class SeqAllocator:
     """Batch sequence numbers, unique per (run, rank) across processes: see the module docstring."""
 

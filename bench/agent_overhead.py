@@ -83,7 +83,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -768,6 +768,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="small (default, ~14M parameters), medium (~29M) or tiny (--quick)",
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: the model size's, 2 for small): tokens per step = batch x "
+        "context. A pass over the gradients costs the same at any batch; the step grows with it",
+    )
+    parser.add_argument(
         "--configs",
         default=None,
         help=f"comma-separated subset of {','.join(CONFIGS)}, or 'all' (default: all but "
@@ -839,6 +846,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gradwatch_warmup is None:
         args.gradwatch_warmup = 0 if quick else 200
     args.model_size = args.model_size or ("tiny" if quick else "small")
+    if args.batch is not None:  # a variant of the size with another batch, under the same name
+        MODEL_SIZES[args.model_size] = replace(MODEL_SIZES[args.model_size], batch=args.batch)
     args.settle = args.settle if args.settle is not None else (0.2 if quick else 0.3)
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (10 if quick else 100)
     if not args.configs:

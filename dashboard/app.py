@@ -219,7 +219,7 @@ def _register_routing(app: dash.Dash, api: ApiClient, background: Background, pr
             return signin.layout(
                 prefix,
                 (query.get("next") or [prefix])[0],
-                error[0] if error else None,
+                signin.error_message(error[0]) if error else None,
                 signed_in=signin.token_from_request() is not None,
             )
         try:

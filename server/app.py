@@ -121,6 +121,9 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         version="1",
         summary="Training-health monitoring for PyTorch: ingest, query and stream training signals.",
         responses=http_errors.ERROR_RESPONSES,
+        # Non-ASCII escaped: any stored string renders, even one with a lone surrogate that a database
+        # of an earlier version accepted (encoded as UTF-8 it would fail the whole answer: 500).
+        default_response_class=http_errors.AsciiJSONResponse,
     )
     app.state.settings = settings
     app.state.store = store

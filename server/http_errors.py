@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
 from .database import is_lock_timeout
@@ -118,7 +118,33 @@ async def _server_error(_request: Request, exc: GradwatchServerError) -> JSONRes
     return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
 
+def _read_only(exc: DBAPIError) -> bool:
+    """The database refused a write because it is read-only: a PostgreSQL standby or a
+    default_transaction_read_only session (SQLSTATE 25006), a read-only SQLite file."""
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) == "25006" or "readonly database" in str(orig)
+
+
+def _read_only_answer() -> JSONResponse:
+    return JSONResponse(  # a failover or a maintenance window: retryable, nothing was stored
+        {
+            "detail": "the database is read-only at the moment (a standby or maintenance); retry later",
+            "retry_after_s": 10,
+        },
+        status_code=503,
+        headers={"Retry-After": "10"},
+    )
+
+
+async def _database_failed(_request: Request, exc: DBAPIError) -> JSONResponse:
+    if _read_only(exc):
+        return _read_only_answer()
+    raise exc  # any other database failure stays a 500, logged with its traceback
+
+
 async def _database_busy(_request: Request, exc: OperationalError) -> JSONResponse:
+    if _read_only(exc):
+        return _read_only_answer()
     if not is_lock_timeout(exc):
         raise exc  # any other database failure stays a 500, logged with its traceback
     return JSONResponse(  # SQLite's write lock stayed taken (database.SQLITE_BUSY_TIMEOUT_S): retryable
@@ -133,6 +159,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(GradwatchServerError, _server_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _database_busy)  # type: ignore[arg-type]
     app.add_exception_handler(DataError, _database_refused)  # type: ignore[arg-type]
+    app.add_exception_handler(DBAPIError, _database_failed)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(OverflowError, _out_of_range)  # type: ignore[arg-type]

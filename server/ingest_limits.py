@@ -542,7 +542,11 @@ async def charge_ingest(request: Request, principal: PrincipalDep) -> None:
         limits.learn(bearer(authorization), key)
     if "json" not in request.headers.get("content-type", ""):
         return  # FastAPI did not parse it as JSON: validation refuses it
-    points, values = batch_size(await request.json())  # parsed already: Starlette keeps the result
+    try:
+        document = await request.json()  # parsed already: Starlette keeps the result
+    except ValueError:  # no body or not JSON (FastAPI reads an empty body as none): validation says so
+        return
+    points, values = batch_size(document)
     ticket = request.scope.get(_SCOPE_KEY)
     if ticket is not None:
         ticket.charged = True

@@ -32,21 +32,31 @@ def _plain_text(value: str) -> str:
     UTF-16 surrogates (not encodable as UTF-8)."""
     if "\x00" in value:
         raise ValueError("must not contain NUL characters (\\u0000)")
+    return _unicode(value)
+
+
+def _unicode(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+        raise ValueError(
+            f"is not valid Unicode text (a lone surrogate at position {exc.start} of {value[:40]!r})"
+        ) from None
     return value
 
 
 def _shallow(document: dict[str, Any]) -> dict[str, Any]:
-    """A free-form JSON document nested at most MAX_DOCUMENT_DEPTH levels, with plain-text keys."""
+    """A free-form JSON document nested at most MAX_DOCUMENT_DEPTH levels, with plain-text keys and
+    string values that are valid Unicode (a lone surrogate stored once would fail every answer
+    that carries it: a run's config in the project's run list, an event's data in the run's events)."""
     stack: list[tuple[Any, int]] = [(document, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DOCUMENT_DEPTH:
             raise ValueError(f"is nested deeper than {MAX_DOCUMENT_DEPTH} levels")
-        if isinstance(node, dict):
+        if isinstance(node, str):
+            _unicode(node)
+        elif isinstance(node, dict):
             for key, value in node.items():
                 _plain_text(str(key))
                 stack.append((value, depth + 1))

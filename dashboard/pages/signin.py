@@ -82,6 +82,22 @@ def _safe_next(target: str | None, prefix: str) -> str:
     return prefix
 
 
+# What the sign-in page may say after a redirect: ?error= carries one of these codes, never text, so
+# a link cannot make the page show words of its author's choosing.
+ERRORS = {
+    "expired": "The sign-in form had expired or came from another site: sign in again.",
+    "signout-expired": "The sign-out form had expired or came from another site: sign out again.",
+    "rejected": "That token was not accepted: it is unknown or revoked.",
+    "empty": "Paste a token.",
+    "unavailable": "The gradwatch API could not check the token just now: try again shortly.",
+}
+
+
+def error_message(code: str | None) -> str | None:
+    """The sign-in page's message for an ?error= code (None for no code or an unknown one)."""
+    return ERRORS.get(code or "")
+
+
 def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     """POST {prefix}signin (the sign-in form) and POST {prefix}signout on the dashboard's Flask server
     (its routes are relative to the mount point); GET {prefix}signout shows the sign-in page, with its
@@ -93,17 +109,18 @@ def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
         token = (flask.request.form.get("token") or "").strip()
         target = _safe_next(flask.request.form.get("next"), prefix)
         if not _csrf_matches():  # before the token is tried: another site's form learns nothing
-            message = "The sign-in form had expired or came from another site: sign in again."
-            return flask.redirect(prefix + "signin?" + urlencode({"error": message, "next": target}))
+            return flask.redirect(prefix + "signin?" + urlencode({"error": "expired", "next": target}))
         try:
             identity = api.whoami(token=token) if token else None
         except ApiError as exc:
             identity = None
             if exc.status_code not in (400, 401, 403):
-                return flask.redirect(prefix + "signin?" + urlencode({"error": exc.detail, "next": target}))
+                return flask.redirect(
+                    prefix + "signin?" + urlencode({"error": "unavailable", "next": target})
+                )
         if not identity:
-            message = "That token was not accepted: it is unknown or revoked." if token else "Paste a token."
-            return flask.redirect(prefix + "signin?" + urlencode({"error": message, "next": target}))
+            code = "rejected" if token else "empty"
+            return flask.redirect(prefix + "signin?" + urlencode({"error": code, "next": target}))
         response = flask.redirect(target)
         response.set_cookie(
             COOKIE, token, httponly=True, samesite="Strict", path=prefix, secure=flask.request.is_secure
@@ -113,8 +130,7 @@ def register(app: dash.Dash, api: ApiClient, prefix: str) -> None:
     @server.post("/signout")
     def signout() -> Response:
         if not _csrf_matches():  # another site's form or link: nobody is signed out
-            message = "The sign-out form had expired or came from another site: sign out again."
-            return flask.redirect(prefix + "signin?" + urlencode({"error": message}))
+            return flask.redirect(prefix + "signin?" + urlencode({"error": "signout-expired"}))
         response = flask.redirect(prefix + "signin")
         response.delete_cookie(COOKIE, path=prefix)
         return response

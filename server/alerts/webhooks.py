@@ -101,12 +101,33 @@ def _slack_escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+# Slack's limits on a section's text and on each of its fields (characters, as sent: escaped).
+SLACK_SECTION_TEXT = 3000
+SLACK_FIELD_TEXT = 2000
+
+
+def _slack_fit(text: str, limit: int) -> str:
+    """Escaped `text` cut to `limit` characters (with an ellipsis), never inside an escape (&amp;):
+    escaping after the cut could make a text of `limit` characters twice as long or more."""
+    escaped = _slack_escape(text)
+    if len(escaped) <= limit:
+        return escaped
+    cut = escaped[: limit - 1]
+    ampersand = cut.rfind("&", max(0, len(cut) - 5))
+    if ampersand >= 0 and ";" not in cut[ampersand:]:
+        cut = cut[:ampersand]
+    return cut + "…"
+
+
 def _slack_blocks(event: str, headline: str, incident: dict[str, Any]) -> list[dict[str, Any]]:
     blocks = _slack_blocks_raw(event, headline, incident)
     for block in blocks:
-        for item in [block.get("text"), *block.get("fields", [])]:
-            if isinstance(item, dict) and item.get("type") == "mrkdwn":
-                item["text"] = _slack_escape(item["text"])
+        text = block.get("text")
+        if isinstance(text, dict) and text.get("type") == "mrkdwn":
+            text["text"] = _slack_fit(text["text"], SLACK_SECTION_TEXT)
+        for field in block.get("fields", []):
+            if field.get("type") == "mrkdwn":
+                field["text"] = _slack_fit(field["text"], SLACK_FIELD_TEXT)
     return blocks
 
 
@@ -114,7 +135,7 @@ def _slack_blocks_raw(event: str, headline: str, incident: dict[str, Any]) -> li
     blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{headline}*"}}]
     if event == "test":
         return blocks
-    blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": incident["cause"][:3000]}})
+    blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": incident["cause"]}})
     fields = [
         {"type": "mrkdwn", "text": "*Rules*\n" + ", ".join(incident.get("rules") or [])},
         {"type": "mrkdwn", "text": f"*Where*\n{_step_text(incident)}"},
@@ -132,7 +153,7 @@ def _slack_blocks_raw(event: str, headline: str, incident: dict[str, Any]) -> li
                 "type": "section",
                 "text": {
                     "type": "mrkdwn",
-                    "text": ("*Evidence*\n" + "\n".join(f"• {line}" for line in evidence))[:3000],
+                    "text": "*Evidence*\n" + "\n".join(f"• {line}" for line in evidence),
                 },
             }
         )
@@ -143,7 +164,7 @@ def _slack_blocks_raw(event: str, headline: str, incident: dict[str, Any]) -> li
                 "type": "section",
                 "text": {
                     "type": "mrkdwn",
-                    "text": ("*Next steps*\n" + "\n".join(f"• {step}" for step in steps))[:3000],
+                    "text": "*Next steps*\n" + "\n".join(f"• {step}" for step in steps),
                 },
             }
         )

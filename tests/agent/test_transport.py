@@ -15,12 +15,14 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
 import pytest
 from training import RecordingTransport
 
@@ -763,3 +765,22 @@ def test_a_batch_the_server_cut_for_a_later_resume_is_told_once(caplog):
             time.sleep(0.05)
     told = [r for r in caplog.records if "was resumed by another process at step 3" in r.getMessage()]
     assert len(transport.batches) >= 2 and len(told) == 1
+
+
+@pytest.mark.parametrize(
+    "bad_key", ["k" * 251, "nul\x00key", "lone\ud800", ""], ids=["too-long", "nul", "surrogate", "empty"]
+)
+def test_one_key_the_server_would_refuse_is_left_out_and_the_rest_stored(sqlite_server, bad_key):
+    good = {f"metric/{i}": float(i) for i in range(495)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradwatch.init(project="keys", server=sqlite_server.url) as run:
+            for step in range(3):
+                run.log({**good, bad_key: 1.0}, step=step)
+    assert len([w for w in caught if "left out the key" in str(w.message)]) == 1  # once per key
+    assert run.stats.dead_lettered == 0 and run.stats.dropped == 0
+    with httpx.Client(base_url=sqlite_server.url, timeout=30) as client:
+        keys = client.get(f"/api/v1/runs/{run.id}/keys").json()["data"]
+        assert set(good) <= set(keys)
+        series = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "metric/494"}).json()
+        assert series["steps"] == [0, 1, 2] and series["values"] == [494.0] * 3

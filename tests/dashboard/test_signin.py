@@ -43,6 +43,15 @@ def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server
         page.locator("#signin-token").fill("gw_wrong")
         page.locator("#signin-submit").click()
         expect(page.locator("#signin-error")).to_contain_text("not accepted", timeout=WAIT_MS)
+        assert "error=rejected" in page.url  # a code in the address, never the words shown
+        # A link cannot make the page say what its author wants: only the page's own codes show.
+        page.goto(
+            f"{full_server.url}/dashboard/signin?error=Session+expired:+call+support+at+555-0100"
+            "&next=/dashboard/alerts"
+        )
+        expect(page.locator("#signin-token")).to_be_visible(timeout=WAIT_MS)
+        expect(page.locator("#signin-error")).to_have_count(0)
+        expect(page.get_by_text("555-0100")).to_have_count(0)
 
         page.locator("#signin-token").fill(read_alpha)
         page.locator("#signin-submit").click()

@@ -186,3 +186,24 @@ def test_slack_and_discord_payloads_cannot_ping_or_disguise_links():
     assert "&lt;!channel&gt;" in slack["text"]
     discord = json.loads(render("discord", "incident.firing", incident))
     assert discord["allowed_mentions"] == {"parse": []}
+
+
+def test_slack_sections_stay_within_slacks_limits_once_escaped():
+    # Text full of characters that escaping lengthens (& -> &amp;: 5x): cut after escaping, so every
+    # section fits Slack's 3000 characters (fields 2000), and never inside an escape.
+    ampersands = "&<>" * 4000
+    incident = _incident(
+        cause=ampersands,
+        next_steps=[ampersands],
+        rules=["r" + "&" * 3000],
+        findings=[{"rule": "x", "step": 1, "title": ampersands}],
+    )
+    blocks = json.loads(render("slack", "incident.firing", incident))["blocks"]
+    texts = [b["text"]["text"] for b in blocks if b.get("type") == "section" and "text" in b]
+    fields = [f["text"] for b in blocks for f in b.get("fields", [])]
+    assert len(texts) == 4 and all(len(t) <= 3000 for t in texts) and all(len(f) <= 2000 for f in fields)
+    for text in texts + fields:
+        assert "<" not in text and ">" not in text  # still escaped
+        tail = text[text.rfind("&") :]
+        assert tail.startswith(("&amp;", "&lt;", "&gt;")) or tail == text[-1:], tail  # no broken escape
+    assert any(t.endswith("…") for t in texts)
