@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import http_errors, ingest_limits
 from .alerts import AlertEngine, AlertService, OutboxWorker
 from .auth import Tokens
+from .auth_first import AuthenticateBeforeBody
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
 from .live import LiveHub
@@ -141,5 +142,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     ingest_limits.install(app, settings)  # around the body limits: refuses before a byte is read
+    # Around the limiter: a write without a valid token is refused before anything else is done.
+    app.add_middleware(AuthenticateBeforeBody, tokens=app.state.tokens)
     app.add_middleware(WebSecurity, policy=app.state.web_security, tokens=app.state.tokens)  # outermost
     return app

@@ -7,6 +7,7 @@ from fastapi import Depends, Header, Path, Query, Request
 
 from .alerts import AlertService
 from .auth import Principal, Scope, Tokens, bearer
+from .auth_first import PRINCIPAL_SCOPE_KEY
 from .errors import NotFound
 from .storage import Store
 
@@ -24,6 +25,9 @@ def _alerts(request: Request) -> AlertService:
 def _principal(
     request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
 ) -> Principal:
+    known = request.scope.get(PRINCIPAL_SCOPE_KEY)  # authenticated before the body was read
+    if known is not None:
+        return known  # type: ignore[no-any-return]
     tokens: Tokens = request.app.state.tokens
     return tokens.authenticate(bearer(authorization))
 

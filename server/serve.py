@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
+from . import connections
 from .app import create_app
 from .settings import Settings
 from .web_security import is_loopback
@@ -59,7 +60,9 @@ class BackgroundServer:
         url = local_url(host, port)
         app = create_full_app(settings, url) if with_dashboard else create_app(settings)
         check_exposure(app, host, insecure)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="on", **connections.uvicorn_options()
+        )
         redact_tokens_in_logs()
         self.server = uvicorn.Server(config)
         self.url = url
@@ -138,7 +141,9 @@ def serve_forever(settings: Settings, host: str, port: int, insecure: bool = Fal
     """Run the full app in the foreground until Ctrl-C."""
     app = create_full_app(settings, local_url(host, port))
     check_exposure(app, host, insecure)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")  # configures logging
+    config = uvicorn.Config(  # configures logging
+        app, host=host, port=port, log_level="info", lifespan="on", **connections.uvicorn_options()
+    )
     redact_tokens_in_logs()
     try:
         uvicorn.Server(config).run()

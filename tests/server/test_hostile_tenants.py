@@ -152,6 +152,8 @@ def test_an_empty_body_is_a_clear_422_not_a_500(api_server):
 
 @pytest.mark.postgres
 def test_a_read_only_postgresql_answers_503_and_keeps_what_it_has(postgres_url):
+    import contextlib
+
     import psycopg
     from conftest import free_port
     from sqlalchemy.engine import make_url
@@ -159,34 +161,119 @@ def test_a_read_only_postgresql_answers_503_and_keeps_what_it_has(postgres_url):
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
+    @contextlib.contextmanager
+    def serving():  # a fresh server (and connection pool) for each state of the database
+        server = BackgroundServer(
+            Settings(database_url=postgres_url), "127.0.0.1", free_port(), with_dashboard=False
+        )
+        server.start()
+        try:
+            with _client(server, None) as client:
+                yield client
+        finally:
+            server.stop()
+
     url = make_url(postgres_url)
-    database = url.database
-    admin = psycopg.connect(
-        url.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False),
-        autocommit=True,
-    )
+    read_only = f'ALTER DATABASE "{url.database}" SET default_transaction_read_only = '
+    first = {"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]}
+    second = {"seq": 2, "scalars": [{"key": "loss", "steps": [1], "values": [0.5]}]}
+    admin_url = url.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        try:
+            with serving() as client:
+                run_id = client.post("/api/v1/runs", json={"project": "alpha", "name": "ro"}).json()["id"]
+                assert client.post(f"/api/v1/runs/{run_id}/batches", json=first).status_code == 200
+            admin.execute(read_only + "on")  # a failover to a standby, say
+            with serving() as client:
+                refused = client.post(f"/api/v1/runs/{run_id}/batches", json=second)
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["Retry-After"] and "read-only" in refused.json()["detail"]
+                assert _points(client, run_id) == [0]  # reads go on
+            admin.execute(read_only + "off")
+            with serving() as client:
+                assert (
+                    client.post(f"/api/v1/runs/{run_id}/batches", json=second).status_code == 200
+                )  # the retry
+                assert _points(client, run_id) == [0, 1]
+        finally:
+            admin.execute(read_only + "off")
+
+
+def _headers_only(server, head: str) -> bytes:
+    """Send a request's head and none of its body; what the server answers within 10 s."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize(
+    "authorization", ["", "Authorization: Bearer gw_not_a_token\r\n"], ids=["none", "bad"]
+)
+def test_a_write_without_a_valid_token_is_refused_before_its_body_is_read(api_server, tokens, authorization):
+    tokens.create("alpha", "ingest")  # the server requires tokens from now on
+    host = api_server.url.split("//", 1)[1]
+    for path in ("/api/v1/runs/some-run/batches", "/api/v1/alert-rules", "/api/v1/runs"):
+        # 30 MB announced (gzip, as a bomb would be), not a byte sent: answered at once, unread.
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Encoding: gzip\r\nContent-Length: 31457280\r\n{authorization}\r\n"
+        )
+        answer = _headers_only(api_server, head)
+        assert answer.startswith(b"HTTP/1.1 401"), (path, answer[:200])
+        assert b"www-authenticate: Bearer" in answer.lower().replace(b"bearer", b"Bearer")
+
+
+def test_half_open_connections_cannot_exhaust_the_server(sqlite_url, monkeypatch):
+    """Connections that send half a request head and then nothing: bounded in number (the oldest
+    waiting one makes room for a new connection) and in time (closed after the head timeout), so
+    /healthz answers throughout."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from conftest import free_port
+
+    from gradwatch.server.connections import GuardedH11Protocol
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    monkeypatch.setattr(GuardedH11Protocol, "cap", 40)
+    monkeypatch.setattr(GuardedH11Protocol, "head_timeout_s", 2.0)
     server = BackgroundServer(
-        Settings(database_url=postgres_url), "127.0.0.1", free_port(), with_dashboard=False
-    ).start()
-    engine = server.server.config.app.state.store.engine
+        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    )
+    server.start()
+    where = urlsplit(server.url)
+    attackers = []
     try:
-        with _client(server, None) as client:
-            run = client.post("/api/v1/runs", json={"project": "alpha", "name": "ro"}).json()
-            url_batches = f"/api/v1/runs/{run['id']}/batches"
-            first = {"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]}
-            assert client.post(url_batches, json=first).status_code == 200
-            admin.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
-            engine.dispose()  # new connections take the setting (a failover to a standby)
-            second = {"seq": 2, "scalars": [{"key": "loss", "steps": [1], "values": [0.5]}]}
-            refused = client.post(url_batches, json=second)
-            assert refused.status_code == 503, refused.text
-            assert refused.headers["Retry-After"] and "read-only" in refused.json()["detail"]
-            assert _points(client, run["id"]) == [0]  # reads still work
-            admin.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
-            engine.dispose()
-            assert client.post(url_batches, json=second).status_code == 200  # the agent's retry
-            assert _points(client, run["id"]) == [0, 1]
+        for _ in range(300):  # far beyond the cap
+            sock = socket.create_connection((where.hostname, where.port), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # never finished
+            attackers.append(sock)
+        with httpx.Client(base_url=server.url, timeout=5) as client:
+            for _ in range(5):
+                assert client.get("/healthz").status_code == 200
+        closed = 0
+        for sock in attackers:
+            sock.settimeout(5)
+            try:
+                closed += sock.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass  # still open 5 s on: neither evicted nor timed out
+        assert closed == len(attackers)  # evicted at the cap, or closed after the head timeout
+        assert len(server.server.server_state.connections) <= 40
     finally:
-        admin.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
-        admin.close()
+        for sock in attackers:
+            sock.close()
         server.stop()
