@@ -207,6 +207,7 @@ class Run:
         spool = Spool(spool_path, document, rank, max_bytes=spool_max_bytes, keep_file=mode == "offline")
         backoff = Backoff(base=min(0.25, max_backoff), cap=max_backoff)
         self._sender = Sender(transport, document, rank, spool, backoff=backoff, hold=self._held)
+        self._sender.on_renamed = self._renamed_by_server
         _track(self)
 
     # -- public API -------------------------------------------------------------------------------
@@ -497,6 +498,11 @@ class Run:
             # end: a packet holds whole steps, so what is derived from several keys of one step (a
             # skip's scales, the clip threshold) is derived from all of them.
             self._maybe_flush()
+
+    def _renamed_by_server(self, run_id: str) -> None:
+        """(sender thread) Another project had this run's id: the server stores it under `run_id`,
+        which run.id and run.url name from now on."""
+        self.id = run_id
 
     def _key_accepted(self, key: str) -> bool:
         """Whether the server can store `key` (checked when a key first enters the buffer). One bad

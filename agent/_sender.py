@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,8 @@ class Sender:
         self._backoff = backoff or Backoff()
         self._seqs = SeqAllocator()
         self._superseded_warned = False  # a resume by another process cut our data (said once)
+        # Told the id the server stores the run under, when it is not ours (a squatted id).
+        self.on_renamed: Callable[[str], None] | None = None
         self._inbox: deque[tuple[Packet, int]] = deque()
         # Counters with a single writer each, so the training thread never takes a lock.
         self._submitted = 0  # training thread
@@ -758,6 +761,8 @@ class Sender:
                 given,
             )
             self.run_id = given
+            if self.on_renamed is not None:
+                self.on_renamed(given)
 
     def _where(self) -> str:
         return f"the spool file {self.spool.path}" if self.spool.writable else "memory"

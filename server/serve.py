@@ -19,6 +19,7 @@ from fastapi.responses import RedirectResponse
 
 from . import connections
 from .app import create_app
+from .auth import TOKEN_PREFIX
 from .settings import Settings
 from .web_security import is_loopback
 
@@ -109,18 +110,22 @@ def check_exposure(app: FastAPI, host: str, insecure: bool) -> None:
 
 
 class _RedactTokens(logging.Filter):
-    """Access and WebSocket log lines show the request path; a ?token= in it must not reach the log."""
+    """Access and WebSocket log lines show the request path; a token in it must not reach the log:
+    the value of any query parameter whose name, as parsed, holds "token" (token, access_token,
+    token[], tok%65n; after ?, & or ;), and anything shaped like a gradwatch token (gw_ and 16 or
+    more token characters), wherever it stands."""
 
     # A query parameter: its name as sent (percent-encoded, any case), then its value.
-    _pattern = re.compile(r"([?&])([^=&\s\"]+)=([^&\s\"]*)")
+    _pattern = re.compile(r"([?&;])([^=&;\s\"]+)=([^&;\s\"]*)")
+    _shaped = re.compile(TOKEN_PREFIX + r"[A-Za-z0-9_\-]{16,}")
 
     @classmethod
     def _redact(cls, text: str) -> str:
         def one(match: re.Match[str]) -> str:
             name = unquote_plus(match.group(2)).strip().lower()
-            return f"{match.group(1)}{match.group(2)}=[redacted]" if name == "token" else match.group(0)
+            return f"{match.group(1)}{match.group(2)}=[redacted]" if "token" in name else match.group(0)
 
-        return cls._pattern.sub(one, text)
+        return cls._shaped.sub(TOKEN_PREFIX + "[redacted]", cls._pattern.sub(one, text))
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from sqlalchemy import Engine, and_, or_, select, update
@@ -85,14 +86,17 @@ class OutboxWorker:
 
     # -- lifecycle --------------------------------------------------------------------------------
 
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(
+            transport=PinnedTransport(self.settings.webhook_allow_private),
+            timeout=self.settings.webhook_timeout_s,
+            follow_redirects=False,
+        )
+
     def start(self) -> OutboxWorker:
         if self._thread is None:
             if self._client is None:
-                self._client = httpx.Client(
-                    transport=PinnedTransport(self.settings.webhook_allow_private),
-                    timeout=self.settings.webhook_timeout_s,
-                    follow_redirects=False,
-                )
+                self._client = self._new_client()
             self._thread = threading.Thread(target=self._loop, name="gradwatch-outbox", daemon=True)
             self._thread.start()
         return self
@@ -197,14 +201,12 @@ class OutboxWorker:
                 self.settings.webhook_allowed_hosts,
                 allow_private=self.settings.webhook_allow_private,
             )
-            response = self._client.post(claimed.url, content=body, headers=headers)
-            status = response.status_code
+            status, location = self._post(claimed.url, body, headers)
             if (
-                response.is_redirect
+                location is not None
             ):  # never followed: a redirect could lead anywhere, e.g. inside the network
                 error = (
-                    f"HTTP {status} redirect to {response.headers.get('location', '?')!r} not followed; "
-                    "point the webhook at the final URL"
+                    f"HTTP {status} redirect to {location!r} not followed; point the webhook at the final URL"
                 )
             elif not 200 <= status < 300:
                 # The status code only: the receiver's body is never kept (a delivery log that showed it
@@ -220,6 +222,38 @@ class OutboxWorker:
             # One message for every transport failure: closed and open ports must not be told apart.
             error = "no HTTP response from the receiver (refused, unreachable or timed out)"
         self._finish(claimed, status, error)
+
+    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str | None]:
+        """POST within webhook_timeout_s for the whole exchange; (status, Location of a redirect).
+
+        httpx's timeout bounds each read, so a receiver that drips a byte every few seconds would hold
+        the outbox, every project's deliveries, for as long as it likes: the request runs on a thread
+        of its own, and past the deadline its connection is closed and the delivery counts as timed
+        out. The answer's body is never read (nothing of it is kept), however large."""
+        answer: dict[str, Any] = {}
+        client = self._client
+        assert client is not None
+
+        def attempt() -> None:
+            try:
+                with client.stream("POST", url, content=body, headers=headers) as response:
+                    location = response.headers.get("location", "?") if response.is_redirect else None
+                    answer["result"] = (response.status_code, location)
+            except BaseException as exc:  # noqa: BLE001 - handed to the outbox thread
+                answer["error"] = exc
+
+        thread = threading.Thread(target=attempt, name="gradwatch-webhook-post", daemon=True)
+        thread.start()
+        thread.join(self.settings.webhook_timeout_s)
+        if thread.is_alive():
+            if self._own_client:  # the next delivery gets a client of its own; this one's socket closes
+                self._client = self._new_client()
+                client.close()
+            raise httpx.TimeoutException(f"no complete answer within {self.settings.webhook_timeout_s:g} s")
+        if "error" in answer:
+            raise answer["error"]
+        result: tuple[int, str | None] = answer["result"]
+        return result
 
     def _finish(self, claimed: Claimed, status: int | None, error: str | None, final: bool = False) -> None:
         now = time.time()

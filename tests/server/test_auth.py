@@ -338,6 +338,8 @@ def test_the_agent_adopts_the_id_the_server_gives(api_server, tokens):
     assert run.stats.dropped_points == 0
     listed = httpx.get(f"{api_server.url}/api/v1/runs", headers=_auth(alpha), timeout=30).json()["data"]
     assert len(listed) == 1 and listed[0]["id"] != "shared-id"
+    assert run.id == listed[0]["id"]  # the run names the id its data is stored under (issue 28)
+    assert run.url.endswith(f"/dashboard/runs/{listed[0]['id']}")
     series = httpx.get(
         f"{api_server.url}/api/v1/runs/{listed[0]['id']}/series",
         params={"key": "loss"},
@@ -474,12 +476,28 @@ def test_tokens_in_request_paths_never_reach_the_log():
         "/api/v1/runs/r/live?tok%65n=gw_secret123",
         "/api/v1/runs?TOKEN=gw_secret123&x=1",
         "/api/v1/runs?a=1&Token=gw_secret123",
+        "/api/v1/runs?token[]=gw_secret123",  # issue 28: array spellings and ; separators
+        "/api/v1/runs?token%5B%5D=gw_secret123&x=1",
+        "/api/v1/runs?a=1;token=gw_secret123",
+        "/api/v1/runs?access_token=gw_secret123",
     ):  # parsed names, not spellings (issue 14)
         record = logging.LogRecord(
             "uvicorn.access", logging.INFO, __file__, 1, '%s - "GET %s"', ("127.0.0.1:5000", path), None
         )
         _RedactTokens().filter(record)
         assert "gw_secret123" not in record.getMessage(), path
+    shaped = "gw_" + "Ab3_-x" * 6  # a real token's shape, in a path segment: redacted wherever it is
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "GET %s"',
+        ("127.0.0.1:5000", f"/x/{shaped}/y"),
+        None,
+    )
+    _RedactTokens().filter(record)
+    assert shaped not in record.getMessage() and "/x/gw_[redacted]/y" in record.getMessage()
 
 
 def test_open_after_revocation_only_when_asked(sqlite_url):

@@ -277,3 +277,105 @@ def test_half_open_connections_cannot_exhaust_the_server(sqlite_url, monkeypatch
         for sock in attackers:
             sock.close()
         server.stop()
+
+
+class _HostileReceiver:
+    """A webhook receiver on 127.0.0.1 that reads the request, then either drips its answer a byte a
+    second ("drip") or answers 200 with a 1 GB body it keeps sending ("huge"); counts what it sent."""
+
+    def __init__(self, mode: str) -> None:
+        import socket
+        import threading
+
+        self.mode = mode
+        self.sent = 0
+        self.requests = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/hook"
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection) -> None:
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(
+                next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            )
+            while len(body) < length:
+                body += connection.recv(65536)
+            self.requests += 1
+            try:
+                if self.mode == "drip":
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                        connection.sendall(bytes([byte]))
+                        self.sent += 1
+                        time.sleep(1.0)
+                else:
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
+                    chunk = b"x" * (1 << 20)
+                    while self.sent < 1_000_000_000 and not self._stop.is_set():
+                        connection.sendall(chunk)
+                        self.sent += len(chunk)
+            except OSError:
+                pass  # the client went away: what was sent is counted
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+def test_a_slow_or_huge_webhook_answer_holds_no_other_projects_delivery(database_url):
+    from conftest import free_port
+    from webhook_receiver import WebhookReceiver, settled_deliveries
+
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    settings = Settings(
+        database_url=database_url,
+        outbox_poll_interval_s=0.1,
+        webhook_timeout_s=2.0,
+        webhook_allow_private=True,
+    )
+    server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
+    drip, huge = _HostileReceiver("drip"), _HostileReceiver("huge")
+    try:
+        with WebhookReceiver() as good, _client(server, None) as api:
+            hooks = {
+                name: api.post("/api/v1/webhooks", json={"url": url, "project": name}).json()
+                for name, url in (("slow", drip.url), ("big", huge.url), ("victim", good.url))
+            }
+            started = time.monotonic()
+            for name in ("slow", "big", "victim"):
+                assert api.post(f"/api/v1/webhooks/{hooks[name]['id']}/test").status_code == 202
+            good.wait_for(1)
+            waited = time.monotonic() - started
+            # The slow one costs its 2 s deadline at most, the huge one its first bytes: not 90 s.
+            assert waited < 10, waited
+            deadline = time.monotonic() + 10
+            while not (slow := api.get(f"/api/v1/webhooks/{hooks['slow']['id']}/deliveries").json()["data"])[
+                0
+            ]["last_error"]:
+                assert time.monotonic() < deadline, slow
+                time.sleep(0.05)
+            assert slow[0]["status"] != "delivered" and "timed out" in slow[0]["last_error"], slow
+            [big] = settled_deliveries(api, hooks["big"]["id"])
+            assert big["status"] == "delivered" and big["response_status"] == 200
+        assert huge.sent < 200 * (1 << 20)  # its 1 GB answer was never read
+    finally:
+        drip.close()
+        huge.close()
+        server.stop()
