@@ -401,11 +401,6 @@ class Watcher:
         if self._measured_at is None:
             return
         grads = self._grads()
-        if self._histograms_due() and self._histograms is None and self._unscaled() is not False:
-            # A run whose histograms were not taken at the end of backward or after unscale_ (no
-            # backward pass seen): before the optimizer step, unscaled (a fused optimizer under a
-            # GradScaler that never unscales them in .grad takes none).
-            self._take_histograms(grads)
         if _gradients.rewritten(self._measured_at, grads):
             self._post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
 
