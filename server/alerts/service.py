@@ -96,12 +96,9 @@ class AlertService:
         with self._transaction() as session:
             if rule.run_id is not None:
                 run = session.get(Run, rule.run_id)
-                if run is None:
-                    raise InvalidRequest(f"run_id {rule.run_id!r}: no such run")
-                if run.project != rule.project:
-                    raise InvalidRequest(
-                        f"run {rule.run_id!r} belongs to project {run.project!r}, not {rule.project!r}"
-                    )
+                if run is None or run.project != rule.project:
+                    # One answer for both: another project's run ids are not for this caller to learn.
+                    raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}")
             self.alert_engine.ensure_defaults(session, rule.project)
             row = AlertRule(
                 project=rule.project,
@@ -371,7 +368,9 @@ class AlertService:
                     Webhook.project == project
                 )
             if webhook_id is not None:
-                self._require(session, Webhook, webhook_id, "webhook")
+                hook = self._require(session, Webhook, webhook_id, "webhook")
+                if project is not None and hook.project != project:  # as if absent: no existence oracle
+                    raise NotFound(f"webhook {webhook_id} does not exist")
                 query = query.where(Delivery.webhook_id == webhook_id)
             if alert_id is not None:
                 query = query.where(Delivery.alert_id == alert_id)

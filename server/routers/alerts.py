@@ -1,3 +1,4 @@
+import re
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -193,6 +194,21 @@ def get_webhook(webhook_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -
     return WebhookOut(**_shown(_webhook(alerts, principal, webhook_id, "read"), principal))
 
 
+# A refused redirect's Location in a delivery's error: for admins only (it can name internal hosts).
+_REDIRECT_TARGET = re.compile(r"redirect to (?:'[^']*'|\"[^\"]*\") not followed")
+
+
+def _deliveries(records: list[dict[str, Any]], principal: PrincipalDep) -> list[DeliveryOut]:
+    admin = principal.open or "admin" in principal.scopes
+    shown = []
+    for record in records:
+        error = record.get("last_error")
+        if not admin and error:
+            record = record | {"last_error": _REDIRECT_TARGET.sub("redirect not followed", error)}
+        shown.append(DeliveryOut(**record))
+    return shown
+
+
 def _shown(hook: dict[str, Any], principal: PrincipalDep) -> dict[str, Any]:
     if principal.allows(hook["project"], "admin"):
         return hook
@@ -221,7 +237,7 @@ def webhook_deliveries(
     """One webhook's delivery log, newest first."""
     _webhook(alerts, principal, webhook_id, "read")
     records, total = alerts.list_deliveries(webhook_id, None, None, limit, offset)
-    return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)
+    return DeliveryList(data=_deliveries(records, principal), count=total)
 
 
 @router.get("/deliveries")
@@ -239,4 +255,4 @@ def list_deliveries(
     records, total = alerts.list_deliveries(
         webhook_id, alert_id, status, limit, offset, project=principal.only_project(project)
     )
-    return DeliveryList(data=[DeliveryOut(**d) for d in records], count=total)
+    return DeliveryList(data=_deliveries(records, principal), count=total)

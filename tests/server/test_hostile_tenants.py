@@ -379,3 +379,67 @@ def test_a_slow_or_huge_webhook_answer_holds_no_other_projects_delivery(database
         drip.close()
         huge.close()
         server.stop()
+
+
+def test_another_projects_ids_answer_as_if_absent(api_server, tokens):
+    _, alpha = tokens.create("alpha", "ingest,read,admin")
+    _, beta = tokens.create("beta", "ingest,read,admin")
+    with _client(api_server, beta) as client:
+        beta_run = client.post("/api/v1/runs", json={"project": "beta", "name": "theirs"}).json()["id"]
+        beta_hook = client.post(
+            "/api/v1/webhooks", json={"url": "https://hooks.example/x", "project": "beta"}
+        )
+        assert beta_hook.status_code == 201, beta_hook.text
+    with _client(api_server, alpha) as client:
+        answers = []
+        for run_id in (beta_run, "no-such-run"):
+            rule = {"project": "alpha", "type": "loss_spike", "run_id": run_id}
+            answer = client.post("/api/v1/alert-rules", json=rule)
+            answers.append((answer.status_code, answer.json()["detail"].replace(run_id, "ID")))
+        assert answers[0] == answers[1] and answers[0][0] == 422 and "no such run" in answers[0][1], answers
+        answers = []
+        for hook_id in (beta_hook.json()["id"], 999_999):
+            answer = client.get("/api/v1/deliveries", params={"webhook_id": hook_id})
+            answers.append((answer.status_code, answer.json()["detail"].replace(str(hook_id), "ID")))
+        assert answers[0] == answers[1] and answers[0][0] == 404, answers
+
+
+def test_a_refused_redirects_location_is_for_admins_only(database_url):
+    from conftest import free_port
+    from webhook_receiver import WebhookReceiver
+
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    settings = Settings(database_url=database_url, outbox_poll_interval_s=0.1, webhook_allow_private=True)
+    server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
+    engine = make_engine(database_url)
+    try:
+        made = Tokens(engine)
+        _, admin = made.create("alpha", "read,admin")
+        _, reader = made.create("alpha", "read")
+        with WebhookReceiver() as receiver, _client(server, admin) as api, _client(server, reader) as read:
+            receiver.redirect_to = "http://intranet-db.internal:5432/secret"
+            hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "alpha"}).json()
+            api.post(f"/api/v1/webhooks/{hook['id']}/test")
+            deadline = time.monotonic() + 10
+            while not (seen := api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["data"][0])[
+                "last_error"
+            ]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert "intranet-db.internal" in seen["last_error"]  # the admin who fixes it sees where
+            for path, params in (
+                (f"/api/v1/webhooks/{hook['id']}/deliveries", {}),
+                ("/api/v1/deliveries", {}),
+            ):
+                for delivery in read.get(path, params=params).json()["data"]:
+                    assert (
+                        "intranet-db" not in delivery["last_error"]
+                        and "redirect not followed" in delivery["last_error"]
+                    )
+    finally:
+        engine.dispose()
+        server.stop()
