@@ -242,7 +242,7 @@ class OutboxWorker:
             except BaseException as exc:  # noqa: BLE001 - handed to the outbox thread
                 answer["error"] = exc
 
-        thread = threading.Thread(target=attempt, name="gradwatch-webhook-post", daemon=True)
+        thread = threading.Thread(target=attempt, name="gradwatch-outbox-post", daemon=True)
         thread.start()
         thread.join(self.settings.webhook_timeout_s)
         if thread.is_alive():

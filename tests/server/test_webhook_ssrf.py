@@ -51,7 +51,7 @@ TARGETS = {
     "224.0.0.1": "a multicast address",
 }
 NAMES = {"localhost:5432"}  # judged when sent (after resolving), not when created
-WORKER = "gradwatch-outbox"  # the delivery worker's thread
+WORKER = "gradwatch-outbox"  # the delivery worker's threads: its own and each POST's (-post)
 
 
 class Connections:
@@ -77,7 +77,7 @@ class Connections:
 
     def by_worker(self) -> list[tuple[str, int]]:
         with self._lock:
-            return [(host, port) for thread, host, port in self.attempts if thread == WORKER]
+            return [(host, port) for thread, host, port in self.attempts if thread.startswith(WORKER)]
 
     def clear(self) -> None:
         with self._lock:
