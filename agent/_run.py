@@ -179,6 +179,7 @@ class Run:
         self._logged_since_flush = 0  # values run.log took since the last flush (see FLUSH_AT_VALUES)
         self._watchers: list[Watcher] = []
         self._refused_keys: set[str] = set()  # keys log() left out (warned once each)
+        self._accepted_keys: set[str] = set()  # keys checked once and found fine
         self._finished = False
         if mode == "offline" and transport is not None:
             raise ValueError("mode='offline' writes the spool file only; it takes no transport=")
@@ -508,8 +509,11 @@ class Run:
         """Whether the server can store `key` (checked when a key first enters the buffer). One bad
         key would have the server refuse its whole batch, and the valid points with it: it is left
         out instead, with one warning per key."""
+        if key in self._accepted_keys:
+            return True
         problem = key_problem(key)
         if problem is None:
+            self._accepted_keys.add(key)
             return True
         if key not in self._refused_keys:
             self._refused_keys.add(key)
