@@ -273,16 +273,30 @@ def _step_count(series: dict[str, Any]) -> int:
 MAX_BATCH_VALUES = 1_000_000
 
 
+LAYER_NAME_CHARS_PER_VALUE = 8  # a layer name's characters that cost a server about what one number does
+
+
+def layer_name_values(layers: Any) -> int:
+    """What a batch's "layers" count for against a server's numbers cap: a value per
+    LAYER_NAME_CHARS_PER_VALUE characters of each name, and one for the name (server.ingest_limits)."""
+    if not isinstance(layers, list):
+        return 0
+    return sum(1 + len(name) // LAYER_NAME_CHARS_PER_VALUE if isinstance(name, str) else 1 for name in layers)
+
+
 def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> list[dict[str, Any]]:
     """A sealed batch's data as consecutive step ranges of at most `max_points` points and `max_values`
     numbers each ([batch] when it fits): servers refuse larger batches. A step's keys stay together
     (alert rules read them side by side); a single step larger than the limits is a piece of its own.
-    Events go with their steps, "layers" with every piece, the status (and any other field) with the last."""
+    Events go with their steps (a point each), "layers" with every piece (its numbers count in each), the
+    status (and any other field) with the last."""
     scalar_points = sum(len(series["steps"]) for series in batch.get("scalars", ()))
     vector_rows = [row for series in batch.get("vectors", ()) for row in series["values"]]
     histograms = batch.get("histograms", ())
+    events = batch.get("events", ())
+    max_values -= layer_name_values(batch.get("layers"))
     if (
-        scalar_points + len(vector_rows) + len(histograms) <= max_points
+        scalar_points + len(vector_rows) + len(histograms) + len(events) <= max_points
         and scalar_points + sum(map(len, vector_rows)) + sum(len(r) for h in histograms for r in h["counts"])
         <= max_values
     ):
@@ -296,10 +310,12 @@ def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> l
             sizes.setdefault(step, [0, 0])
             sizes[step][0] += 1
             sizes[step][1] += len(row)
-    for histogram in batch.get("histograms", ()):
+    for histogram in histograms:
         sizes.setdefault(histogram["step"], [0, 0])
         sizes[histogram["step"]][0] += 1
         sizes[histogram["step"]][1] += sum(map(len, histogram["counts"]))
+    for event in events:
+        sizes.setdefault(event["step"], [0, 0])[0] += 1
     starts: list[int] = []  # the first step of each piece
     points = values = 0
     for step in sorted(sizes):

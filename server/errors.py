@@ -5,6 +5,7 @@ GradwatchServerError
 ├── Forbidden       → 403 (a valid token without the right scope or project)
 ├── NotFound        → 404
 ├── Conflict        → 409
+├── TooLarge        → 413 (more work than one request may make; `limit` names the limit)
 └── InvalidRequest  → 422
 """
 
@@ -31,3 +32,11 @@ class Unauthenticated(GradwatchServerError):
 
 class Forbidden(GradwatchServerError):
     pass
+
+
+class TooLarge(GradwatchServerError):
+    """A request that would make the server do more than one request may: split it and send again."""
+
+    def __init__(self, detail: str, limit: str) -> None:
+        super().__init__(detail)
+        self.limit = limit

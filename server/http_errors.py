@@ -25,10 +25,25 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
 from .database import is_lock_timeout
-from .errors import Conflict, Forbidden, GradwatchServerError, InvalidRequest, NotFound, Unauthenticated
+from .errors import (
+    Conflict,
+    Forbidden,
+    GradwatchServerError,
+    InvalidRequest,
+    NotFound,
+    TooLarge,
+    Unauthenticated,
+)
 
 _MAX_ECHO = 100  # characters of an offending input shown back
-_STATUS = {Unauthenticated: 401, Forbidden: 403, NotFound: 404, Conflict: 409, InvalidRequest: 422}
+_STATUS = {
+    Unauthenticated: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    TooLarge: 413,
+    InvalidRequest: 422,
+}
 
 
 class ErrorItem(BaseModel):
@@ -115,7 +130,10 @@ def _database_refused(_request: Request, exc: DataError) -> JSONResponse:
 async def _server_error(_request: Request, exc: GradwatchServerError) -> JSONResponse:
     status = _STATUS.get(type(exc), 400)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+    body = {"detail": str(exc)}
+    if isinstance(exc, TooLarge):
+        body["limit"] = exc.limit  # as the ingest limits' 413s name theirs
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _read_only(exc: DBAPIError) -> bool:

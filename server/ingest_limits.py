@@ -7,9 +7,9 @@ A tenant is a token (its id), or on an open server a client address. Each tenant
                   `ingest_burst_points`; a batch the bucket cannot pay for is answered 429
 and every batch is held to two caps, answered 413 before it is validated or stored:
     points        `max_batch_points`: scalar points, vector rows and histograms, as the agent counts
-                  them (gradwatch._wire.batch_points)
+                  them (gradwatch._wire.batch_points), and events
     values        `max_batch_values`: every number the batch carries (a vector row holds one per
-                  layer, a histogram layers x bins)
+                  layer, a histogram layers x bins), and its layer names, a value per 8 characters
 An open server (no tokens: one user, nobody to isolate from anyone) meters no rate: only the caps and
 the concurrency slots hold there, so a local run's backlog uploads as fast as the server stores it.
 413 and 429 answers name the limit in `limit`; a 429 carries `Retry-After` (whole seconds, >= 1) and
@@ -74,6 +74,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._wire import layer_name_values
 from .auth import Principal, bearer, hash_token
 from .deps import PrincipalDep
 from .settings import Settings
@@ -186,7 +187,11 @@ def batch_size(document: Any) -> tuple[int, int]:
         counts = histogram.get("counts")
         if isinstance(counts, list):
             values += sum(len(row) if isinstance(row, list) else 1 for row in counts)
-    return points, values
+    # Events are stored a row each and fed to the alert rules like a step: a point each. Layer names are
+    # validated and stored as text: a value per 8 characters (_wire.layer_name_values: a 1,000-layer
+    # model's names ~8,000 values; 50,000 names of 500 characters 3.2 million, over the cap).
+    points += _length(document.get("events"))
+    return points, values + layer_name_values(document.get("layers"))
 
 
 @dataclass

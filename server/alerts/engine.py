@@ -19,6 +19,7 @@ from sqlalchemy import CursorResult, and_, event, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from ..errors import TooLarge
 from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Run
 from ..schemas import BatchIn
 from ..storage import bulk
@@ -43,6 +44,14 @@ __all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
 logger = logging.getLogger("gradwatch.alerts")
 
 _MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear the cache
+# Steps fed to rules for one batch, summed over the rules (a batch of 100 steps on a project with the
+# 16 default rules: ~1,600). Evaluation runs inside the batch's transaction, so on SQLite it holds the one
+# write lock every other tenant waits for: ~5 us per rule and step on two busy cores, so the most one
+# batch may ask is ~0.5 s. A batch over it is refused whole (413, nothing stored) and the agent sends
+# it again in halves; without the cap, one batch at the points cap on a project with many rules held
+# the lock for minutes (issue 28).
+MAX_RULE_EVALUATIONS_PER_BATCH = 100_000
+_PLAN = "gradwatch_alert_plan"  # session.info: (batch, rules, work) from before_ingest for after_ingest
 
 
 class _RuleRow(NamedTuple):
@@ -222,7 +231,14 @@ class AlertEngine:
                     )
                 )
             session.flush()
-        self._projects_ready.add(project)
+        # Known only once it has committed: a batch refused after this (413, a lock timeout) rolls the
+        # defaults back with it, and the project's next batch must install them again.
+        ready = self._projects_ready
+
+        def _installed(_session: Session) -> None:
+            ready.add(project)
+
+        event.listen(session, "after_commit", _installed, once=True)
 
     def forget_project(self, project: str) -> None:
         self._projects_ready.discard(project)
@@ -257,44 +273,69 @@ class AlertEngine:
 
     # -- evaluation on ingest ---------------------------------------------------------------------
 
+    def _plan(
+        self, session: Session, run: Run, batch: BatchIn
+    ) -> tuple[list[tuple[_RuleRow, RuleType]], list[tuple[_RuleRow, RuleType, list[StepData]]]]:
+        """The enabled rules of the batch's run and, for each rule that reads anything in the batch, the
+        steps it is fed (in step order)."""
+        self.ensure_defaults(session, run.project)
+        rules = self._rules(session, run.project, run.id)
+        if not rules:
+            return rules, []
+        scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
+        vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
+            rule.key for _, rule in rules if "key" in rule.values
+        }
+        # Steps grouped by what they hold: each rule is asked once per kind of step, not once per step.
+        kinds: dict[tuple[int, frozenset[str]], list[StepData]] = {}
+        for data in step_data(batch, scalar_keys, vector_keys):
+            kinds.setdefault((data.rank, data.signature()), []).append(data)
+        work = []
+        for row, rule in rules:
+            wanted = [
+                group for (rank, present), group in kinds.items() if rule.reads_signature(rank, present)
+            ]
+            if wanted:
+                fed = (
+                    wanted[0]
+                    if len(wanted) == 1
+                    else sorted((data for group in wanted for data in group), key=lambda d: (d.step, d.rank))
+                )
+                work.append((row, rule, fed[-1:] if rule.periodic else fed))  # the clock's rules: "alive"
+        return rules, work
+
+    def before_ingest(self, session: Session, run: Run, batch: BatchIn) -> None:
+        """Refuse a batch whose evaluation would hold the transaction too long (TooLarge), before
+        anything of it is written; the plan is kept for after_ingest."""
+        rules, work = self._plan(session, run, batch)
+        evaluations = sum(len(fed) for _, _, fed in work)
+        if evaluations > MAX_RULE_EVALUATIONS_PER_BATCH:
+            raise TooLarge(
+                f"the batch has more steps than its project's {len(work)} alert rules may evaluate at"
+                f" once: {evaluations:,} rule-steps, at most {MAX_RULE_EVALUATIONS_PER_BATCH:,} per"
+                " batch; nothing was stored: send fewer steps per batch (the agent splits it)",
+                "rule_evaluations",
+            )
+        session.info[_PLAN] = (batch, rules, work)
+
     def after_ingest(self, session: Session, run_id: str, batch: BatchIn) -> None:
         """Evaluate a newly stored batch (Store.ingest's hook, inside its transaction)."""
         run = session.get(Run, run_id)
         assert run is not None
-        self.ensure_defaults(session, run.project)
-        rules = self._rules(session, run.project, run_id)
+        planned = session.info.pop(_PLAN, None)
+        if planned is not None and planned[0] is batch:
+            rules, work = planned[1], planned[2]
+        else:  # a batch this engine did not see before (or one a resume rewrote since)
+            rules, work = self._plan(session, run, batch)
         ended = batch.status is not None and batch.status != "running"
         touched: set[int] = set()
         resume = next((e for e in batch.events if e.kind == "resume"), None)
         if rules and resume is not None:
             self._rewind(session, run.id, rules, batch.rank, resume.step)
         if rules:
-            scalar_keys = {k for _, rule in rules for k in rule.scalar_keys} | {"amp/skipped"}
-            vector_keys = {k for _, rule in rules for k in rule.vector_keys} | {
-                rule.key for _, rule in rules if "key" in rule.values
-            }
             if ended:
                 self._run_ended(session, run, [(row, rule) for row, rule in rules if rule.periodic], touched)
-            steps = step_data(batch, scalar_keys, vector_keys)
             layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
-            # Steps grouped by what they hold: each rule is asked once per kind of step, not once per step.
-            kinds: dict[tuple[int, frozenset[str]], list[StepData]] = {}
-            for data in steps:
-                kinds.setdefault((data.rank, data.signature()), []).append(data)
-            work = []
-            for row, rule in rules:
-                wanted = [
-                    group for (rank, present), group in kinds.items() if rule.reads_signature(rank, present)
-                ]
-                if wanted:
-                    fed = (
-                        wanted[0]
-                        if len(wanted) == 1
-                        else sorted(
-                            (data for group in wanted for data in group), key=lambda d: (d.step, d.rank)
-                        )
-                    )
-                    work.append((row, rule, fed[-1:] if rule.periodic else fed))  # the clock's rules: "alive"
             # Every state this batch needs, locked in one query (in rule order, the same in every process),
             # read and written as plain rows: one SELECT and one UPDATE for all of them.
             states: dict[int, str] = {}

@@ -25,6 +25,12 @@ from .webhooks import render, validate_url
 __all__ = ["AlertService"]
 
 
+# Alert rules one project may hold (its defaults included, disabled ones too). Every enabled rule is fed
+# every batch of the project's runs; with more rules a batch may carry fewer steps
+# (engine.MAX_RULE_EVALUATIONS_PER_BATCH), and a project's rules are read on every batch.
+MAX_RULES_PER_PROJECT = 100
+
+
 class AlertService:
     def __init__(self, engine: Engine, alert_engine: AlertEngine, settings: Settings) -> None:
         self.engine = engine
@@ -100,6 +106,12 @@ class AlertService:
                     # One answer for both: another project's run ids are not for this caller to learn.
                     raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}")
             self.alert_engine.ensure_defaults(session, rule.project)
+            held = session.scalar(select(func.count()).where(AlertRule.project == rule.project)) or 0
+            if held >= MAX_RULES_PER_PROJECT:
+                raise InvalidRequest(
+                    f"project {rule.project!r} has {held} alert rules, the most a project may hold is"
+                    f" {MAX_RULES_PER_PROJECT}: delete one (or change its parameters) before adding another"
+                )
             row = AlertRule(
                 project=rule.project,
                 run_id=rule.run_id,

@@ -247,6 +247,9 @@ class Store:
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
+        # Called with (session, run, batch) for each new batch before any of it is written, inside its
+        # transaction (the alert engine refuses a batch its rules cannot evaluate in time: TooLarge).
+        self.before_ingest: list[Callable[[Session, Run, BatchIn], None]] = []
         # Called with (run_id, batch) after a newly stored batch has committed (live streams):
         # must be quick and must not raise; the data is already durable.
         self.after_commit: list[Callable[[str, BatchIn], None]] = []
@@ -465,6 +468,8 @@ class Store:
                 }
                 batch = resumes.with_resume_facts(batch, resume, facts)
 
+            for check in self.before_ingest:
+                check(session, run, batch)
             series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
             new_points = _batch_points(batch, series_ids)
             point_count = sum(map(len, new_points.values()))

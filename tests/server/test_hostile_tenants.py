@@ -443,3 +443,110 @@ def test_a_refused_redirects_location_is_for_admins_only(database_url):
     finally:
         engine.dispose()
         server.stop()
+
+
+# -- finding 5: what one tenant's rules and batches may cost everyone ---------------------------------
+
+
+def test_a_project_holds_at_most_100_alert_rules(api_server):
+    from gradwatch.server.alerts.service import MAX_RULES_PER_PROJECT
+
+    with _client(api_server, None) as client:
+        defaults = len(client.get("/api/v1/alert-rules", params={"project": "busy"}).json()["data"])
+        extreme = {"window": 10_000, "warmup": 20}
+        for _ in range(MAX_RULES_PER_PROJECT - defaults):
+            made = client.post(
+                "/api/v1/alert-rules", json={"project": "busy", "type": "loss_spike", "params": extreme}
+            )
+            assert made.status_code == 201, made.text
+        refused = client.post("/api/v1/alert-rules", json={"project": "busy", "type": "loss_spike"})
+        assert refused.status_code == 422, refused.text
+        assert f"the most a project may hold is {MAX_RULES_PER_PROJECT}" in refused.json()["detail"]
+        assert (
+            len(client.get("/api/v1/alert-rules", params={"project": "busy"}).json()["data"])
+            == MAX_RULES_PER_PROJECT
+        )
+        # Another project is not held to this one's count.
+        other = client.post("/api/v1/alert-rules", json={"project": "calm", "type": "loss_spike"})
+        assert other.status_code == 201, other.text
+
+
+def _loss_batch(seq: int, first: int, steps: int) -> dict:
+    keys = ("loss", "lr", "grad/global_norm", "amp/scale", "amp/skipped")
+    values = {"loss": 2.0, "lr": 3e-4, "grad/global_norm": 0.8, "amp/scale": 65536.0, "amp/skipped": 0.0}
+    return {
+        "seq": seq,
+        "scalars": [
+            {"key": key, "steps": list(range(first, first + steps)), "values": [values[key]] * steps}
+            for key in keys
+        ],
+    }
+
+
+def test_a_batch_its_rules_cannot_evaluate_in_time_is_refused_whole_and_its_halves_stored(api_server):
+    from gradwatch.server.alerts.engine import MAX_RULE_EVALUATIONS_PER_BATCH
+
+    with _client(api_server, None) as client:
+        for _ in range(60):  # rules with the largest windows: each is fed every step
+            rule = {"project": "busy", "type": "grad_norm_spike", "params": {"window": 10_000, "warmup": 20}}
+            assert client.post("/api/v1/alert-rules", json=rule).status_code == 201
+        run_id = client.post("/api/v1/runs", json={"project": "busy", "name": "big batches"}).json()["id"]
+        rules = len(client.get("/api/v1/alert-rules", params={"project": "busy"}).json()["data"])
+        steps = MAX_RULE_EVALUATIONS_PER_BATCH // rules + 500  # within the points cap, over the rules'
+        started = time.monotonic()
+        refused = client.post(f"/api/v1/runs/{run_id}/batches", json=_loss_batch(1, 0, steps))
+        assert refused.status_code == 413, refused.text
+        assert (
+            refused.json()["limit"] == "rule_evaluations" and "nothing was stored" in refused.json()["detail"]
+        )
+        assert time.monotonic() - started < 20  # refused before the rules ran (minutes, before the cap)
+        assert _points(client, run_id) == []
+        # What the agent does with a 413: the same steps in halves, each within the cap, all stored.
+        half = steps // 2
+        for seq, first, count in ((2, 0, half), (3, half, steps - half)):
+            stored = client.post(f"/api/v1/runs/{run_id}/batches", json=_loss_batch(seq, first, count))
+            assert stored.status_code == 200, stored.text
+        assert _points(client, run_id) == list(range(steps))
+
+
+def test_a_new_projects_default_rules_survive_its_first_batch_being_refused(api_server):
+    """The defaults are installed in the first batch's transaction: a refused batch rolls them back, and
+    the next one must install them again (the engine used to remember them as installed)."""
+    with _client(api_server, None) as client:
+        run_id = client.post("/api/v1/runs", json={"project": "fresh", "name": "first"}).json()["id"]
+        events = [
+            {"step": s, "kind": "skip", "data": {}} for s in range(30_000)
+        ]  # 4 default rules read these
+        refused = client.post(f"/api/v1/runs/{run_id}/batches", json={"seq": 1, "events": events})
+        assert refused.status_code == 413, refused.text
+        batch = {
+            "seq": 2,
+            "scalars": [{"key": "loss", "steps": [0, 1, 2, 3], "values": [2.0, "NaN", "NaN", "NaN"]}],
+        }
+        assert client.post(f"/api/v1/runs/{run_id}/batches", json=batch).status_code == 200
+        alerts = client.get("/api/v1/alerts", params={"run_id": run_id}).json()["data"]
+        assert any(alert["type"] == "loss_non_finite" for alert in alerts), alerts
+
+
+def test_events_and_layer_names_count_against_the_batch_caps(api_server):
+    with _client(api_server, None) as client:
+        run_id = client.post("/api/v1/runs", json={"project": "p", "name": "r"}).json()["id"]
+        url = f"/api/v1/runs/{run_id}/batches"
+        # 60,000 scalar points and 60,000 events: each part within the 100,000-point cap, not together.
+        batch = {
+            "seq": 1,
+            "scalars": [{"key": "loss", "steps": list(range(60_000)), "values": [1.0] * 60_000}],
+            "events": [{"step": s, "kind": "note", "data": {}} for s in range(60_000)],
+        }
+        answer = client.post(url, json=batch)
+        assert answer.status_code == 413 and answer.json()["limit"] == "batch_points", answer.text
+        # 40,000 layer names of 400 characters: 16 MB of text, no number at all.
+        names = [f"{i:08d}" + "x" * 392 for i in range(40_000)]
+        answer = client.post(url, json={"seq": 2, "layers": names})
+        assert answer.status_code == 413 and answer.json()["limit"] == "batch_values", answer.text
+        assert _points(client, run_id) == []
+        # A real model's names and a skip storm's events pass.
+        names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2_000)]
+        events = [{"step": s, "kind": "skip", "data": {}} for s in range(0, 2_000, 2)]
+        ok = client.post(url, json={"seq": 3, "layers": names, "events": events})
+        assert ok.status_code == 200, ok.text

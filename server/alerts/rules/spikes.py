@@ -3,6 +3,7 @@ clip that cuts the gradient on nearly every step (grad_norm_spike, loss_spike, l
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -49,7 +50,13 @@ def _beyond_tail(value: float, median: float, tail: float) -> bool:
     return value > tail + TAIL_MARGIN * max(tail - median, 0.0)
 
 
-BASELINE_REFRESH = 10  # steps between recomputations of a baseline's median and spread (sorting is O(window))
+# Steps between recomputations of a baseline's median and spread: sorting is O(window), so a baseline is
+# refreshed every BASELINE_REFRESH steps or every 1/BASELINE_REFRESH_SHARE of its length, whichever is
+# longer (windows up to 200 steps: every 10 steps; the largest, 10,000: every 500). The cost per step then
+# stays flat however large a window a rule is given (issue 28: 85 rules with 10,000-step windows held
+# SQLite's write lock for minutes on one batch).
+BASELINE_REFRESH = 10
+BASELINE_REFRESH_SHARE = 20
 
 
 def _append_bounded(items: list[Any], item: Any, most: int) -> None:
@@ -63,10 +70,11 @@ def _baseline_stats(
     state: dict[str, Any], step: int, baseline: list[list[float]]
 ) -> tuple[float, float, float]:
     """(median, MAD-based spread, TAIL_QUANTILE quantile) of the baseline's values but its latest
-    RECENT ones, cached in state["stats"] for BASELINE_REFRESH steps: the baseline moves slowly, and
-    ingest must stay cheap per point however large the window."""
+    RECENT ones, cached in state["stats"] for BASELINE_REFRESH steps or a BASELINE_REFRESH_SHARE-th of
+    the baseline: the baseline moves slowly, and ingest must stay cheap per point however large the window."""
     cached = state.get("stats")
-    if cached is None or len(cached) < 4 or step - cached[0] >= BASELINE_REFRESH or step < cached[0]:
+    refresh = max(BASELINE_REFRESH, len(baseline) // BASELINE_REFRESH_SHARE)
+    if cached is None or len(cached) < 4 or step - cached[0] >= refresh or step < cached[0]:
         ordered = sorted(v for _, v in baseline[:-RECENT] or baseline)
         median = _median_of_sorted(ordered)
         tail = ordered[min(len(ordered) - 1, math.ceil(TAIL_QUANTILE * len(ordered)) - 1)]
@@ -327,7 +335,9 @@ class ClipSaturation(RuleType):
     scalar_keys = frozenset({"grad/global_norm", "grad/clip_max_norm", "amp/micro_batches"})
 
     def initial_state(self) -> dict[str, Any]:
-        return {"recent": [], "micro_batches": 1}  # recent: [step, norm / max_norm]
+        # recent: [step, norm / max_norm] of the active window's steps, oldest first; ordered: the same
+        # ratios sorted, so that the share clipped and the median cost O(log window) per step.
+        return {"recent": [], "ordered": [], "micro_batches": 1}
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         micro = data.scalars.get("amp/micro_batches")
@@ -341,15 +351,21 @@ class ClipSaturation(RuleType):
             return None
         accumulating = state["micro_batches"] > 1
         window = self.window if accumulating else self.plain_window
-        recent = state["recent"]
-        recent.append([data.step, norm / max_norm])
-        if len(recent) > max(self.window, self.plain_window):
-            del recent[0]
+        recent, ordered = state["recent"], state.get("ordered")
+        ratio = norm / max_norm
+        recent.append([data.step, ratio])
+        if ordered is None or len(ordered) != len(recent) - 1 or len(recent) > window + 1:
+            # A state from before "ordered" existed, or the window changed (micro-batches appeared).
+            del recent[: max(len(recent) - window, 0)]
+            ordered = state["ordered"] = sorted(r[1] for r in recent)
+        else:
+            bisect.insort(ordered, ratio)
+            if len(recent) > window:
+                del ordered[bisect.bisect_left(ordered, recent.pop(0)[1])]
         if len(recent) < window:
             return None
-        recent = recent[-window:]
-        share = sum(1 for r in recent if r[1] > 1.0) / len(recent)
-        median = _median([r[1] for r in recent])
+        share = (len(ordered) - bisect.bisect_right(ordered, 1.0)) / len(ordered)
+        median = _median_of_sorted(ordered)
         threshold = self.min_ratio_accumulating if accumulating else self.min_ratio
         if share < self.fraction or median < threshold:
             return CLEAR if share < self.fraction / 2 else None
