@@ -24,6 +24,7 @@ from .routers import ranks as ranks_router
 from .settings import Settings
 from .storage import Store
 from .storage.liveness import mark_silent_runs
+from .tenant_limits import TenantLimitMiddleware, TenantLimits
 from .web_security import WebSecurity, WebSecurityPolicy
 
 
@@ -90,6 +91,7 @@ def _alerts(settings: Settings, store: Store) -> tuple[OutboxWorker | None, Aler
             ),
         )
         engine.on_enqueued = worker.wake
+    store.before_ingest.append(engine.before_ingest)
     store.after_ingest.append(engine.after_ingest)
     return worker, AlertService(store.engine, engine, settings)
 
@@ -142,7 +144,10 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     app.add_middleware(GzipRequestBody, max_bytes=settings.max_body_bytes)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     ingest_limits.install(app, settings)  # around the body limits: refuses before a byte is read
-    # Around the limiter: a write without a valid token is refused before anything else is done.
+    # Reads, live streams and run creation per tenant (inside authentication: writes carry their principal).
+    app.state.tenant_limits = TenantLimits()
+    app.add_middleware(TenantLimitMiddleware, limits=app.state.tenant_limits, tokens=app.state.tokens)
+    # Around the limiters: a write without a valid token is refused before anything else is done.
     app.add_middleware(AuthenticateBeforeBody, tokens=app.state.tokens)
     app.add_middleware(WebSecurity, policy=app.state.web_security, tokens=app.state.tokens)  # outermost
     return app

@@ -19,6 +19,7 @@ from ..errors import Forbidden, NotFound, Unauthenticated
 from ..live import LiveHub
 from ..schemas import json_float
 from ..storage import LiveCursor, LiveUpdate, Store
+from ..tenant_limits import StreamSlots, tenant_of
 
 router = APIRouter(prefix="/api/v1/runs", tags=["live"])
 logger = logging.getLogger("gradwatch.live")
@@ -28,6 +29,7 @@ CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013  # the tenant's (or the server's) most live streams are open
 _MAX_REASON_BYTES = 123  # a close frame's reason fits in 125 bytes with the 2-byte code
 _PARAMETERS = ("key", "rank", "since", "token")
 
@@ -67,13 +69,15 @@ async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     await websocket.close(code, encoded.decode(errors="ignore"))
 
 
-def _authorize(websocket: WebSocket, run_id: str) -> None:
+def _authorize(websocket: WebSocket, run_id: str) -> bool:
     """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token (header, or
-    ?token= since browsers cannot set headers on a WebSocket) may read the run."""
+    ?token= since browsers cannot set headers on a WebSocket) may read the run. Returns whether the
+    server has tokens (then the stream counts against its tenant's limits)."""
     tokens: Tokens = websocket.app.state.tokens
     store: Store = websocket.app.state.store
     token = websocket.query_params.get("token") or bearer(websocket.headers.get("authorization"))
     authorize_run(store, tokens.authenticate(token), run_id, "read")
+    return tokens.required()
 
 
 def _dumps(message: dict[str, Any]) -> str:
@@ -137,12 +141,13 @@ async def live(websocket: WebSocket, run_id: str) -> None:
 
     Close codes, with the reason as text: 4400 bad query parameters, 4401 no valid token, 4403 a
     token that may not read the run, 4404 unknown (or deleted) run (the HTTP status + 4000); 1011
-    the database could not be read at connect; 1012 the server shuts down.
+    the database could not be read at connect; 1012 the server shuts down; 1013 the token (or the
+    server) holds its most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS).
     """
     await websocket.accept()  # first: a close code and reason reach the client only on an open socket
     try:
         keys, rank, since = _query(websocket.query_params)
-        await anyio.to_thread.run_sync(_authorize, websocket, run_id)
+        limited = await anyio.to_thread.run_sync(_authorize, websocket, run_id)
     except _BadQuery as exc:
         await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
         return
@@ -155,6 +160,19 @@ async def live(websocket: WebSocket, run_id: str) -> None:
     except NotFound as exc:
         await _close(websocket, CLOSE_NOT_FOUND, str(exc))
         return
+    tenant = tenant_of(
+        websocket.scope["headers"], websocket.query_params.get("token"), websocket.scope.get("client")
+    )
+    with StreamSlots(websocket.app.state.tenant_limits if limited else None, tenant) as refused:
+        if refused is not None:
+            await _close(websocket, CLOSE_TRY_AGAIN_LATER, refused)
+            return
+        await _stream(websocket, run_id, keys, rank, since)
+
+
+async def _stream(
+    websocket: WebSocket, run_id: str, keys: frozenset[str] | None, rank: int | None, since: int | None
+) -> None:
     hub: LiveHub = websocket.app.state.live
     store: Store = websocket.app.state.store
     with hub.subscribe(run_id) as wake:  # before the cursor: nothing stored meanwhile is missed
