@@ -4,7 +4,8 @@ Pure functions of plain host values (the steps, floats and lists of a Resolved p
 device, no watcher): skip events naming the layers whose gradients went non-finite, weights too large
 for fp16, the loss scale falling below 1, fp16 underflow / precision-loss / overflow and zero fractions
 from the gradient histograms, the safe-scale band, update ratios and rounded-away fractions with the
-skipped steps left out, and the clip threshold. derive() applies them all to one packet;
+skipped steps left out, the clip threshold, and parameters the optimizer does not hold (from the
+comparisons _coverage records). derive() applies them all to one packet;
 WatchDerivation binds it to one watched model and keeps the once-per-run state. The histogram
 arithmetic itself (fp16_fractions, safe_scale_band…) lives with the other quantities in _quantities.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _quantities
@@ -29,6 +31,8 @@ CLIP_MAX_NORM = "grad/clip_max_norm"
 POST_CLIP_NORM = "grad/global_norm_post_clip"
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
 MAX_LAYERS_IN_EVENT = 50
+# + a token: per candidate of one _coverage comparison, 1.0 where its weights did not change
+UNHELD_UNCHANGED_PREFIX = "_optimizer/unheld_unchanged/"
 
 Scalars = dict[str, list[tuple[int, float]]]
 Vectors = dict[str, list[tuple[int, list[float]]]]
@@ -51,6 +55,50 @@ def oversized_weight_events(scalars: Scalars) -> list[Event]:
         for step, largest in scalars.get(MAX_ABS_WEIGHT, [])
         if largest > _quantities.FP16_MAX
     ]
+
+
+@dataclass(frozen=True)
+class UnheldCandidates:
+    """Parameters with a gradient that no param group holds (see _coverage): their layer names and
+    element counts, and the elements of every parameter with a gradient (held or not)."""
+
+    names: tuple[str, ...]
+    elements: tuple[int, ...]
+    gradient_elements: int
+
+
+def unheld_parameter_events(vectors: Vectors, expected: dict[int, UnheldCandidates]) -> list[Event]:
+    """One `params_not_in_optimizer` event per comparison (UNHELD_UNCHANGED_PREFIX keys, taken out of
+    `vectors`) in which some candidate did not change: the layers, how many, their elements and the
+    fraction of the gradient-carrying elements they are. `expected`: the candidates by token (entries
+    read are removed)."""
+    events = []
+    for key in [k for k in vectors if k.startswith(UNHELD_UNCHANGED_PREFIX)]:
+        points = vectors.pop(key)
+        candidates = expected.pop(int(key[len(UNHELD_UNCHANGED_PREFIX) :]), None)
+        if candidates is None:
+            continue
+        for step, flags in points:
+            unchanged = [i for i, flag in enumerate(flags) if flag >= 0.5 and i < len(candidates.names)]
+            if not unchanged:
+                continue
+            elements = sum(candidates.elements[i] for i in unchanged)
+            events.append(
+                {
+                    "step": step,
+                    "kind": "params_not_in_optimizer",
+                    "data": {
+                        "layers": [candidates.names[i] for i in unchanged[:MAX_LAYERS_IN_EVENT]],
+                        "count": len(unchanged),
+                        "elements": elements,
+                        "gradient_elements": candidates.gradient_elements,
+                        "fraction": elements / candidates.gradient_elements
+                        if candidates.gradient_elements
+                        else 1.0,
+                    },
+                }
+            )
+    return events
 
 
 def skipped_steps(scalars: Scalars) -> set[int]:
@@ -203,7 +251,9 @@ class WatchDerivation:
     """derive() for one watched model, called by the sender thread on each packet (a Packet deriver).
 
     Holds the once-per-run state: a `scale_below_one` event is reported once; the last clip
-    threshold seen is carried to the packets after it. Set loss_scaling to
+    threshold seen is carried to the packets after it; `unheld` holds the candidates of the
+    optimizer-coverage comparisons in flight (written by the training thread before their values are
+    recorded, read and removed here). Set loss_scaling to
     False when the loss scale cannot be read (the fp16 fractions would be taken at a wrong scale).
     """
 
@@ -213,8 +263,11 @@ class WatchDerivation:
         self.partial_norms = partial_norms
         self.scale_below_one_reported = False
         self.clip_threshold: list[float | None] = [None]
+        self.unheld: dict[int, UnheldCandidates] = {}
 
     def __call__(self, resolved: Resolved) -> None:
+        if self.unheld:
+            resolved.events.extend(unheld_parameter_events(resolved.vectors, self.unheld))
         if derive(
             resolved,
             self.layer_names,

@@ -29,7 +29,8 @@ param/norm, update/ratio, update/rounded_away_frac, grad/hist and from it grad/z
 grad/underflow_frac, grad/precision_loss_frac, grad/overflow_frac (with their grad/global_* scalars)
 and amp/safe_scale_min / amp/safe_scale_max. Once, when watching an fp16 run starts: param/max_abs
 (each layer's largest |weight|). Events: skip, no_gradient, scaler_state_loaded, scale_below_one,
-norms_unmeasured, and the misuse kinds clip_before_unscale, bf16_model_in_fp16, weights_exceed_fp16
+norms_unmeasured, and the misuse kinds clip_before_unscale, bf16_model_in_fp16, weights_exceed_fp16,
+params_not_in_optimizer (parameters with a gradient that no param group holds: see _coverage)
 (bad_batch comes from the Run).
 
 Layers are the trainable parameters the optimizer holds, in the model's named_parameters() order
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _distributed, _gradients, _quantities
+from ._coverage import OptimizerCoverage
 from ._derive import (  # the agent-internal keys this module records for _derive
     MAX_ABS_WEIGHT,
     MAX_LAYERS_IN_EVENT,
@@ -200,10 +202,19 @@ class Watcher:
             self.layer_names, loss_scaling=self.scaler is not None, partial_norms=self.partial_norms
         )
         self._like = self._local(self.params[0]) if self.params else torch.zeros(())
+        self.coverage = OptimizerCoverage(
+            [(names[id(p)], p) for _, p in named],
+            optimizer,
+            self._local,
+            self._like,
+            self.derive.unheld,
+            dense_start_steps=options.dense_start_steps,
+        )
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
         # Guarded once here, not per call: the hooks and wrappers are on the step's path.
         guard = sink.features.guarded("step observation")
+        self._check_coverage = sink.features.guarded("optimizer coverage check")(self.coverage.check)
         self._backward_end = _gradients.BackwardEnd(guard(self._on_backward_end))
         self._reset_step_state()
         # On the CPU, when the next step takes a snapshot too, this step's copies are kept and written
@@ -459,6 +470,7 @@ class Watcher:
     def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_stepped = True
         self._settle_gradients()
+        self._check_coverage(self.sink.step, self.sink)
         if self.options.due(self.options.update_ratio_every, self.sink.step):
             self._snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)
             self._spent_snapshot = None

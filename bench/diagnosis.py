@@ -19,9 +19,11 @@ measured by plain torch, not by gradwatch) trains once:
 
 Judged against the ground truth (pathologies.judge): detected = a notification at a step within
 DETECTION_WINDOW (30) steps after the onset; latency = that step - onset; layer named = a detecting
-notification names an affected parameter (or its module). Totals: detection rate over pathologies,
-false notifications on healthy controls, median latency, notifications per notified pathology run
-(the ideal is one: one incident per cause).
+notification names an affected parameter (or its module); cause named = where the scenario pins the
+cause a right diagnosis names (Scenario.cause), the first detecting notification's incident names it
+(its cause_key; trainpulse names detectors, never a cause). Totals: detection rate over pathologies,
+cause named where pinned, false notifications on healthy controls, median latency, notifications per
+notified pathology run (the ideal is one: one incident per cause).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Row:
     trainpulse: pathologies.Verdict
     gradwatch_kinds: list[str]
     trainpulse_kinds: list[str]
+    gradwatch_cause: bool | None = None  # the first detecting notification names Scenario.cause
 
 
 def trainpulse_alerts(scenario: pathologies.Scenario) -> list[tuple[int, str]]:
@@ -144,7 +147,20 @@ def run_one(name: str, url: str, api: httpx.Client, receiver: WebhookReceiver) -
         pathologies.judge(scenario, [(step, ()) for step, _ in tp]),
         [n.kind for n in notified],
         sorted({detector for _, detector in tp}),
+        cause_named(scenario, notified),
     )
+
+
+def cause_named(scenario: pathologies.Scenario, notified: list[pathologies.Notification]) -> bool | None:
+    """Whether the first notification within the detection window names the scenario's pinned cause
+    (None where the scenario pins none)."""
+    if scenario.cause is None or scenario.onset_step is None:
+        return None
+    onset = scenario.onset_step
+    window = [
+        n for n in notified if n.step is not None and onset <= n.step <= onset + pathologies.DETECTION_WINDOW
+    ]
+    return bool(window) and min(window, key=lambda n: n.step or 0).kind == scenario.cause
 
 
 def _cell(value: object) -> str:
@@ -159,7 +175,7 @@ def table(rows: list[Row]) -> list[list[str]]:
     """One line per scenario; latency = first notified step - onset, "detected" = within the window."""
     tool_columns = ["notified", "detected", "count", "first step", "latency", "layer"]
     header = ["scenario", "truth", "onset", "s"]
-    header += [f"gw {c}" for c in tool_columns] + [f"tp {c}" for c in tool_columns]
+    header += [f"gw {c}" for c in tool_columns] + ["gw cause"] + [f"tp {c}" for c in tool_columns]
     body = [header]
     for row in rows:
         s = row.scenario
@@ -178,6 +194,8 @@ def table(rows: list[Row]) -> list[list[str]]:
                 latency,
                 verdict.layer_named if s.layers else None,
             ]
+            if verdict is row.gradwatch:
+                cells.append(row.gradwatch_cause)
         body.append([_cell(c) for c in cells])
     return body
 
@@ -189,8 +207,11 @@ def totals(rows: list[Row], tool: str) -> dict[str, str]:
     latencies = [v.latency for _, v in sick if v.latency is not None]
     notified = [v for _, v in sick if v.notified]
     layered = [v for s, v in sick if s.layers]
+    pinned = [row for row in rows if row.scenario.cause is not None]
+    named = sum(bool(row.gradwatch_cause) for row in pinned) if tool == "gradwatch" else 0
     return {
         "detection rate (pathologies, within 30 steps)": f"{sum(v.detected for _, v in sick)}/{len(sick)}",
+        "cause named (pathologies that pin one)": f"{named}/{len(pinned)}",
         "false notifications on healthy controls": (
             f"{sum(v.count for _, v in healthy)} "
             f"({sum(v.notified for _, v in healthy)}/{len(healthy)} controls)"

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rules.misuse import share, unheld_parameters_title
+
 __all__ = ["Diagnosis", "RunContext", "diagnose", "lr_jump_near", "scaler_settings"]
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
@@ -627,11 +629,103 @@ def _stalled(by_rule: ByRule, findings: Findings, context: RunContext, misuse: M
     )
 
 
+def _params_not_in_optimizer(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
+    """Layers with a gradient that no param group holds (the agent's params_not_in_optimizer): the
+    cause when the incident holds nothing it does not explain (their layers are not watched, so no
+    other rule sees them)."""
+    finding = by_rule.get("misuse")
+    details = ((finding or {}).get("evidence") or {}).get("details") or {}
+    unheld = details.get("params_not_in_optimizer") if isinstance(details, dict) else None
+    if not isinstance(unheld, dict) or set(by_rule) - {"misuse", "update_ratio_outlier", "update_ratio"}:
+        return None
+    layers = [str(name) for name in unheld.get("layers") or []]
+    count = unheld.get("count") if isinstance(unheld.get("count"), int) else len(layers)
+    fraction = unheld.get("fraction")
+    weights = (
+        f" ({share(fraction)} of the weights that get a gradient)"
+        if isinstance(fraction, (int, float))
+        else ""
+    )
+    return (
+        "params_not_in_optimizer",
+        unheld_parameters_title(unheld),
+        (
+            f"{count} layers{weights} get a gradient on every step but are in no param group of the "
+            f"optimizer ({_named(layers)}), so they never change: the optimizer was built from part of the "
+            "parameters (the head only, or before the backbone was unfrozen)."
+        ),
+        [
+            (
+                "Build the optimizer after unfreezing, from model.parameters() (or every parameter "
+                "with requires_grad), or add the missing ones with optimizer.add_param_group("
+                "{'params': [...]}); the steps so far trained only the layers it holds."
+            ),
+            (
+                "If they are frozen on purpose, call requires_grad_(False) on them: they then get no "
+                "gradient and cost no backward pass."
+            ),
+        ],
+        layers,
+    )
+
+
+def _update_ratio_outlier(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
+    """One layer's update ratio far above every other layer's: most likely its param group's lr."""
+    finding = by_rule.get("update_ratio_outlier")
+    if finding is None:
+        return None
+    evidence = finding["evidence"]
+    layers = [str(name) for name in evidence.get("layers") or []]
+    factors, values = evidence.get("factors") or [None], evidence.get("values") or [None]
+    median, at = evidence.get("median"), finding["step"]
+    if not layers or not isinstance(values[0], (int, float)) or not isinstance(median, (int, float)):
+        return None
+    layer, factor = layers[0], _x(factors[0])
+    more = f" (and {len(layers) - 1} more layers)" if len(layers) > 1 else ""
+    follows = [
+        what
+        for rule, what in (("grad_norm_spike", "gradient norm"), ("loss_spike", "loss"))
+        if rule in by_rule
+    ]
+    return (
+        "update_ratio_outlier",
+        f"the update ratio of {layer} is {factor}x the median layer's: its learning rate is likely {factor}x "
+        "the others'" + more,
+        (
+            f"At step {at} one optimizer step changed {layer} by {values[0]:.3g} of its norm, the median "
+            f"layer by {median:.3g} ({factor}x less){more}. Most likely the param group holding {layer} has "
+            f"a learning rate ~{factor}x the others' (a typo in its lr, a multiplier applied twice); less "
+            "likely "
+            f"its weights were initialised ~{factor}x smaller than the others'. Its ratio evens out within a "
+            "few dozen steps as its weights grow, while its learning rate stays wrong"
+            + (f"; the {' and '.join(follows)} spikes here follow from it." if follows else ".")
+        ),
+        [
+            (
+                f"Check the learning rate of the param group holding {layer} (the run records each "
+                f"group's as lr, lr/1, lr/2…): if it is ~{factor}x the others', fix it and restart from "
+                f"the checkpoint before step {at}."
+            ),
+            (
+                "If the larger learning rate is deliberate, lower it until the layer's update ratio is "
+                "within ~10x of the other layers' (a healthy update ratio is near 1e-3 per step)."
+            ),
+        ],
+        layers,
+    )
+
+
 _CAUSES = (
     _clip_before_unscale,
     _fp16_range,
+    _params_not_in_optimizer,
     _forward_overflow,
     _bad_loss,
+    _update_ratio_outlier,
     _divergence,
     _scaler,
     _underflow,

@@ -128,6 +128,7 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
         "heartbeat",
         "scale_floor",
         "non_finite",
+        "update_ratio_outlier",  # a default since issue 29; no migration gives it to existing projects
     } | {"skip_storm", "scale_drop"}
     assert len(rows) == len(by_type)  # each type once
     for rule_type, params in by_type.items():

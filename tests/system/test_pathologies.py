@@ -40,6 +40,15 @@ EXPECTED_ONSETS = {
     "overflow_layer": 0,
     "lr_zero_scheduler": 100,
     "lr_too_high_fp32": 148,
+    "optimizer_subset": 0,
+    "unfrozen_after_optimizer": 100,
+    "embedding_lr_typo": 0,
+}
+# The cause the notification must name (its incident's cause_key), where pinned.
+EXPECTED_CAUSES = {
+    "optimizer_subset": "params_not_in_optimizer",
+    "unfrozen_after_optimizer": "params_not_in_optimizer",
+    "embedding_lr_typo": "update_ratio_outlier",
 }
 
 
@@ -136,7 +145,15 @@ def run_scenario(
 
 PATHOLOGY_NAMES = [f.__name__ for f in pathologies.PATHOLOGIES]
 HEALTHY_NAMES = [f.__name__ for f in pathologies.HEALTHY]
-WITH_LAYERS = ["adapter_underflow", "bf16_weights_stall", "stray_detach", "overflow_layer"]
+WITH_LAYERS = [
+    "adapter_underflow",
+    "bf16_weights_stall",
+    "stray_detach",
+    "overflow_layer",
+    "optimizer_subset",
+    "unfrozen_after_optimizer",
+    "embedding_lr_typo",
+]
 
 
 def test_scenario_catalogue_is_complete():
@@ -164,6 +181,24 @@ def test_pathology_notification_names_an_affected_layer(name, outcomes, server, 
     verdict = outcome.judged()
     assert verdict.detected, f"not detected: {outcome.describe()}"
     assert verdict.layer_named, f"none of {outcome.scenario.layers} named: {outcome.describe()}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_CAUSES))
+def test_pathology_notification_names_its_mechanism(name, outcomes, server, api, receiver):
+    outcome = run_scenario(name, outcomes, server, api, receiver)
+    assert outcome.notifications, f"no notification: {outcome.describe()}"
+    assert outcome.scenario.cause == EXPECTED_CAUSES[name]
+    first = outcome.notifications[0]
+    assert first.kind == EXPECTED_CAUSES[name], outcome.describe()
+    title = first.body["incident"]["title"]
+    if EXPECTED_CAUSES[name] == "params_not_in_optimizer":
+        share = outcome.scenario.facts["frozen_by_mistake_share"]
+        assert title == (
+            f"4 layers ({share:.0%} of the weights) get gradients but are not in the optimizer: "
+            "encoder.0.weight, encoder.0.bias, encoder.2.weight…"
+        ), title
+    else:
+        assert title.startswith("the update ratio of embed.weight is "), title
 
 
 @pytest.mark.parametrize("name", PATHOLOGY_NAMES)

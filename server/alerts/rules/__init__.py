@@ -17,9 +17,10 @@ of dynamic loss scaling). A calibration that does not end is an alert of its own
     base        StepData, Finding/CLEAR, Param, RuleType: what every rule type is made of
     scaler      ScalerPhase and the loss-scale rules
     non_finite  NaN/Inf gradients and losses
-    misuse      setup mistakes the agent reports
+    misuse      setup mistakes the agent reports (params not in the optimizer among them)
     spikes      gradient-norm, loss and learning-rate jumps; clip saturation
-    layers      per-layer rules: update ratio, underflow, dead layers, weights that stop changing
+    layers      per-layer rules: update ratio (band, outlier layer), underflow, dead layers, weights that
+                stop changing
     liveness    heartbeat and rank disagreement
 A new rule type is a RuleType subclass in the module of its kind, added to RULE_TYPES below (and to
 DEFAULT_RULES if new projects get it).
@@ -30,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import CLEAR, LOSS_KEYS, Finding, Param, RuleType, StepData, Verdict
-from .layers import DeadLayers, NotLearning, UnderflowFraction, UpdateRatioBand
+from .layers import DeadLayers, NotLearning, UnderflowFraction, UpdateRatioBand, UpdateRatioOutlier
 from .liveness import Heartbeat, RankDisagreement
 from .misuse import MISUSE_EVENTS, Misuse
 from .non_finite import LossNonFinite, NonFinite
@@ -75,6 +76,7 @@ __all__ = [
     "StepData",
     "UnderflowFraction",
     "UpdateRatioBand",
+    "UpdateRatioOutlier",
     "Verdict",
     "make_rule",
 ]
@@ -95,6 +97,7 @@ RULE_TYPES: dict[str, type[RuleType]] = {
         ClipSaturation,
         NoScaleGrowth,
         UpdateRatioBand,
+        UpdateRatioOutlier,
         UnderflowFraction,
         DeadLayers,
         NotLearning,
@@ -118,6 +121,7 @@ DEFAULT_RULES: tuple[str, ...] = (
     "lr_jump",
     "clip_saturation",
     "underflow",
+    "update_ratio_outlier",
     "dead_layers",
     "not_learning",
     "rank_disagreement",

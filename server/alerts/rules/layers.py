@@ -1,5 +1,6 @@
-"""Per-layer rules over the per-layer vectors: update ratios out of band (update_ratio), and layers that
-underflow, get no gradient or stop learning (underflow, dead_layers, not_learning)."""
+"""Per-layer rules over the per-layer vectors: update ratios out of band (update_ratio) or far above the
+other layers' (update_ratio_outlier), and layers that underflow, get no gradient or stop learning
+(underflow, dead_layers, not_learning)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from .base import (
     StepData,
     Verdict,
     _names,
+    _times,
 )
 
-__all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand"]
+__all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand", "UpdateRatioOutlier"]
 
 
 class UpdateRatioBand(RuleType):
@@ -250,4 +252,84 @@ class NotLearning(_PersistentLayers):
                 "update_ratios": ratio_values,
                 "layers": names,
             },
+        )
+
+
+class UpdateRatioOutlier(_PersistentLayers):
+    """One layer (or a few) whose update ratio ||dW||/||W|| is far above every other layer's: a param
+    group whose learning rate is 100x the others' (a typo in the embedding's lr) shows as that layer's
+    ratio ~100x the median layer's.
+
+    Like is compared with like: a layer whose ratio was ever non-finite had all-zero weights when it was
+    measured (a zero-initialised bias or LayerNorm shift, a LoRA B); its ratio is large while it grows
+    from zero, by design, so it is left out for the rest of the run. Layers with a ratio of 0 (no update)
+    are left out too. The outliers must be few (at most `max_outlier_fraction` of the compared layers,
+    at least one) and stand apart: every other layer's ratio at most 1/`gap` of the smallest outlier's, so
+    a class of layers spread over a range (small-init adapters, biases) is not taken for one layer set
+    apart. The signal is strongest on a run's first observations (Adam moves every element by ~lr, so
+    the layer's weights soon grow and its ratio comes back towards the others'): the default needs one
+    observation, and a fired finding stays until the run ends (the learning rate is still wrong when
+    the ratios have evened out).
+    """
+
+    name = "update_ratio_outlier"
+    family = "divergence"
+    description = (
+        "A layer's update ratio ||dW||/||W|| is at least `factor` x the median of the other layers' on "
+        "`observations` samples in a row, with every other layer at most 1/`gap` of it (layers whose "
+        "weights were all zero and layers without an update are not compared): a param group's learning "
+        "rate far above the others' (a config typo)."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        "factor": Param(30.0, minimum=1.0, exclusive_minimum=True),
+        "gap": Param(5.0, minimum=1.0),
+        "observations": Param(1, minimum=1, maximum=MAX_WINDOW, integer=True),
+        "min_layers": Param(4, minimum=2, maximum=MAX_WINDOW, integer=True),
+        "max_outlier_fraction": Param(0.1, minimum=0.0, maximum=0.5),
+    }
+    vector_keys = frozenset({"update/ratio"})
+
+    def initial_state(self) -> dict[str, Any]:
+        return {"streaks": {}, "applied": 0, "scaler": False, "zero_weights": [], "fired": False}
+
+    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        row = data.vectors.get("update/ratio")
+        if row is None or state["fired"]:
+            return None
+        zero_weights = set(state["zero_weights"]) | {i for i, v in enumerate(row) if not math.isfinite(v)}
+        state["zero_weights"] = sorted(zero_weights)
+        compared = [(i, v) for i, v in enumerate(row) if i not in zero_weights and v > 0]
+        outliers: dict[int, float] = {}
+        median = 0.0
+        if len(compared) >= self.min_layers:
+            values = sorted(v for _, v in compared)
+            median = values[(len(values) - 1) // 2]
+            high = {i: v for i, v in compared if v >= self.factor * median}
+            rest = max((v for i, v in compared if i not in high), default=0.0)
+            few = max(1, int(self.max_outlier_fraction * len(compared)))
+            if high and len(high) <= few and rest * self.gap <= min(high.values()):
+                outliers = high
+        held = self.streaks(state, set(outliers), len(row))
+        if not held:
+            return CLEAR if not outliers else None
+        state["fired"] = True
+        held.sort(key=lambda i: -outliers[i])
+        names = [_layer(layers, i) for i in held][:MAX_EVIDENCE_LAYERS]
+        ratios = [outliers[i] for i in held][:MAX_EVIDENCE_LAYERS]
+        return Finding(
+            data.step,
+            f"update ratio of {names[0]} is {_times(ratios[0] / median)} the median layer's "
+            f"({ratios[0]:.3g} vs {median:.3g} over {len(compared)} layers)"
+            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
+            {
+                "key": "update/ratio",
+                "steps": [data.step],
+                "layers": names,
+                "values": ratios,
+                "median": median,
+                "factors": [v / median for v in ratios],
+                "compared_layers": len(compared),
+                "other_layers_max": max((v for i, v in compared if i not in outliers), default=None),
+            },
+            cause="update_ratio_outlier",
         )

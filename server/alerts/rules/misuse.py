@@ -2,13 +2,55 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from .base import Finding, RuleType, StepData, Verdict
+from .base import MAX_EVIDENCE_LAYERS, Finding, RuleType, StepData, Verdict, _names
 
-__all__ = ["MISUSE_EVENTS", "Misuse"]
+__all__ = ["MISUSE_EVENTS", "Misuse", "unheld_parameters_title"]
 
-MISUSE_EVENTS = ("clip_before_unscale", "bf16_model_in_fp16", "weights_exceed_fp16", "scale_below_one")
+MISUSE_EVENTS = (
+    "clip_before_unscale",
+    "bf16_model_in_fp16",
+    "weights_exceed_fp16",
+    "scale_below_one",
+    "params_not_in_optimizer",
+)
+
+# The fix of a kind whose event carries numbers, not a hint (the agent's hints travel with the others).
+_HINTS = {
+    "params_not_in_optimizer": "build the optimizer after unfreezing, from model.parameters() (or add the "
+    "missing ones with optimizer.add_param_group); if they are frozen on purpose, call requires_grad_(False) "
+    "on them so they get no gradient.",
+}
+
+
+def share(fraction: float) -> str:
+    """A fraction as a percentage that never rounds to 0% or 100% unless it is exactly that."""
+    if fraction <= 0 or fraction >= 1:
+        return f"{fraction:.0%}"
+    if fraction < 0.01:
+        return "<1%"
+    if fraction > 0.99:
+        return ">99%"
+    return f"{fraction:.0%}"
+
+
+def unheld_parameters_title(details: dict[str, Any]) -> str:
+    """ "N layers (X% of the weights) get gradients but are not in the optimizer: a, b, c…" from a
+    `params_not_in_optimizer` event's data."""
+    layers = _names(details.get("layers"))
+    count = details.get("count")
+    count = int(count) if isinstance(count, (int, float)) and math.isfinite(count) else len(layers)
+    fraction = details.get("fraction")
+    weights = (
+        f" ({share(fraction)} of the weights)"
+        if isinstance(fraction, (int, float)) and math.isfinite(fraction)
+        else ""
+    )
+    names = ", ".join(layers[:3]) + ("…" if count > 3 else "")
+    noun, verb = ("layer", "gets a gradient but is") if count == 1 else ("layers", "get gradients but are")
+    return f"{count} {noun}{weights} {verb} not in the optimizer: {names}"
 
 
 class Misuse(RuleType):
@@ -16,32 +58,58 @@ class Misuse(RuleType):
     severity = "critical"
     description = (
         "A setup mistake the agent detected: clip_grad_norm_ before scaler.unscale_, a bf16 model trained in "
-        "fp16, weights beyond fp16's range, a loss scale below one. Once per run and kind, with the fix."
+        "fp16, weights beyond fp16's range, a loss scale below one, layers that get gradients but are in no "
+        "param group of the optimizer. Once per run and kind, with the fix."
     )
     event_kinds = frozenset(MISUSE_EVENTS)
     cooldown_steps = 0
 
     def initial_state(self) -> dict[str, Any]:
-        return {"seen": []}  # [step, kind, hint]
+        return {"seen": []}  # [step, kind, hint]; "details": kind -> the numbers of an event that has them
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         new = False
         for kind, event in data.events:
             if kind in MISUSE_EVENTS and kind not in {k for _, k, _ in state["seen"]}:
                 hint = event.get("hint")
-                state["seen"].append([data.step, kind, hint if isinstance(hint, str) else ""])
+                state["seen"].append(
+                    [data.step, kind, hint if isinstance(hint, str) else _HINTS.get(kind, "")]
+                )
+                if kind == "params_not_in_optimizer":
+                    state.setdefault("details", {})[kind] = _unheld_details(event)
                 new = True
         if not new:
             return None
         seen = state["seen"]
-        names = ", ".join(kind.replace("_", " ") for _, kind, _ in seen)
-        return Finding(
-            data.step,
-            f"setup mistake: {names} (first at step {seen[0][0]})",
-            {
-                "kinds": [kind for _, kind, _ in seen],
-                "steps": [s for s, _, _ in seen],
-                "hints": [hint for _, _, hint in seen],
-            },
-            cause=seen[0][1],
+        details: dict[str, dict[str, Any]] = state.get("details") or {}
+        names = "; ".join(
+            unheld_parameters_title(details[kind]) if kind in details else kind.replace("_", " ")
+            for _, kind, _ in seen
         )
+        evidence: dict[str, Any] = {
+            "kinds": [kind for _, kind, _ in seen],
+            "steps": [s for s, _, _ in seen],
+            "hints": [hint for _, _, hint in seen],
+        }
+        if details:
+            evidence["details"] = details
+            evidence["layers"] = [name for d in details.values() for name in d["layers"]][
+                :MAX_EVIDENCE_LAYERS
+            ]
+        return Finding(
+            data.step, f"setup mistake: {names} (first at step {seen[0][0]})", evidence, cause=seen[0][1]
+        )
+
+
+def _unheld_details(event: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of a `params_not_in_optimizer` event, bounded (rule state stays small)."""
+    count, fraction = event.get("count"), event.get("fraction")
+    layers = _names(event.get("layers"))
+    return {
+        "layers": layers[:MAX_EVIDENCE_LAYERS],
+        "count": int(count) if isinstance(count, (int, float)) and math.isfinite(count) else len(layers),
+        "fraction": float(fraction)
+        if isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 <= fraction <= 1
+        else None,
+        "elements": event.get("elements") if isinstance(event.get("elements"), int) else None,
+    }

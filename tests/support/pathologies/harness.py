@@ -35,6 +35,7 @@ class Scenario:
     pathology: str | None  # None: a healthy control
     onset_step: int | None  # first optimizer step where the problem is present
     layers: list[str] = field(default_factory=list)  # affected parameter names, if the cause has any
+    cause: str | None = None  # the incident cause_key a right diagnosis names, where pinned
     precision: str = "fp32"
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)  # unscaled, before clipping (inf/nan kept)

@@ -1,6 +1,6 @@
-"""The scenario catalogue: ten pathologies, each a seeded CPU training run that goes wrong through a
-real mechanism, and five healthy controls; each returns its `Scenario` with the ground truth it
-measured itself (see the package's docstring)."""
+"""The scenario catalogue: thirteen pathologies, each a seeded CPU training run that goes wrong through
+a real mechanism, and nine healthy controls (four of them look-alikes of the last three pathologies);
+each returns its `Scenario` with the ground truth it measured itself (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -550,6 +550,200 @@ def _divergence_onset(losses: list[float], before: int = 50, factor: float = 2.0
     return None
 
 
+class _Classifier(nn.Module):
+    """An encoder (two hidden layers) and a head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def _left_unchanged(model: nn.Module, start: dict[str, torch.Tensor]) -> list[str]:
+    """Parameters that have a gradient now and are bit-identical to `start`."""
+    return [
+        n for n, p in model.named_parameters() if p.grad is not None and torch.equal(p.detach(), start[n])
+    ]
+
+
+def _train_classifier(
+    s: Scenario,
+    new_run: RunFactory | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    seed: int,
+    before_step: Callable[[int], None] | None = None,
+) -> list[list[str]]:
+    """fp32 AdamW training of a _Classifier; per step, the parameters that had a gradient and did not
+    change (measured with plain torch)."""
+    trace, task = _Trace(s), _Task(seed)
+    frozen_by_mistake: list[list[str]] = []
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            x, y = task.batch(step)
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad(set_to_none=True)
+            _log(run, loss)
+            start = {n: p.detach().clone() for n, p in model.named_parameters()}
+            _fp32_step(model, optimizer, loss, trace)
+            frozen_by_mistake.append(_left_unchanged(model, start))
+    return frozen_by_mistake
+
+
+def _weight_share(model: nn.Module, names: list[str]) -> float:
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    return sum(sizes[n] for n in names) / sum(sizes.values())
+
+
+@_timed
+def optimizer_subset(new_run: RunFactory | None = None) -> Scenario:
+    """The optimizer is built from the head's parameters only (AdamW(model.head.parameters())): the
+    encoder's layers get a gradient on every step and never change; 94% of the weights are frozen by
+    mistake and the loss plateaus higher, with nothing skipped or non-finite."""
+    s = Scenario("optimizer_subset", "params_not_in_optimizer", None, cause="params_not_in_optimizer")
+    model = _Classifier(16)
+    optimizer = torch.optim.AdamW(model.head.parameters(), lr=1e-3)  # the mistake: model.parameters()
+    unchanged = _train_classifier(s, new_run, model, optimizer, 200, 16)
+    s.onset_step = _first([bool(names) for names in unchanged])
+    s.layers = unchanged[0]
+    s.facts = {"frozen_by_mistake_share": round(_weight_share(model, s.layers), 3)}
+    _require(
+        s.onset_step == 0
+        and all(names == s.layers for names in unchanged)
+        and sorted(s.layers) == sorted(n for n, _ in model.encoder.named_parameters(prefix="encoder")),
+        f"not the encoder alone left unchanged: {s.layers}",
+    )
+    return s
+
+
+@_timed
+def unfrozen_after_optimizer(new_run: RunFactory | None = None) -> Scenario:
+    """Two-stage fine-tuning: the encoder starts frozen and the optimizer is built from the trainable
+    parameters (the head); at step 100 the encoder is unfrozen (requires_grad_(True)) but the optimizer
+    is not rebuilt, so from then on the encoder gets gradients and never changes."""
+    s = Scenario("unfrozen_after_optimizer", "params_not_in_optimizer", None, cause="params_not_in_optimizer")
+    model = _Classifier(17)
+    model.encoder.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def unfreeze(step: int) -> None:
+        if step == 100:
+            model.encoder.requires_grad_(True)  # the mistake: no new optimizer / add_param_group
+
+    unchanged = _train_classifier(s, new_run, model, optimizer, 160, 17, before_step=unfreeze)
+    s.onset_step = _first([bool(names) for names in unchanged])
+    s.layers = unchanged[s.onset_step or 0]
+    s.facts = {"frozen_by_mistake_share": round(_weight_share(model, s.layers), 3)}
+    _require(
+        s.onset_step == 100 and len(s.layers) == 4 and all(n.startswith("encoder.") for n in s.layers),
+        f"the unfrozen encoder is not what stays unchanged: {s.onset_step}, {s.layers}",
+    )
+    return s
+
+
+class _TokenModel(nn.Module):
+    """Token embedding, LayerNorm, two hidden layers and an output layer, initialised as GPT-2 is
+    (weights N(0, 0.02), biases and the LayerNorm shift zero)."""
+
+    def __init__(self, seed: int, vocabulary: int = 64, width: int = 32, context: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocabulary, width)
+        self.norm = nn.LayerNorm(width * context)
+        self.hidden = nn.Linear(width * context, 64)
+        self.mix = nn.Linear(64, 64)
+        self.out = nn.Linear(64, vocabulary)
+        for module in (self.embed, self.hidden, self.mix, self.out):
+            nn.init.normal_(module.weight, std=0.02)
+        for module in (self.hidden, self.mix, self.out):
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(tokens).flatten(1))
+        return self.out(torch.relu(self.mix(torch.relu(self.hidden(h)))))
+
+
+def _token_batch(seed: int, step: int, vocabulary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocabulary, (32, 8), generator=generator)
+    return tokens, tokens[:, 0] % 8  # the class of the first token
+
+
+def _train_tokens(
+    s: Scenario,
+    new_run: RunFactory | None,
+    model: _TokenModel,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    seed: int,
+    scheduler: Any = None,
+    extra_optimizer: torch.optim.Optimizer | None = None,
+) -> list[dict[str, float]]:
+    """fp32 training of a _TokenModel; the update ratio ||dW|| / ||W|| of every parameter at each step
+    (plain torch)."""
+    trace = _Trace(s)
+    vocabulary = model.embed.num_embeddings
+    ratios: list[dict[str, float]] = []
+    with _gradwatch(new_run, s, model, optimizer) as run:
+        for step in range(steps):
+            tokens, y = _token_batch(seed, step, vocabulary)
+            loss = nn.functional.cross_entropy(model(tokens), y)
+            model.zero_grad(set_to_none=True)
+            _log(run, loss)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if extra_optimizer is not None:
+                loss.backward()
+                norm, lr = _grad_norm(model.parameters()), _lr(optimizer)
+                extra_optimizer.step()
+                optimizer.step()
+                trace.add(loss, norm, lr)
+            else:
+                _fp32_step(model, optimizer, loss, trace, clip=None)
+            ratios.append(
+                {
+                    n: ((p.detach() - before[n]).norm() / before[n].norm()).item()
+                    for n, p in model.named_parameters()
+                }
+            )
+            if scheduler is not None:
+                scheduler.step()
+    return ratios
+
+
+def _median_weight_ratio(ratios: dict[str, float], but: str) -> float:
+    values = sorted(v for n, v in ratios.items() if n.endswith("weight") and n != but and n != "norm.weight")
+    return values[(len(values) - 1) // 2]
+
+
+@_timed
+def embedding_lr_typo(new_run: RunFactory | None = None) -> Scenario:
+    """AdamW with a param group for the embedding whose lr is 1e-1 where 1e-3 was meant (a typo): its
+    update ratio at the first step is ~100x the median layer's; the weights blow up to ~5x their init
+    scale in one step and the ratio evens out within a few dozen steps while the lr stays wrong."""
+    s = Scenario("embedding_lr_typo", "update_ratio_outlier", None, cause="update_ratio_outlier")
+    model = _TokenModel(18)
+    rest = [p for n, p in model.named_parameters() if not n.startswith("embed.")]
+    optimizer = torch.optim.AdamW(
+        [{"params": rest, "lr": 1e-3}, {"params": [model.embed.weight], "lr": 1e-1}]  # the typo: 1e-1
+    )
+    ratios = _train_tokens(s, new_run, model, optimizer, 200, 18)
+    factors = [r["embed.weight"] / _median_weight_ratio(r, "embed.weight") for r in ratios]
+    s.onset_step = _first([f >= 30 for f in factors])
+    s.layers = ["embed.weight"]
+    s.facts = {"ratio_factor_step0": round(factors[0], 1), "ratio_factor_step20": round(factors[20], 1)}
+    _require(
+        s.onset_step == 0 and factors[0] > 50, f"the embedding's update ratio is not an outlier: {s.facts}"
+    )
+    return s
+
+
 # -- healthy controls ----------------------------------------------------------------------------------
 
 
@@ -698,6 +892,75 @@ def resumed(new_run: RunFactory | None = None) -> Scenario:
     return s
 
 
+@_timed
+def frozen_backbone(new_run: RunFactory | None = None) -> Scenario:
+    """Linear probing: the encoder frozen on purpose (requires_grad_(False)), the optimizer over the
+    head; the encoder gets no gradient at all. Healthy."""
+    s = Scenario("frozen_backbone", None, None)
+    model = _Classifier(19)
+    model.encoder.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    unchanged = _train_classifier(s, new_run, model, optimizer, 200, 19)
+    _require(
+        not any(unchanged) and sum(s.losses[-20:]) < sum(s.losses[:20]),
+        f"not a clean linear probe: {s.losses}",
+    )
+    return s
+
+
+@_timed
+def token_model_warmup(new_run: RunFactory | None = None) -> Scenario:
+    """A GPT-2-initialised token model (zero biases and LayerNorm shift, embedding rows only partly used
+    per batch: 512 tokens, 256 per step), AdamW with one lr and a linear warm-up. The zero-initialised
+    biases' update ratios are infinite at the first step and large for a while: healthy."""
+    s = Scenario("token_model_warmup", None, None)
+    model = _TokenModel(20, vocabulary=512)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=30)
+    ratios = _train_tokens(s, new_run, model, optimizer, 300, 20, scheduler=scheduler)
+    s.facts = {
+        "bias_ratio_step1": round(ratios[1]["hidden.bias"], 3),
+        "embed_ratio_step0": ratios[0]["embed.weight"],
+    }
+    _require(math.isinf(ratios[0]["hidden.bias"]) and _learned(s), f"unexpected run: {s.facts}")
+    return s
+
+
+@_timed
+def sparse_embedding_two_optimizers(new_run: RunFactory | None = None) -> Scenario:
+    """A sparse embedding (nn.Embedding(sparse=True)) stepped by its own SparseAdam, the rest by the
+    AdamW that gradwatch watches: the embedding is in no param group of the watched optimizer yet
+    changes every step. Healthy."""
+    s = Scenario("sparse_embedding_two_optimizers", None, None)
+    model = _TokenModel(21)
+    model.embed = nn.Embedding(64, 32, sparse=True)
+    nn.init.normal_(model.embed.weight, std=0.02)
+    sparse = torch.optim.SparseAdam([model.embed.weight], lr=3e-3)
+    dense = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("embed.")], lr=3e-3)
+    ratios = _train_tokens(s, new_run, model, dense, 200, 21, extra_optimizer=sparse)
+    _require(all(r["embed.weight"] > 0 for r in ratios) and _learned(s), "the embedding did not train")
+    return s
+
+
+@_timed
+def lora_finetune(new_run: RunFactory | None = None) -> Scenario:
+    """A LoRA fine-tune in fp32 as PEFT sets it up: frozen base weights (no gradient), adapters with A
+    random and B zero-initialised (B's update ratio is infinite at the first step, then large while it
+    grows from zero). Healthy."""
+    s = Scenario("lora_finetune", None, None)
+    torch.manual_seed(22)
+    model = nn.Sequential(
+        LoRALinear(16, 4, alpha=8.0, b_std=0.0), nn.ReLU(), LoRALinear(16, 4, alpha=8.0, b_std=0.0), nn.ReLU()
+    )
+    head = nn.Linear(16, 4)
+    head.requires_grad_(False)
+    full = nn.Sequential(model, head)
+    optimizer = torch.optim.AdamW([p for p in full.parameters() if p.requires_grad], lr=3e-3)
+    unchanged = _train_classifier(s, new_run, full, optimizer, 200, 22)
+    _require(not any(unchanged) and _learned(s), f"the adapters did not all train: {unchanged[:1]}")
+    return s
+
+
 PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
     lr_jump,
     clip_before_unscale,
@@ -709,6 +972,9 @@ PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
     overflow_layer,
     lr_zero_scheduler,
     lr_too_high_fp32,
+    optimizer_subset,
+    unfrozen_after_optimizer,
+    embedding_lr_typo,
 )
 HEALTHY: tuple[Callable[..., Scenario], ...] = (
     fp16_calibration,
@@ -716,5 +982,9 @@ HEALTHY: tuple[Callable[..., Scenario], ...] = (
     bf16_autocast,
     warmup_cosine_restart,
     resumed,
+    frozen_backbone,
+    token_model_warmup,
+    sparse_embedding_two_optimizers,
+    lora_finetune,
 )
 SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}
