@@ -274,6 +274,11 @@ MAX_BATCH_VALUES = 1_000_000
 
 
 LAYER_NAME_CHARS_PER_VALUE = 8  # a layer name's characters that cost a server about what one number does
+# What an event counts for against a server's numbers cap. Validating one (its data is a free-form
+# document) takes ~7.5 us on the server's event loop, twenty numbers' worth; weighed ten times that,
+# one batch holds at most 10,000 events and its validation holds the loop ~0.1 s (90,000 events held
+# it ~0.7 s, stalling every other tenant's requests: issue 28). An agent's batch has a few per step.
+VALUES_PER_EVENT = 200
 
 
 def layer_name_values(layers: Any) -> int:
@@ -288,8 +293,8 @@ def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> l
     """A sealed batch's data as consecutive step ranges of at most `max_points` points and `max_values`
     numbers each ([batch] when it fits): servers refuse larger batches. A step's keys stay together
     (alert rules read them side by side); a single step larger than the limits is a piece of its own.
-    Events go with their steps (a point each), "layers" with every piece (its numbers count in each), the
-    status (and any other field) with the last."""
+    Events go with their steps (a point and VALUES_PER_EVENT numbers each), "layers" with every piece (its
+    numbers count in each), the status (and any other field) with the last."""
     scalar_points = sum(len(series["steps"]) for series in batch.get("scalars", ()))
     vector_rows = [row for series in batch.get("vectors", ()) for row in series["values"]]
     histograms = batch.get("histograms", ())
@@ -297,7 +302,10 @@ def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> l
     max_values -= layer_name_values(batch.get("layers"))
     if (
         scalar_points + len(vector_rows) + len(histograms) + len(events) <= max_points
-        and scalar_points + sum(map(len, vector_rows)) + sum(len(r) for h in histograms for r in h["counts"])
+        and scalar_points
+        + sum(map(len, vector_rows))
+        + sum(len(r) for h in histograms for r in h["counts"])
+        + VALUES_PER_EVENT * len(events)
         <= max_values
     ):
         return [batch]  # the usual case, counted without a dict per step
@@ -315,7 +323,9 @@ def split_by_steps(batch: dict[str, Any], max_points: int, max_values: int) -> l
         sizes[histogram["step"]][0] += 1
         sizes[histogram["step"]][1] += sum(map(len, histogram["counts"]))
     for event in events:
-        sizes.setdefault(event["step"], [0, 0])[0] += 1
+        size = sizes.setdefault(event["step"], [0, 0])
+        size[0] += 1
+        size[1] += VALUES_PER_EVENT
     starts: list[int] = []  # the first step of each piece
     points = values = 0
     for step in sorted(sizes):

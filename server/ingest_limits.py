@@ -9,7 +9,8 @@ and every batch is held to two caps, answered 413 before it is validated or stor
     points        `max_batch_points`: scalar points, vector rows and histograms, as the agent counts
                   them (gradwatch._wire.batch_points), and events
     values        `max_batch_values`: every number the batch carries (a vector row holds one per
-                  layer, a histogram layers x bins), and its layer names, a value per 8 characters
+                  layer, a histogram layers x bins), 200 per event, a value per 8 characters of its
+                  layer names
 An open server (no tokens: one user, nobody to isolate from anyone) meters no rate: only the caps and
 the concurrency slots hold there, so a local run's backlog uploads as fast as the server stores it.
 413 and 429 answers name the limit in `limit`; a 429 carries `Retry-After` (whole seconds, >= 1) and
@@ -74,7 +75,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._wire import layer_name_values
+from .._wire import VALUES_PER_EVENT, layer_name_values
 from .auth import Principal, bearer, hash_token
 from .deps import PrincipalDep
 from .settings import Settings
@@ -187,11 +188,13 @@ def batch_size(document: Any) -> tuple[int, int]:
         counts = histogram.get("counts")
         if isinstance(counts, list):
             values += sum(len(row) if isinstance(row, list) else 1 for row in counts)
-    # Events are stored a row each and fed to the alert rules like a step: a point each. Layer names are
+    # Events are stored a row each and fed to the alert rules like a step: a point each, and their
+    # validation costs VALUES_PER_EVENT numbers' worth (_wire: at most 10,000 a batch). Layer names are
     # validated and stored as text: a value per 8 characters (_wire.layer_name_values: a 1,000-layer
     # model's names ~8,000 values; 50,000 names of 500 characters 3.2 million, over the cap).
-    points += _length(document.get("events"))
-    return points, values + layer_name_values(document.get("layers"))
+    events = _length(document.get("events"))
+    points += events
+    return points, values + VALUES_PER_EVENT * events + layer_name_values(document.get("layers"))
 
 
 @dataclass
@@ -411,7 +414,8 @@ class IngestLimits:
             raise IngestLimited(
                 413,
                 "batch_values",
-                f"the batch carries {values:,} numbers (vector and histogram entries count one each); this "
+                f"the batch carries {values:,} numbers (vector and histogram entries count one each, an event"
+                f" {VALUES_PER_EVENT}, a layer name one per 8 characters); this "
                 f"server takes at most {self.max_batch_values:,} per batch: send it as smaller batches",
             )
         return cost

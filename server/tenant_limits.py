@@ -36,6 +36,13 @@ __all__ = ["StreamSlots", "TenantLimitMiddleware", "TenantLimits", "tenant_of"]
 READS_IN_FLIGHT = 2
 READ_QUEUE = 32
 READ_WAIT_S = 10.0
+# Besides the slots, a tenant's reads may take READ_SECONDS_PER_S seconds a second (wall time, bursts of
+# READ_BURST_S): two slots of reads a second long each still took two thirds of the server's one
+# interpreter. A dashboard's page load is ~0.5 s of reads, its live polling a few hundredths a second.
+READ_SECONDS_PER_S = 0.25
+READ_BURST_S = 5.0
+STREAM_REFUSAL_HOLD_S = 2.0  # a stream refused for the tenant's count waits this long for its answer
+STREAMS_HELD_PER_TENANT = 16  # refusals held at once per tenant; more are answered at once
 STREAMS_PER_TENANT = 16
 STREAMS_PER_PROCESS = 512
 RUNS_PER_S = 2.0
@@ -64,8 +71,11 @@ class _Tenant:
     reads: int = 0
     waiting: deque[asyncio.Future[None]] = field(default_factory=deque)
     streams: int = 0
+    streams_held: int = 0
     runs_balance: float = RUN_BURST
     refilled_at: float = 0.0
+    read_balance: float = READ_BURST_S
+    read_refilled_at: float = 0.0
 
 
 class TenantLimits:
@@ -92,7 +102,10 @@ class TenantLimits:
     def _tenant(self, key: str) -> _Tenant:
         tenant = self._tenants.get(key)
         if tenant is None:
-            tenant = self._tenants[key] = _Tenant(runs_balance=self.run_burst, refilled_at=self._clock())
+            now = self._clock()
+            tenant = self._tenants[key] = _Tenant(
+                runs_balance=self.run_burst, refilled_at=now, read_refilled_at=now
+            )
             if len(self._tenants) > MAX_TENANTS:
                 for old in list(self._tenants)[: len(self._tenants) - MAX_TENANTS]:
                     idle = self._tenants[old]
@@ -104,8 +117,26 @@ class TenantLimits:
 
     # -- reads ----------------------------------------------------------------------------------
 
+    def read_wait(self, key: str) -> float:
+        """Seconds until the tenant's read time is paid for (0: it may read now)."""
+        tenant = self._tenant(key)
+        now = self._clock()
+        tenant.read_balance = min(
+            READ_BURST_S, tenant.read_balance + (now - tenant.read_refilled_at) * READ_SECONDS_PER_S
+        )
+        tenant.read_refilled_at = now
+        return 0.0 if tenant.read_balance > 0 else -tenant.read_balance / READ_SECONDS_PER_S + 0.01
+
+    def charge_read(self, key: str, seconds: float) -> None:
+        self._tenant(key).read_balance -= seconds
+
     async def acquire_read(self, key: str) -> bool:
         """Take one of the tenant's read slots, waiting up to READ_WAIT_S; False when refused."""
+        wait = self.read_wait(key)
+        if wait > READ_WAIT_S:
+            return False
+        if wait:
+            await asyncio.sleep(wait)
         tenant = self._tenant(key)
         if tenant.reads < self.reads_in_flight and not tenant.waiting:
             tenant.reads += 1
@@ -160,16 +191,37 @@ class TenantLimits:
 
     def open_stream(self, key: str) -> str | None:
         """Count a new stream of the tenant: None when it may open, else why not."""
+        refused = self.stream_refusal(key)
+        if refused is not None:
+            return refused
         tenant = self._tenant(key)
+        tenant.streams += 1
+        self.streams += 1
+        return None
+
+    async def refuse_stream(self, key: str) -> bool:
+        """Before a refused stream is answered: hold it STREAM_REFUSAL_HOLD_S (a client that reconnects
+        at once cannot make the server refuse it thousands of times a second), at most
+        STREAMS_HELD_PER_TENANT of the tenant's at once. Returns whether it was held."""
+        tenant = self._tenant(key)
+        if tenant.streams_held >= STREAMS_HELD_PER_TENANT:
+            return False
+        tenant.streams_held += 1
+        try:
+            await asyncio.sleep(STREAM_REFUSAL_HOLD_S)
+        finally:
+            tenant.streams_held -= 1
+        return True
+
+    def stream_refusal(self, key: str) -> str | None:
+        """Why a new stream of the tenant would be refused now (before it is accepted), else None."""
         if self.streams >= self.streams_per_process:
             return f"the server holds its most live streams ({self.streams_per_process}); try again later"
-        if tenant.streams >= self.streams_per_tenant:
+        if self._tenant(key).streams >= self.streams_per_tenant:
             return (
                 f"this token (or address) holds its most live streams ({self.streams_per_tenant});"
                 " close one, or try again later"
             )
-        tenant.streams += 1
-        self.streams += 1
         return None
 
     def close_stream(self, key: str) -> None:
@@ -240,12 +292,15 @@ class TenantLimitMiddleware:
         if not await self.limits.acquire_read(key):
             await _too_many(
                 f"read limit: {self.limits.reads_in_flight} reads in flight per token, {READ_QUEUE} more"
-                f" waiting at most {READ_WAIT_S:g} s; retry in 1 s",
+                f" waiting at most {READ_WAIT_S:g} s, {READ_SECONDS_PER_S:g} s of reads a second;"
+                " retry in 1 s",
                 "reads",
                 1,
             )(scope, receive, send)
             return
+        began = time.monotonic()
         try:
             await self.app(scope, receive, send)
         finally:
             self.limits.release_read(key)
+            self.limits.charge_read(key, time.monotonic() - began)

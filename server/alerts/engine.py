@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
@@ -51,7 +52,6 @@ _MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear t
 # it again in halves; without the cap, one batch at the points cap on a project with many rules held
 # the lock for minutes (issue 28).
 MAX_RULE_EVALUATIONS_PER_BATCH = 100_000
-_PLAN = "gradwatch_alert_plan"  # session.info: (batch, rules, work) from before_ingest for after_ingest
 
 
 class _RuleRow(NamedTuple):
@@ -194,6 +194,7 @@ class AlertEngine:
         self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
         self._projects_ready: set[str] = set()
         self._built: dict[tuple[str, str], RuleType] = {}  # (type, params_json) -> rule (see _rules)
+        self._planned = threading.local()  # .plan: (batch, rules, work) from before_ingest
         self.incidents = Incidents(
             self.link,
             lambda session, _rows: self.notify_after_commit(session),
@@ -305,8 +306,8 @@ class AlertEngine:
         return rules, work
 
     def before_ingest(self, session: Session, run: Run, batch: BatchIn) -> None:
-        """Refuse a batch whose evaluation would hold the transaction too long (TooLarge), before
-        anything of it is written; the plan is kept for after_ingest."""
+        """Refuse a batch whose evaluation would hold the ingest transaction too long (TooLarge), before
+        that transaction begins; the plan is kept (per thread) for this batch's after_ingest."""
         rules, work = self._plan(session, run, batch)
         evaluations = sum(len(fed) for _, _, fed in work)
         if evaluations > MAX_RULE_EVALUATIONS_PER_BATCH:
@@ -316,13 +317,14 @@ class AlertEngine:
                 " batch; nothing was stored: send fewer steps per batch (the agent splits it)",
                 "rule_evaluations",
             )
-        session.info[_PLAN] = (batch, rules, work)
+        self._planned.plan = (batch, rules, work)
 
     def after_ingest(self, session: Session, run_id: str, batch: BatchIn) -> None:
         """Evaluate a newly stored batch (Store.ingest's hook, inside its transaction)."""
         run = session.get(Run, run_id)
         assert run is not None
-        planned = session.info.pop(_PLAN, None)
+        planned = getattr(self._planned, "plan", None)
+        self._planned.plan = None
         if planned is not None and planned[0] is batch:
             rules, work = planned[1], planned[2]
         else:  # a batch this engine did not see before (or one a resume rewrote since)

@@ -19,7 +19,7 @@ from ..errors import Forbidden, NotFound, Unauthenticated
 from ..live import LiveHub
 from ..schemas import json_float
 from ..storage import LiveCursor, LiveUpdate, Store
-from ..tenant_limits import StreamSlots, tenant_of
+from ..tenant_limits import StreamSlots, TenantLimits, tenant_of
 
 router = APIRouter(prefix="/api/v1/runs", tags=["live"])
 logger = logging.getLogger("gradwatch.live")
@@ -141,9 +141,21 @@ async def live(websocket: WebSocket, run_id: str) -> None:
 
     Close codes, with the reason as text: 4400 bad query parameters, 4401 no valid token, 4403 a
     token that may not read the run, 4404 unknown (or deleted) run (the HTTP status + 4000); 1011
-    the database could not be read at connect; 1012 the server shuts down; 1013 the token (or the
-    server) holds its most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS).
+    the database could not be read at connect; 1012 the server shuts down. A token (or a server) at its
+    most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS) is refused at the
+    handshake, HTTP 403 after a hold of 2 s (1013 if it reached its most while connecting).
     """
+    # A tenant at its most streams is refused before anything else is done (no thread, no database),
+    # and held a while first: a client reconnecting in a loop must not cost a handshake per millisecond.
+    tenant = tenant_of(
+        websocket.scope["headers"], websocket.query_params.get("token"), websocket.scope.get("client")
+    )
+    limits: TenantLimits = websocket.app.state.tenant_limits
+    if limits.stream_refusal(tenant) is not None and (
+        not await limits.refuse_stream(tenant) or limits.stream_refusal(tenant) is not None
+    ):
+        await websocket.close(CLOSE_TRY_AGAIN_LATER)  # before accept: HTTP 403 to the handshake
+        return
     await websocket.accept()  # first: a close code and reason reach the client only on an open socket
     try:
         keys, rank, since = _query(websocket.query_params)

@@ -247,8 +247,8 @@ class Store:
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
-        # Called with (session, run, batch) for each new batch before any of it is written, inside its
-        # transaction (the alert engine refuses a batch its rules cannot evaluate in time: TooLarge).
+        # Called with (session, run, batch) for each batch before its transaction, in one that writes
+        # nothing (the alert engine refuses a batch its rules cannot evaluate in time: TooLarge).
         self.before_ingest: list[Callable[[Session, Run, BatchIn], None]] = []
         # Called with (run_id, batch) after a newly stored batch has committed (live streams):
         # must be quick and must not raise; the data is already durable.
@@ -413,6 +413,14 @@ class Store:
     def ingest(self, run_id: str, batch: BatchIn, may_rewrite_history: bool = True) -> IngestResult:
         """Store one agent batch in one transaction, exactly once per (run, rank, seq).
         may_rewrite_history: whether a resume may replace steps of a run that finished (admin)."""
+        if self.before_ingest:
+            # In a transaction of its own that writes nothing (but a new project's default rules): on
+            # SQLite the write lock every other tenant waits for is not taken for a batch refused here.
+            with self._transaction() as session:
+                run = session.get(Run, run_id)
+                if run is not None:  # else _ingest says it does not exist
+                    for check in self.before_ingest:
+                        check(session, run, batch)
         try:
             return self._ingest(run_id, batch, may_rewrite_history)
         except IntegrityError:
@@ -468,8 +476,6 @@ class Store:
                 }
                 batch = resumes.with_resume_facts(batch, resume, facts)
 
-            for check in self.before_ingest:
-                check(session, run, batch)
             series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
             new_points = _batch_points(batch, series_ids)
             point_count = sum(map(len, new_points.values()))

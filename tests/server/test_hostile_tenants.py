@@ -510,15 +510,12 @@ def test_a_batch_its_rules_cannot_evaluate_in_time_is_refused_whole_and_its_halv
 
 
 def test_a_new_projects_default_rules_survive_its_first_batch_being_refused(api_server):
-    """The defaults are installed in the first batch's transaction: a refused batch rolls them back, and
-    the next one must install them again (the engine used to remember them as installed)."""
+    """The defaults are installed with the first batch: a batch refused after that rolls them back, and the
+    next one must install them again (the engine used to remember them as installed)."""
     with _client(api_server, None) as client:
         run_id = client.post("/api/v1/runs", json={"project": "fresh", "name": "first"}).json()["id"]
-        events = [
-            {"step": s, "kind": "skip", "data": {}} for s in range(30_000)
-        ]  # 4 default rules read these
-        refused = client.post(f"/api/v1/runs/{run_id}/batches", json={"seq": 1, "events": events})
-        assert refused.status_code == 413, refused.text
+        refused = client.post(f"/api/v1/runs/{run_id}/batches", json=_loss_batch(1, 0, 10_000))
+        assert refused.status_code == 413 and refused.json()["limit"] == "rule_evaluations", refused.text
         batch = {
             "seq": 2,
             "scalars": [{"key": "loss", "steps": [0, 1, 2, 3], "values": [2.0, "NaN", "NaN", "NaN"]}],

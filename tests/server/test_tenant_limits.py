@@ -8,7 +8,7 @@ import contextlib
 
 import httpx
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from gradwatch.server import tenant_limits
@@ -127,7 +127,7 @@ def _status(ws) -> str:
     return json.loads(ws.recv(timeout=10))["type"]
 
 
-def test_live_streams_beyond_the_tenants_most_are_closed_1013_and_a_closed_one_frees_its_place(
+def test_live_streams_beyond_the_tenants_most_are_refused_and_a_closed_one_frees_its_place(
     api_server, tokens
 ):
     limits = _limits(api_server)
@@ -141,18 +141,18 @@ def test_live_streams_beyond_the_tenants_most_are_closed_1013_and_a_closed_one_f
         first = open_streams.enter_context(_live(api_server, run_id, alpha))
         second = open_streams.enter_context(_live(api_server, run_id, alpha))
         assert _status(first) == _status(second) == "status"
-        with _live(api_server, run_id, alpha) as third, pytest.raises(ConnectionClosed) as closed:
-            third.recv(timeout=10)
-        assert closed.value.rcvd.code == 1013 and "most live streams" in closed.value.rcvd.reason
+        with pytest.raises(InvalidStatus) as refused:  # refused before the handshake completes
+            _live(api_server, run_id, alpha).__enter__()
+        assert refused.value.response.status_code == 403
         with _live(api_server, run_id, other) as elsewhere:  # another token has its own
             assert _status(elsewhere) == "status"
         first.close()
         for _ in range(50):  # the server sees the close shortly after
-            with _live(api_server, run_id, alpha) as again:
-                try:
+            try:
+                with _live(api_server, run_id, alpha) as again:
                     if _status(again) == "status":
                         break
-                except ConnectionClosed:
-                    continue
+            except (InvalidStatus, ConnectionClosed):
+                continue
         else:
             pytest.fail("a closed stream's place was not given back")

@@ -348,11 +348,210 @@ def _hostile_process(
 ) -> None:
     """The hostile tenant in a process of its own, so that its threads never hold the victim's GIL:
     builds its bodies, says "ready", attacks for the seconds it is sent, sends its HostileReport."""
+    attack = options.pop("attack", "batches")
+    admin_token = options.pop("admin_token", None)
     hostile = Hostile(url, token, run_id, **options)
-    hostile.prepare()
-    connection.send("ready")
-    hostile.run(connection.recv())
+    if attack == "batches":
+        hostile.prepare()
+        connection.send("ready")
+        hostile.run(connection.recv())
+    else:
+        other = OtherAttack(attack, hostile, admin_token or token)
+        other.prepare()
+        connection.send("ready")
+        other.run(connection.recv())
     connection.send(hostile.report())
+
+
+# -- the attacks beyond ingest batches (issue 28, round two) ------------------------------------------
+
+ATTACKS = ("batches", "events", "layers", "rules", "reads", "websockets", "preauth", "halfopen")
+
+
+class OtherAttack:
+    """One of ATTACKS other than "batches", by a hostile tenant whose `admin_token` may also read and
+    create alert rules in its project:
+      events      3 threads of batches of 90,000 skip events (the alert rules read each)
+      layers      3 threads of batches of 40,000 layer names of 400 characters (16 MB, no number)
+      rules       as many alert rules with the largest windows as the project may hold, then "batches"
+      reads       8 threads of the dearest reads: 100,000 points of a 400,000-point series, whole
+      websockets  2,000 live streams held open (reopened as they close)
+      preauth     6 threads of 32 KB gzip bodies inflating to 32 MB and 2 of 30 MB JSON, without a token
+      halfopen    up to 15,000 connections that send half a request head and wait
+    Statuses go to the Hostile's report."""
+
+    def __init__(self, kind: str, hostile: Hostile, admin_token: str | None) -> None:
+        self.kind, self.hostile, self.admin = kind, hostile, admin_token
+        self.url, self.run_id = hostile.url, hostile.run_id
+
+    def _count(self, status: int, answer: bytes = b"") -> None:
+        with self.hostile._lock:
+            self.hostile.statuses[status] += 1
+            if status in (413, 429):
+                try:
+                    self.hostile.limits_named[json.loads(answer).get("limit", "?")] += 1
+                except ValueError:
+                    self.hostile.limits_named["?"] += 1
+
+    def prepare(self) -> None:
+        kind = self.kind
+        if kind == "events":
+            events = ",".join(f'{{"step":{s},"kind":"skip","data":{{}}}}' for s in range(90_000))
+            self.body = f'"events":[{events}]}}'.encode()
+        elif kind == "layers":
+            names = ",".join(f'"{i:08d}{"x" * 392}"' for i in range(40_000))
+            self.body = f'"layers":[{names}]}}'.encode()
+        elif kind == "rules":
+            made = 0
+            rule = {
+                "project": "hostile",
+                "type": "grad_norm_spike",
+                "params": {"window": 10_000, "warmup": 20},
+            }
+            while made < 200:
+                status, _, _ = post(self.url, "/api/v1/alert-rules", json.dumps(rule).encode(), self.admin)
+                if status != 201:
+                    break
+                made += 1
+            self.hostile.rule_status = made  # how many the project was let hold
+            self.hostile.prepare()
+        elif kind == "reads":
+            # A long run to read, stored before the clock starts, in batches its alert rules can evaluate.
+            for first in range(0, 400_000, 10_000):
+                before, after = scalar_body(0, first, 10_000, ["loss"])
+                while True:
+                    body = before + str(first).encode() + after
+                    status, headers, answer = post(
+                        self.url, f"/api/v1/runs/{self.run_id}/batches", body, self.admin
+                    )
+                    if status == 200:
+                        break
+                    assert status == 429, answer
+                    time.sleep(float(headers.get("retry-after", "1")))
+        elif kind == "preauth":
+            self.bomb = gzip.compress(
+                b'{"seq":1,"scalars":[{"key":"x","steps":[' + b"0," * (16 * 1024 * 1024) + b"0]}]}", 9
+            )
+            self.json_body = b'{"project":"x","params":{"a":"' + b"y" * (30 * 1024 * 1024) + b'"}}'
+
+    def run(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        if self.kind == "rules":
+            self.hostile.run(seconds)
+            return
+        if self.kind == "websockets":
+            import asyncio
+
+            asyncio.run(self._websockets(deadline))
+            return
+        if self.kind == "halfopen":
+            self._halfopen(deadline)
+            return
+        loops = {
+            "events": [self._batches] * 3,
+            "layers": [self._batches] * 3,
+            "reads": [self._reads] * 8,
+            "preauth": [self._bombs] * 6 + [self._big_json] * 2,
+        }[self.kind]
+        threads = [threading.Thread(target=loop, args=(deadline,), daemon=True) for loop in loops]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(seconds + 120)
+
+    def _batches(self, deadline: float) -> None:
+        seq = threading.get_ident() % 1000 * 10**6
+        while time.monotonic() < deadline:
+            seq += 1
+            body = b'{"seq":' + str(seq).encode() + b"," + self.body
+            status, _, answer = post(
+                self.url, f"/api/v1/runs/{self.run_id}/batches", body, self.hostile.token
+            )
+            self._count(status, answer)
+
+    def _reads(self, deadline: float) -> None:
+        host, port = self.url.removeprefix("http://").split(":")
+        path = f"/api/v1/runs/{self.run_id}/series?key=loss&max_points=100000"
+        while time.monotonic() < deadline:
+            connection = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                connection.request("GET", path, headers={"Authorization": f"Bearer {self.admin}"})
+                response = connection.getresponse()
+                answer = response.read()
+                self._count(response.status, answer)
+            except OSError:
+                self._count(0)
+            finally:
+                connection.close()
+
+    def _bombs(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            status, _, answer = post(
+                self.url, f"/api/v1/runs/{self.run_id}/batches", self.bomb, None, gzipped=True
+            )
+            self._count(status, answer)
+
+    def _big_json(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            status, _, answer = post(self.url, "/api/v1/alert-rules", self.json_body, None)
+            self._count(status, answer)
+
+    async def _websockets(self, deadline: float) -> None:
+        import asyncio
+
+        from websockets.asyncio.client import connect
+
+        address = f"ws://{self.url.removeprefix('http://')}/api/v1/runs/{self.run_id}/live?token={self.admin}"
+
+        async def hold() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    async with connect(address, proxy=None, open_timeout=10) as ws:
+                        self._count(101)
+                        while time.monotonic() < deadline:
+                            await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.01))
+                except Exception:  # noqa: BLE001 - closed (1013), refused, timed out: open another
+                    self._count(0)
+                    await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(hold() for _ in range(2000)))
+
+    def _halfopen(self, deadline: float) -> None:
+        import resource
+        import socket
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        host, port = self.url.removeprefix("http://").split(":")
+        held: list[socket.socket] = []
+        while time.monotonic() < deadline:
+            if len(held) < min(15_000, hard - 200):
+                try:
+                    sock = socket.create_connection((host, int(port)), timeout=2)
+                    sock.sendall(b"POST /api/v1/runs HTTP/1.1\r\nHost: x\r\n")
+                    held.append(sock)
+                    self._count(1)
+                except OSError:
+                    self._count(0)
+                    time.sleep(0.01)
+            else:
+                time.sleep(0.1)
+                alive = []
+                for sock in held:  # the server closes some: open others in their place
+                    try:
+                        sock.setblocking(False)
+                        if sock.recv(1, socket.MSG_PEEK) == b"":
+                            sock.close()
+                            continue
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        sock.close()
+                        continue
+                    alive.append(sock)
+                held = alive
+        for sock in held:
+            sock.close()
 
 
 @dataclass
@@ -420,8 +619,8 @@ def run_scenario(
     )
 
 
-def make_tokens(database_url: str) -> tuple[str, str]:
-    """(victim, hostile) tokens with the agents' scope, created before the server starts."""
+def make_tokens(database_url: str, hostile_scope: str = "ingest") -> tuple[str, str]:
+    """(victim, hostile) tokens, the victim's with an agent's scope, created before the server starts."""
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import make_engine, prepare_schema
 
@@ -429,6 +628,6 @@ def make_tokens(database_url: str) -> tuple[str, str]:
     try:
         prepare_schema(engine, database_url)
         tokens = Tokens(engine)
-        return tokens.create("victim", "ingest")[1], tokens.create("hostile", "ingest")[1]
+        return tokens.create("victim", "ingest")[1], tokens.create("hostile", hostile_scope)[1]
     finally:
         engine.dispose()
