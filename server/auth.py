@@ -45,6 +45,7 @@ SCOPE_ALIASES = {"write": ("ingest", "read"), "all": (EVERY_SCOPE,)}
 ALL_PROJECTS = "*"
 TOKEN_PREFIX = "gw_"
 _OPEN_CACHE_S = 2.0  # how long "this server has no tokens" is believed before asking again
+_REQUIRED_CACHE_S = 1.0  # and "this server has tokens"
 
 
 def hash_token(token: str) -> str:
@@ -128,6 +129,7 @@ class Tokens:
         self._stored = TokenStore(engine)
         self._lock = threading.Lock()
         self._open_until = 0.0  # monotonic time until which "no tokens" is cached
+        self._required_until = 0.0  # and "tokens required" (a revocation opens a server that late at most)
 
     def create(self, project: str, scope: str, name: str = "") -> tuple[TokenRecord, str]:
         """A new token: (its record, the token itself: shown once, never stored)."""
@@ -144,7 +146,10 @@ class Tokens:
         return self._stored.list(project, include_revoked)
 
     def revoke(self, token_id: int) -> TokenRecord:
-        return self._stored.revoke(token_id)
+        record = self._stored.revoke(token_id)
+        with self._lock:
+            self._required_until = 0.0  # the last one revoked may open the server (open_after_revocation)
+        return record
 
     def required(self) -> bool:
         """Whether requests need a token: a token was ever created (or, with open_after_revocation, one
@@ -152,9 +157,14 @@ class Tokens:
         with self._lock:
             if time.monotonic() < self._open_until:
                 return False
+        with self._lock:
+            if time.monotonic() < self._required_until:
+                return True
         required = self._stored.exists(active_only=self._open_after_revocation)
-        if not required:
-            with self._lock:
+        with self._lock:
+            if required:  # asked on every request by the tenant limits, on the event loop: not a query each
+                self._required_until = time.monotonic() + _REQUIRED_CACHE_S
+            else:
                 self._open_until = time.monotonic() + _OPEN_CACHE_S
         return required
 

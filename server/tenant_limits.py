@@ -22,7 +22,8 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,7 +32,7 @@ from .auth import Tokens, bearer, hash_token
 from .auth_first import PRINCIPAL_SCOPE_KEY
 from .http_errors import AsciiJSONResponse
 
-__all__ = ["StreamSlots", "TenantLimitMiddleware", "TenantLimits", "tenant_of"]
+__all__ = ["TenantLimitMiddleware", "TenantLimits", "stream_place", "tenant_of"]
 
 READS_IN_FLIGHT = 2
 READ_QUEUE = 32
@@ -40,7 +41,7 @@ READ_WAIT_S = 10.0
 # READ_BURST_S): two slots of reads a second long each still took two thirds of the server's one
 # interpreter. A dashboard's page load is ~0.5 s of reads, its live polling a few hundredths a second.
 READ_SECONDS_PER_S = 0.25
-READ_BURST_S = 5.0
+READ_BURST_S = 2.0
 STREAM_REFUSAL_HOLD_S = 2.0  # a stream refused for the tenant's count waits this long for its answer
 STREAMS_HELD_PER_TENANT = 16  # refusals held at once per tenant; more are answered at once
 STREAMS_PER_TENANT = 16
@@ -230,22 +231,24 @@ class TenantLimits:
         self.streams = max(0, self.streams - 1)
 
 
-class StreamSlots:
-    """`with StreamSlots(limits, key) as refused:` a live stream's place, released on exit; `refused` is
-    None when it may stream, else the reason to close with."""
-
-    def __init__(self, limits: TenantLimits | None, key: str) -> None:
-        self.limits, self.key = limits, key
-        self.refused: str | None = None
-
-    def __enter__(self) -> str | None:
-        if self.limits is not None:
-            self.refused = self.limits.open_stream(self.key)
-        return self.refused
-
-    def __exit__(self, *_exc: object) -> None:
-        if self.limits is not None and self.refused is None:
-            self.limits.close_stream(self.key)
+@asynccontextmanager
+async def stream_place(limits: TenantLimits | None, key: str) -> AsyncIterator[str | None]:
+    """`async with stream_place(limits, key) as refused:` a live stream's place among its tenant's (and
+    the process's), held for the block; `refused` is None when it may stream, else why not. A refused
+    stream is held first (TenantLimits.refuse_stream) and tried once more. limits None: no limit."""
+    if limits is None:
+        yield None
+        return
+    refused = limits.open_stream(key)
+    if refused is not None and await limits.refuse_stream(key):
+        refused = limits.open_stream(key)
+    if refused is not None:
+        yield refused
+        return
+    try:
+        yield None
+    finally:
+        limits.close_stream(key)
 
 
 def _too_many(detail: str, limit: str, retry_after: int) -> AsciiJSONResponse:

@@ -31,7 +31,15 @@ from typing import Any
 
 import httpx
 
-__all__ = ["ALLOW_PRIVATE_HINT", "EgressRefused", "PinnedTransport", "check_literal", "refusal", "resolve"]
+__all__ = [
+    "ALLOW_PRIVATE_HINT",
+    "EgressRefused",
+    "HostNotPublic",
+    "PinnedTransport",
+    "check_literal",
+    "refusal",
+    "resolve",
+]
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 ALLOW_PRIVATE_HINT = "set GRADWATCH_WEBHOOK_ALLOW_PRIVATE=1 to allow private targets"
@@ -120,6 +128,20 @@ def resolve(
     return addresses
 
 
+class HostNotPublic(httpx.ConnectError):
+    """A webhook host name that resolves to no public address: it does not resolve at all, or only to
+    an address refused above. One message and one outcome (a retried delivery) for both, so that a
+    webhook's delivery log does not tell its project's admins which of the server's internal names
+    exist (a name that does not resolve may resolve later: it is retried, and so is the other)."""
+
+    def __init__(self, host: str, request: httpx.Request) -> None:
+        super().__init__(
+            f"webhook host {host} does not resolve to a public address (no such name, or only a private,"
+            f" loopback or reserved one); {ALLOW_PRIVATE_HINT}",
+            request=request,
+        )
+
+
 class PinnedTransport(httpx.BaseTransport):
     """An httpx transport whose every connection goes to an address resolve() checked just before.
 
@@ -142,7 +164,13 @@ class PinnedTransport(httpx.BaseTransport):
         port = url.port or (443 if url.scheme == "https" else 80)
         try:
             addresses = resolve(host, port, allow_private=self.allow_private, getaddrinfo=self._getaddrinfo)
+        except EgressRefused:
+            if _literal(host) is not None:
+                raise  # an address written in the URL: refused for good, as when the webhook was made
+            raise HostNotPublic(host, request) from None
         except OSError as exc:
+            if not self.allow_private:
+                raise HostNotPublic(host, request) from None
             raise httpx.ConnectError(f"cannot resolve {host}", request=request) from exc
         if url.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": host}

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from ..database import Transactions
 from ..models import Delivery, Webhook
 from ..settings import Settings
-from .egress import PinnedTransport
+from .egress import HostNotPublic, PinnedTransport
 from .webhooks import signature_headers, validate_url
 
 __all__ = ["OutboxWorker", "backoff_delay"]
@@ -218,6 +218,8 @@ class OutboxWorker:
         except httpx.InvalidURL as exc:  # e.g. 0177.0.0.1 under webhook_allow_private: permanent too
             self._finish(claimed, None, f"webhook url cannot be sent: {exc}", final=True)
             return
+        except HostNotPublic as exc:  # retried: a name that does not resolve now may later
+            error = str(exc)
         except httpx.HTTPError:
             # One message for every transport failure: closed and open ports must not be told apart.
             error = "no HTTP response from the receiver (refused, unreachable or timed out)"

@@ -19,7 +19,7 @@ from ..errors import Forbidden, NotFound, Unauthenticated
 from ..live import LiveHub
 from ..schemas import json_float
 from ..storage import LiveCursor, LiveUpdate, Store
-from ..tenant_limits import StreamSlots, TenantLimits, tenant_of
+from ..tenant_limits import TenantLimits, stream_place, tenant_of
 
 router = APIRouter(prefix="/api/v1/runs", tags=["live"])
 logger = logging.getLogger("gradwatch.live")
@@ -29,7 +29,7 @@ CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 CLOSE_INTERNAL_ERROR = 1011
-CLOSE_TRY_AGAIN_LATER = 1013  # the tenant's (or the server's) most live streams are open
+CLOSE_TRY_AGAIN_LATER = 1013  # before accept: the handshake is answered 403
 _MAX_REASON_BYTES = 123  # a close frame's reason fits in 125 bytes with the 2-byte code
 _PARAMETERS = ("key", "rank", "since", "token")
 
@@ -69,15 +69,13 @@ async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     await websocket.close(code, encoded.decode(errors="ignore"))
 
 
-def _authorize(websocket: WebSocket, run_id: str) -> bool:
+def _authorize(websocket: WebSocket, run_id: str) -> None:
     """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token (header, or
-    ?token= since browsers cannot set headers on a WebSocket) may read the run. Returns whether the
-    server has tokens (then the stream counts against its tenant's limits)."""
+    ?token= since browsers cannot set headers on a WebSocket) may read the run."""
     tokens: Tokens = websocket.app.state.tokens
     store: Store = websocket.app.state.store
     token = websocket.query_params.get("token") or bearer(websocket.headers.get("authorization"))
     authorize_run(store, tokens.authenticate(token), run_id, "read")
-    return tokens.required()
 
 
 def _dumps(message: dict[str, Any]) -> str:
@@ -143,41 +141,35 @@ async def live(websocket: WebSocket, run_id: str) -> None:
     token that may not read the run, 4404 unknown (or deleted) run (the HTTP status + 4000); 1011
     the database could not be read at connect; 1012 the server shuts down. A token (or a server) at its
     most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS) is refused at the
-    handshake, HTTP 403 after a hold of 2 s (1013 if it reached its most while connecting).
+    handshake, HTTP 403 after a hold of up to 2 s.
     """
-    # A tenant at its most streams is refused before anything else is done (no thread, no database),
-    # and held a while first: a client reconnecting in a loop must not cost a handshake per millisecond.
+    # A stream takes its place among its tenant's before anything else is done (no thread, no database):
+    # 2,000 streams opened at once by one token would otherwise queue 2,000 authorizations for the
+    # worker threads every other request needs. A tenant at its most is held a while, then refused.
     tenant = tenant_of(
         websocket.scope["headers"], websocket.query_params.get("token"), websocket.scope.get("client")
     )
-    limits: TenantLimits = websocket.app.state.tenant_limits
-    if limits.stream_refusal(tenant) is not None and (
-        not await limits.refuse_stream(tenant) or limits.stream_refusal(tenant) is not None
-    ):
-        await websocket.close(CLOSE_TRY_AGAIN_LATER)  # before accept: HTTP 403 to the handshake
-        return
-    await websocket.accept()  # first: a close code and reason reach the client only on an open socket
-    try:
-        keys, rank, since = _query(websocket.query_params)
-        limited = await anyio.to_thread.run_sync(_authorize, websocket, run_id)
-    except _BadQuery as exc:
-        await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
-        return
-    except Unauthenticated as exc:
-        await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
-        return
-    except Forbidden as exc:
-        await _close(websocket, CLOSE_FORBIDDEN, str(exc))
-        return
-    except NotFound as exc:
-        await _close(websocket, CLOSE_NOT_FOUND, str(exc))
-        return
-    tenant = tenant_of(
-        websocket.scope["headers"], websocket.query_params.get("token"), websocket.scope.get("client")
-    )
-    with StreamSlots(websocket.app.state.tenant_limits if limited else None, tenant) as refused:
+    tokens: Tokens = websocket.app.state.tokens
+    limits: TenantLimits | None = websocket.app.state.tenant_limits if tokens.required() else None
+    async with stream_place(limits, tenant) as refused:
         if refused is not None:
-            await _close(websocket, CLOSE_TRY_AGAIN_LATER, refused)
+            await websocket.close(CLOSE_TRY_AGAIN_LATER)  # before accept: HTTP 403 to the handshake
+            return
+        await websocket.accept()  # first: a close code and reason reach the client only on an open socket
+        try:
+            keys, rank, since = _query(websocket.query_params)
+            await anyio.to_thread.run_sync(_authorize, websocket, run_id)
+        except _BadQuery as exc:
+            await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
+            return
+        except Unauthenticated as exc:
+            await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
+            return
+        except Forbidden as exc:
+            await _close(websocket, CLOSE_FORBIDDEN, str(exc))
+            return
+        except NotFound as exc:
+            await _close(websocket, CLOSE_NOT_FOUND, str(exc))
             return
         await _stream(websocket, run_id, keys, rank, since)
 

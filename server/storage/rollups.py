@@ -181,10 +181,11 @@ def point_summaries(
     summarised per bucket_width at level 0."""
     if hi <= lo:
         return []
-    if level == 0:
-        groups: dict[tuple[int, int], list[SummaryRow]] = defaultdict(list)
-        _group_points(groups, _read_points(executor, [series_id], rank, lo, hi), bucket_width)
-        return [parts[0] for parts in groups.values()]
+    if level == 0:  # vectorised: a read of 100,000 raw points took ~1 s of the server's one interpreter
+        points = chunked_points.read(executor, series_id, [rank], lo, hi).get(rank)
+        if points is None or not len(points):
+            return []
+        return _Spans.of_points({series_id: points}).coarser(bucket_width).rows()
     w = width(level)
     first, last = -(-lo // w), hi // w  # whole buckets [first, last)
     if first >= last:
@@ -495,12 +496,12 @@ class _Spans:
         ones = np.ones(len(steps), dtype=np.int64)
         return cls(series, steps, steps, values, flags, steps, values, flags, ones)
 
-    def coarser(self) -> _Spans:
-        """The summaries of the buckets BASE times wider (a bucket's spans are adjacent, in step order):
+    def coarser(self, factor: int = BASE) -> _Spans:
+        """The summaries of the buckets `factor` times wider (a bucket's spans are adjacent, in step order):
         the lowest is the first non-finite one, else the smallest value (earliest on ties); the highest
         the largest finite value (latest on ties), else the lowest again -- as combine() does. Per
         group minima and maxima by reduceat, ties found by position: no sort."""
-        bucket = self.bucket // BASE
+        bucket = self.bucket // factor
         change = np.ones(len(bucket), dtype=bool)
         change[1:] = (bucket[1:] != bucket[:-1]) | (self.series[1:] != self.series[:-1])
         starts = np.flatnonzero(change)

@@ -29,7 +29,12 @@ from conftest import free_port, unavailable
 from webhook_receiver import WebhookReceiver, settled_deliveries
 
 from gradwatch.server.alerts import egress
-from gradwatch.server.alerts.egress import ALLOW_PRIVATE_HINT, EgressRefused, PinnedTransport, refusal
+from gradwatch.server.alerts.egress import (
+    ALLOW_PRIVATE_HINT,
+    HostNotPublic,
+    PinnedTransport,
+    refusal,
+)
 from gradwatch.server.serve import BackgroundServer
 from gradwatch.server.settings import Settings
 
@@ -183,8 +188,16 @@ def _url(target: str, port: int) -> str:
 
 def _refused(target: str) -> str:
     host = urlsplit(f"http://{target}/").hostname
-    verb = "resolves to" if target in NAMES else "is"
-    return f"webhook host {host} {verb} {TARGETS[target]}; {ALLOW_PRIVATE_HINT}"
+    if target in NAMES:  # the same words as for a name that does not resolve (no oracle of names)
+        return _not_public(host)
+    return f"webhook host {host} is {TARGETS[target]}; {ALLOW_PRIVATE_HINT}"
+
+
+def _not_public(host: str | None) -> str:
+    return (
+        f"webhook host {host} does not resolve to a public address (no such name, or only a private,"
+        f" loopback or reserved one); {ALLOW_PRIVATE_HINT}"
+    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
@@ -261,8 +274,9 @@ def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(
     apis, quiet_receiver, connections, target
 ):
     """A webhook made while private targets were allowed, sent by a server that refuses them: the test
-    request is refused (at once for a literal, in the delivery log for a name), the delivery fails on
-    its first attempt without a retry or a response, and the worker opens no connection at all."""
+    request is refused (at once for a literal, in the delivery log for a name), the delivery fails
+    without a response (a literal on its first attempt; a name is retried, as one that does not resolve
+    is), and the worker opens no connection at all."""
     connections.clear()
     url = _url(target, quiet_receiver.port)
     hook = apis["lenient"].post("/api/v1/webhooks", json={"url": url, "project": "ssrf"}).json()
@@ -278,7 +292,8 @@ def test_a_private_target_is_refused_when_sent_and_nothing_reaches_it(
 
     deliveries = settled_deliveries(apis["strict"], hook["id"], count=2 if target in NAMES else 1)
     for delivery in deliveries:
-        assert delivery["status"] == "failed" and delivery["attempts"] == 1, delivery
+        attempts = Settings().outbox_max_attempts if target in NAMES else 1
+        assert delivery["status"] == "failed" and delivery["attempts"] == attempts, delivery
         assert delivery["last_error"] == _refused(target) and delivery["response_status"] is None
     time.sleep(0.3)  # nothing arrives late either
     assert quiet_receiver.received == []
@@ -340,10 +355,11 @@ def test_dns_rebinding_cannot_redirect_a_checked_request(strict_api, receiver, c
     hook = strict_api.post("/api/v1/webhooks", json={"url": url, "project": "rebind"}).json()
     assert strict_api.post(f"/api/v1/webhooks/{hook['id']}/test").status_code == 202
     [delivery] = settled_deliveries(strict_api, hook["id"])
-    assert delivery["status"] == "failed" and delivery["attempts"] == 2, delivery
-    assert delivery["last_error"] == f"webhook host rebind.test resolves to {LOOPBACK}; {ALLOW_PRIVATE_HINT}"
-    assert connections.by_worker() == [("203.0.113.5", receiver.port)]
-    assert dns.lookups == ["rebind.test", "rebind.test"]  # one per attempt: none between check and connect
+    attempts = Settings().outbox_max_attempts
+    assert delivery["status"] == "failed" and delivery["attempts"] == attempts, delivery
+    assert delivery["last_error"] == _not_public("rebind.test")
+    assert connections.by_worker() == [("203.0.113.5", receiver.port)]  # never 127.0.0.1
+    assert dns.lookups == ["rebind.test"] * attempts  # one per attempt: none between check and connect
     assert receiver.received == []
 
 
@@ -437,6 +453,29 @@ def test_https_is_pinned_with_sni_and_certificate_checked_against_the_host_name(
     assert dns.lookups == ["hooks.test", "other.test"]
 
     strict = httpx.Client(transport=PinnedTransport(False, getaddrinfo=dns, verify=trust), timeout=5)
-    with strict, pytest.raises(EgressRefused, match=f"webhook host hooks.test resolves to {LOOPBACK}"):
+    with strict, pytest.raises(HostNotPublic, match=r"webhook host hooks\.test does not resolve to a public"):
         strict.post(f"https://hooks.test:{port}/hook", content=b"{}")
     assert len(connections.attempts) == 2
+
+
+def test_a_name_that_resolves_privately_and_one_that_does_not_resolve_read_alike(strict_api, monkeypatch):
+    """The delivery log must not tell a project's admins which of the server's internal names exist."""
+    dns = FakeDns(socket.getaddrinfo, {"intranet-db.test": ["10.1.2.3"]})
+
+    def resolver(host: Any, *args: Any, **kwargs: Any) -> list:
+        if host == "nowhere.test":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return dns(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    seen = []
+    for host in ("intranet-db.test", "nowhere.test"):
+        hook = strict_api.post(
+            "/api/v1/webhooks", json={"url": f"http://{host}/x", "project": "oracle"}
+        ).json()
+        assert strict_api.post(f"/api/v1/webhooks/{hook['id']}/test").status_code == 202
+        [delivery] = settled_deliveries(strict_api, hook["id"])
+        seen.append({**delivery, "last_error": delivery["last_error"].replace(host, "HOST")})
+    keys = ("status", "attempts", "last_error", "response_status")
+    private, unknown = ({k: d[k] for k in keys} for d in seen)
+    assert private == unknown, seen
