@@ -98,6 +98,15 @@ HINTS = {
     "forward pass (log of 0, division by 0). Drop the batch named in the evidence (log ids with "
     "run.log_batch) and check the loss.",
     "misuse": "A setup mistake: follow the fix named in the evidence.",
+    "params_not_in_optimizer": "These layers get gradients but no optimizer param group holds them, so they "
+    "never train: build the optimizer after unfreezing, from model.parameters() (or add them with "
+    "optimizer.add_param_group).",
+    "update_ratio": "A layer's update ratio ||dW||/||W|| left the band the rule allows: far above it the "
+    "learning rate is too high for that layer; far below, the layer barely learns (in bf16, updates may "
+    "round away: keep fp32 master weights).",
+    "update_ratio_outlier": "One layer's updates are far larger, relative to its weights, than every other "
+    "layer's: most often its param group's learning rate is far too high (a typo); else its weights were "
+    "initialised far smaller. Compare the optimizer's param groups.",
     "loss_spike": "The loss jumped and stays up: lower the learning rate by half and rewind to the "
     "checkpoint before the spike; look for an lr change just before it.",
     "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the "

@@ -358,3 +358,11 @@ def test_lr_jump_near_ignores_small_rises_zero_and_non_finite_lrs():
     assert lr_jump_near([(5, 1e-3), (0, 1e-5)], 5, points_before=10) == (5, 1e-5, 1e-3)  # unordered input
     assert lr_jump_near([(5, 1e-3), (0, 1e-5)], 5) is None  # too little lr history: a warm-up's first steps
     assert lr_jump_near([(5, 1e-3), (0, 1e-5)], 5, peak_before=1e-3, points_before=10) is None  # a restart
+
+
+def test_every_rule_type_and_setup_mistake_has_advice():
+    from gradwatch.server.alerts.engine import HINTS
+    from gradwatch.server.alerts.rules import MISUSE_EVENTS, RULE_TYPES
+
+    assert [name for name in RULE_TYPES if not HINTS.get(name)] == []
+    assert "params_not_in_optimizer" in MISUSE_EVENTS and HINTS.get("params_not_in_optimizer")

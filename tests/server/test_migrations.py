@@ -128,7 +128,6 @@ def test_upgrade_to_0008_gives_existing_projects_the_new_default_rules(database_
         "heartbeat",
         "scale_floor",
         "non_finite",
-        "update_ratio_outlier",  # a default since issue 29; no migration gives it to existing projects
     } | {"skip_storm", "scale_drop"}
     assert len(rows) == len(by_type)  # each type once
     for rule_type, params in by_type.items():
@@ -170,4 +169,43 @@ def test_upgrade_to_0009_turns_write_tokens_into_ingest_and_read(database_url):
         scopes = dict(connection.execute(text("SELECT name, scope FROM api_tokens")).all())
         command.upgrade(config, "head")
     assert scopes == {"write": "write", "read": "read"}
+    engine.dispose()
+
+
+def test_upgrade_to_0013_gives_existing_projects_the_update_ratio_outlier_rule(database_url):
+    import json
+
+    from alembic import command
+
+    from gradwatch.server.alerts.rules import make_rule
+    from gradwatch.server.database import _alembic_config
+
+    engine = make_engine(database_url)
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0012")
+        for project in ("old", "tuned"):
+            connection.execute(
+                text("INSERT INTO alert_projects (project, created_at) VALUES (:p, 0)"), {"p": project}
+            )
+        connection.execute(  # a project that made its own before it was a default keeps it
+            text(
+                "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps,"
+                " created_at, updated_at)"
+                " VALUES ('tuned', 'update_ratio_outlier', 'mine', :params, true, 5, 0, 0)"
+            ),
+            {"params": json.dumps({"factor": 100.0})},
+        )
+        command.upgrade(config, "head")
+        rows = connection.execute(
+            text(
+                "SELECT project, params_json FROM alert_rules WHERE type = 'update_ratio_outlier'"
+                " ORDER BY project"
+            )
+        ).all()
+    assert [(project, json.loads(params)) for project, params in rows] == [
+        ("old", make_rule("update_ratio_outlier", {}).values),
+        ("tuned", {"factor": 100.0}),
+    ]
     engine.dispose()
