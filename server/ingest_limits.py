@@ -112,7 +112,9 @@ HELD_PER_TENANT = 16  # requests of one tenant held at once; more are answered a
 
 class LimitedOut(BaseModel):
     detail: str = Field(description="what was refused, and when to retry")
-    limit: str | None = Field(default=None, description="concurrency | rate | batch_points | batch_values")
+    limit: str | None = Field(
+        default=None, description="concurrency | rate | batch_points | batch_values | rule_evaluations"
+    )
     retry_after_s: int | None = Field(default=None, description="seconds to wait, as in Retry-After (429)")
 
 
