@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/ingest_isolation.py [--databases sqlite,postgresql] [--baseline-s 5]
         [--attack-s 15] [--swarm 8] [--no-batches] [--firing] [--postgres-admin-url URL]
+        [--attacks batches,events,layers,rules,reads,websockets,preauth,halfopen]
 
 For each database and each configuration, a fresh database (a SQLite file in a temp folder; a
 PostgreSQL database created through --postgres-admin-url and dropped after) and a real server child
-process on 127.0.0.1 (uvicorn with create_app(Settings(...)), the API only; `gradwatch server` adds
-the dashboard) with two ingest tokens, for projects "victim" and "hostile":
+process on 127.0.0.1 (uvicorn with create_app(Settings(...)) and the connection guards of
+server/connections.py, the API only; `gradwatch server` adds the dashboard) with two ingest tokens,
+for projects "victim" and "hostile":
 
 - limits on:  the server's defaults (server.settings: per token 2 batch requests in flight, 20,000
   points/s in bursts of 100,000; per batch 100,000 points and 2,000,000 numbers).
@@ -25,6 +27,14 @@ so that rules fire on each step. All request bodies are built before the clock s
 runs in a process of its own. Reported per configuration: the victim's latency (p50, p95, worst),
 its errors (any non-200 answer or failure) and samples, the hostile's accepted points per second and
 answers, and the server's peak RSS (VmHWM).
+
+--attacks runs other attacks too, each on a fresh server with the limits on (tests/support/
+ingest_attack.py, OtherAttack; the hostile token may then also read and administer its own project):
+events (batches of 90,000 events), layers (40,000 layer names of 400 characters), rules (as many
+alert rules with the largest windows as its project may hold, then the batches above), reads (8
+threads reading 100,000 points of a 400,000-point series), websockets (2,000 live streams held
+open), preauth (gzip bombs and 30 MB JSON without a token) and halfopen (up to 15,000 connections
+that send half a request head). A last table gives the victim's p50/p95 alone and under each.
 
 First (skip with --no-batches), the server's peak RSS for single batches, each sent gzip-compressed to
 a fresh server with the default limits (SQLite): one at the points cap and one at the numbers cap
@@ -62,10 +72,11 @@ CONFIGS = {"off": {"ingest_concurrency": 0, "ingest_points_per_s": 0}, "on": {}}
 SERVE = """
 import json, sys
 import uvicorn
+from gradwatch.server import connections
 from gradwatch.server.app import create_app
 from gradwatch.server.settings import Settings
 uvicorn.run(create_app(Settings(**json.loads(sys.argv[1]))), host="127.0.0.1", port=int(sys.argv[2]),
-            log_level="warning")
+            log_level="warning", **connections.uvicorn_options())
 """
 
 
@@ -217,6 +228,11 @@ def run_one(
         "peak_rss_mb": rss,
     }
     a, b = result.attack, result.baseline
+    failures = sorted(
+        {s.error or f"HTTP {s.status}" for s in result.victim.samples if s.error or s.status != 200}
+    )
+    if failures:
+        print(f"  victim failures: {failures[:5]}", flush=True)
     print(
         f"{kind:10} {attack:10} limits {config:3}: "
         f"victim baseline p50 {b.p50 * 1000:.0f} ms p95 {b.p95 * 1000:.0f} ms "

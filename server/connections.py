@@ -10,7 +10,9 @@ and then nothing kept a server at its limit (every new connection, /healthz incl
   uvicorn's own timeout_keep_alive;
 - a connection cap (max_connections(): below the process's descriptor limit): at the cap, a new
   connection evicts the oldest one still waiting for its head, so a flood of half-open connections
-  makes room for a client that sends its request at once; if none is waiting, the new one is closed.
+  makes room for a client that sends its request at once; if none is waiting, the new one is closed;
+- per client address at most HEAD_WAITING_PER_ADDRESS connections waiting for their head: a new one
+  evicts that address's oldest, so one machine's flood never evicts another's connections.
 
 Used by `gradwatch server` and BackgroundServer: uvicorn.Config(http=GuardedH11Protocol).
 """
@@ -25,6 +27,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 15.0
+HEAD_WAITING_PER_ADDRESS = 256  # connections of one client address still waiting for their request head
 _RESERVED_DESCRIPTORS = 128  # for the database, log files, webhooks and the listening sockets
 _CAP_AT_MOST = 10_000
 
@@ -39,6 +42,7 @@ def max_connections() -> int:
 
 class GuardedH11Protocol(H11Protocol):
     head_timeout_s = HEAD_TIMEOUT_S
+    head_waiting_per_address = HEAD_WAITING_PER_ADDRESS
     cap = max_connections()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -49,9 +53,23 @@ class GuardedH11Protocol(H11Protocol):
         if waiting is None:
             waiting = self.server_state.gradwatch_waiting = {}  # type: ignore[attr-defined]
         self._waiting: dict[GuardedH11Protocol, None] = waiting
+        # The same per client address, so that one address's flood is bounded without a scan.
+        by_address = getattr(self.server_state, "gradwatch_waiting_by_address", None)
+        if by_address is None:
+            by_address = self.server_state.gradwatch_waiting_by_address = {}  # type: ignore[attr-defined]
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        self._same_address: dict[GuardedH11Protocol, None] = by_address.setdefault(address, {})
+        self._by_address: dict[Any, dict[GuardedH11Protocol, None]] = by_address
+        self._address = address
         if len(self.connections) > self.cap and not self._evict_one():
             transport.close()  # nothing to make room with: this one goes
             return
+        if len(self._same_address) >= self.head_waiting_per_address:
+            # Its address's oldest connection without a head makes room: no other client's is evicted.
+            oldest = next(iter(self._same_address))
+            oldest._head_arrived()
+            oldest.transport.close()
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
@@ -69,16 +87,23 @@ class GuardedH11Protocol(H11Protocol):
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
             self._waiting[self] = None
+            self._same_address[self] = None
 
     def _head_arrived(self) -> None:
         timer, self._head_timer = getattr(self, "_head_timer", None), None
         if timer is not None:
             timer.cancel()
-            self._waiting.pop(self, None)
+            self._forget()
+
+    def _forget(self) -> None:
+        self._waiting.pop(self, None)
+        self._same_address.pop(self, None)
+        if not self._same_address and self._by_address.get(self._address) is self._same_address:
+            del self._by_address[self._address]
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        self._waiting.pop(self, None)
+        self._forget()
         if not self.transport.is_closing():
             self.transport.close()
 

@@ -42,8 +42,14 @@ READ_WAIT_S = 10.0
 # interpreter. A dashboard's page load is ~0.5 s of reads, its live polling a few hundredths a second.
 READ_SECONDS_PER_S = 0.25
 READ_BURST_S = 2.0
-STREAM_REFUSAL_HOLD_S = 2.0  # a stream refused for the tenant's count waits this long for its answer
-STREAMS_HELD_PER_TENANT = 16  # refusals held at once per tenant; more are answered at once
+# A refused request is answered only after a hold, so that a client that asks again at once (from many
+# threads, or 2,000 coroutines reconnecting a stream) cannot make the server refuse it thousands of times
+# a second (each refusal costs the one event loop a fraction of a millisecond). Held requests cost a
+# socket and a sleeping coroutine; beyond the cap a tenant's further ones are answered at once and closed.
+READ_REFUSAL_HOLD_S = 2.0
+READS_HELD_PER_TENANT = 16
+STREAM_REFUSAL_HOLD_S = 10.0
+STREAMS_HELD_PER_TENANT = 4096
 STREAMS_PER_TENANT = 16
 STREAMS_PER_PROCESS = 512
 RUNS_PER_S = 2.0
@@ -73,6 +79,7 @@ class _Tenant:
     waiting: deque[asyncio.Future[None]] = field(default_factory=deque)
     streams: int = 0
     streams_held: int = 0
+    reads_held: int = 0
     runs_balance: float = RUN_BURST
     refilled_at: float = 0.0
     read_balance: float = READ_BURST_S
@@ -200,6 +207,19 @@ class TenantLimits:
         self.streams += 1
         return None
 
+    async def hold_read_refusal(self, key: str) -> bool:
+        """Before a read's 429: hold it up to READ_REFUSAL_HOLD_S (less when the tenant's read time is
+        paid for sooner), at most READS_HELD_PER_TENANT at once. Returns whether it was held."""
+        tenant = self._tenant(key)
+        if tenant.reads_held >= READS_HELD_PER_TENANT:
+            return False
+        tenant.reads_held += 1
+        try:
+            await asyncio.sleep(min(READ_REFUSAL_HOLD_S, max(self.read_wait(key), 0.1)))
+        finally:
+            tenant.reads_held -= 1
+        return True
+
     async def refuse_stream(self, key: str) -> bool:
         """Before a refused stream is answered: hold it STREAM_REFUSAL_HOLD_S (a client that reconnects
         at once cannot make the server refuse it thousands of times a second), at most
@@ -251,11 +271,12 @@ async def stream_place(limits: TenantLimits | None, key: str) -> AsyncIterator[s
         limits.close_stream(key)
 
 
-def _too_many(detail: str, limit: str, retry_after: int) -> AsciiJSONResponse:
+def _too_many(detail: str, limit: str, retry_after: int, close: bool = False) -> AsciiJSONResponse:
+    headers = {"Retry-After": str(retry_after)}
+    if close:
+        headers["Connection"] = "close"
     return AsciiJSONResponse(
-        {"detail": detail, "limit": limit, "retry_after_s": retry_after},
-        status_code=429,
-        headers={"Retry-After": str(retry_after)},
+        {"detail": detail, "limit": limit, "retry_after_s": retry_after}, status_code=429, headers=headers
     )
 
 
@@ -293,12 +314,14 @@ class TenantLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if not await self.limits.acquire_read(key):
+            held = await self.limits.hold_read_refusal(key)
             await _too_many(
                 f"read limit: {self.limits.reads_in_flight} reads in flight per token, {READ_QUEUE} more"
                 f" waiting at most {READ_WAIT_S:g} s, {READ_SECONDS_PER_S:g} s of reads a second;"
                 " retry in 1 s",
                 "reads",
                 1,
+                close=not held,
             )(scope, receive, send)
             return
         began = time.monotonic()

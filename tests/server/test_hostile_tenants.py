@@ -279,6 +279,47 @@ def test_half_open_connections_cannot_exhaust_the_server(sqlite_url, monkeypatch
         server.stop()
 
 
+def test_one_addresses_half_open_flood_evicts_only_its_own_connections(sqlite_url, monkeypatch):
+    """127.0.0.2 opens far more connections without a head than one address may keep waiting; a
+    connection from 127.0.0.1 that is still sending its head survives the flood and is answered."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from conftest import free_port
+
+    from gradwatch.server.connections import GuardedH11Protocol
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    monkeypatch.setattr(GuardedH11Protocol, "head_waiting_per_address", 20)
+    monkeypatch.setattr(GuardedH11Protocol, "cap", 100)  # the flood alone would pass it: evicting the oldest
+    server = BackgroundServer(
+        Settings(database_url=sqlite_url), "127.0.0.1", free_port(), with_dashboard=False
+    )
+    server.start()
+    where = urlsplit(server.url)
+    flood = []
+    try:
+        slow = socket.create_connection((where.hostname, where.port), timeout=10)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its head is not finished yet
+        for _ in range(200):
+            sock = socket.create_connection(
+                (where.hostname, where.port), timeout=5, source_address=("127.0.0.2", 0)
+            )
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            flood.append(sock)
+        time.sleep(0.2)
+        waiting = server.server.server_state.gradwatch_waiting_by_address  # type: ignore[attr-defined]
+        assert len(waiting.get("127.0.0.2", {})) == 20
+        slow.sendall(b"\r\n")  # the head ends: the older connection of the other address was kept
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
+        slow.close()
+    finally:
+        for sock in flood:
+            sock.close()
+        server.stop()
+
+
 class _HostileReceiver:
     """A webhook receiver on 127.0.0.1 that reads the request, then either drips its answer a byte a
     second ("drip") or answers 200 with a 1 GB body it keeps sending ("huge"); counts what it sent."""

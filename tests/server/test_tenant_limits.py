@@ -128,8 +128,9 @@ def _status(ws) -> str:
 
 
 def test_live_streams_beyond_the_tenants_most_are_refused_and_a_closed_one_frees_its_place(
-    api_server, tokens
+    api_server, tokens, monkeypatch
 ):
+    monkeypatch.setattr(tenant_limits, "STREAM_REFUSAL_HOLD_S", 0.2)  # the refusal's hold, shortened
     limits = _limits(api_server)
     limits.streams_per_tenant = 2
     _, alpha = tokens.create("alpha", "ingest,read")

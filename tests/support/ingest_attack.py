@@ -375,10 +375,11 @@ class OtherAttack:
       layers      3 threads of batches of 40,000 layer names of 400 characters (16 MB, no number)
       rules       as many alert rules with the largest windows as the project may hold, then "batches"
       reads       8 threads of the dearest reads: 100,000 points of a 400,000-point series, whole
-      websockets  2,000 live streams held open (reopened as they close)
+      websockets  2,000 live streams held open from 127.0.0.2 (reopened as soon as they close)
       preauth     6 threads of 32 KB gzip bodies inflating to 32 MB and 2 of 30 MB JSON, without a token
-      halfopen    up to 15,000 connections that send half a request head and wait
-    Statuses go to the Hostile's report."""
+      halfopen    up to 15,000 connections from 127.0.0.2 that send half a request head and wait
+    Statuses go to the Hostile's report (for websockets, the client's failures by exception type in
+    its "limits")."""
 
     def __init__(self, kind: str, hostile: Hostile, admin_token: str | None) -> None:
         self.kind, self.hostile, self.admin = kind, hostile, admin_token
@@ -506,12 +507,17 @@ class OtherAttack:
         async def hold() -> None:
             while time.monotonic() < deadline:
                 try:
-                    async with connect(address, proxy=None, open_timeout=10) as ws:
+                    # From 127.0.0.2, another machine than the victim's (as with halfopen).
+                    async with connect(
+                        address, proxy=None, open_timeout=30, local_addr=("127.0.0.2", 0)
+                    ) as ws:
                         self._count(101)
                         while time.monotonic() < deadline:
                             await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.01))
-                except Exception:  # noqa: BLE001 - closed (1013), refused, timed out: open another
+                except Exception as exc:  # noqa: BLE001 - closed (1013), refused, timed out: open another
                     self._count(0)
+                    with self.hostile._lock:
+                        self.hostile.limits_named[type(exc).__name__] += 1
                     await asyncio.sleep(0.05)
 
         await asyncio.gather(*(hold() for _ in range(2000)))
@@ -527,7 +533,10 @@ class OtherAttack:
         while time.monotonic() < deadline:
             if len(held) < min(15_000, hard - 200):
                 try:
-                    sock = socket.create_connection((host, int(port)), timeout=2)
+                    # From 127.0.0.2: another machine than the victim's, as an attacker is (loopback still).
+                    sock = socket.create_connection(
+                        (host, int(port)), timeout=2, source_address=("127.0.0.2", 0)
+                    )
                     sock.sendall(b"POST /api/v1/runs HTTP/1.1\r\nHost: x\r\n")
                     held.append(sock)
                     self._count(1)
