@@ -349,6 +349,10 @@ class AlertEngine:
             layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
             # Every state this batch needs, locked in one query (in rule order, the same in every process),
             # read and written as plain rows: one SELECT and one UPDATE for all of them.
+            if ended:  # the run's last batch: what a rule holds of a step (see _complete) is evaluated now
+                fed_rules = {row.id for row, _, _ in work}
+                unfed = [(row, rule) for row, rule in rules if row.id not in fed_rules and not rule.periodic]
+                work = [*work, *((row, rule, []) for row, rule in unfed)]
             states: dict[int, str] = {}
             if work:
                 ids = [row.id for row, _, _ in work]
@@ -365,7 +369,9 @@ class AlertEngine:
             written = []
             for row, rule, fed in work:
                 stored = states.get(row.id)
-                document = self._evaluate(session, run, row, rule, fed, layers, stored, touched)
+                if stored is None and not fed:
+                    continue
+                document = self._evaluate(session, run, row, rule, fed, layers, stored, touched, ended)
                 if stored is not None and document is not None:
                     written.append((document, time.time(), row.id, run_id))
             if written:
@@ -396,6 +402,7 @@ class AlertEngine:
         for state in states:
             document = json.loads(state.state_json)
             document["eval"] = by_rule[state.rule_id].initial_state()
+            document.pop("held", None)
             document["last"] = {r: s for r, s in document["last"].items() if r != str(rank)}
             if step > 0:
                 document["last"][str(rank)] = step - 1
@@ -446,9 +453,11 @@ class AlertEngine:
         layers: list[str],
         stored: str | None,
         touched: set[int],
+        final: bool = False,
     ) -> str | None:
         """Feed a rule its steps; returns the new state (JSON) to write for a stored state, None when
-        there is nothing to write (the rule failed; or the state is new, added to the session here)."""
+        there is nothing to write (the rule failed; or the state is new, added to the session here).
+        final: the run's last batch (nothing of a step is held for a later one)."""
         state = None
         if stored is None:
             state = self._load_state(session, row, rule, run.id)
@@ -457,6 +466,8 @@ class AlertEngine:
         last = document["last"]
         verdicts: list[tuple[int, Verdict]] = []
         observe, evaluation = rule.observe, document["eval"]
+        if not rule.periodic:
+            fed = _complete(document, rule, fed, final)
         try:  # pure: a failing rule is logged and skipped, it never blocks ingest
             for data in fed:
                 rank = str(data.rank)
@@ -523,6 +534,8 @@ class AlertEngine:
                     resolved_step=None,
                     occurrences=Alert.occurrences + 1,
                     last_step=finding.step,
+                    title=finding.title[:500],  # this finding's numbers, not the previous opening's
+                    evidence_json=evidence,
                 )
             )
             reopened = cast("CursorResult[Any]", result).rowcount  # an UPDATE's result is a CursorResult
@@ -670,6 +683,58 @@ class AlertEngine:
     def notify_due_incidents(self, session: Session, now: float) -> int:
         """The periodic task: incidents whose wall-clock group wait is over are notified."""
         return self.incidents.notify_due(session, now)
+
+
+def _read_keys(rule: RuleType, data: StepData) -> list[str]:
+    """The scalar and vector keys of `data` that `rule` reads."""
+    wanted = rule.scalar_keys | rule.vector_keys | {"amp/skipped", str(rule.values.get("key"))}
+    return sorted(k for k in (*data.scalars, *data.vectors) if k in wanted)
+
+
+def _complete(document: dict[str, Any], rule: RuleType, fed: list[StepData], final: bool) -> list[StepData]:
+    """A rule's steps as whole steps, however the agent cut them into batches.
+
+    The agent may send part of a step in one batch and the rest in the next (a loss logged before the
+    step's backward, then a flush: the loss at step N ends one batch, N's gradients and scaler values
+    begin the next). A step is evaluated once, so its first part alone would stand for the whole step.
+    So the last step of a rank in a batch is held back (in the state, document["held"]) when it holds
+    fewer of the keys the rule reads than the step before it, and joined with the rest of that step from
+    the next batch; on the run's last batch (`final`) nothing is held. document["keys"] keeps, per rank,
+    the keys the rule read at the last step it evaluated."""
+    held: dict[str, Any] = document.pop("held", None) or {}
+    if not held and not fed:
+        return fed
+    steps = {(data.rank, data.step): data for data in fed} if held else {}
+    for held_rank, part in held.items():
+        step, rank = part["step"], int(held_rank)
+        rest = steps.get((rank, step))
+        steps[(rank, step)] = StepData(
+            step,
+            rank,
+            {**part["scalars"], **(rest.scalars if rest else {})},
+            {**part["vectors"], **(rest.vectors if rest else {})},
+            [(kind, event) for kind, event in part["events"]] + (rest.events if rest else []),
+        )
+    ordered = [steps[key] for key in sorted(steps, key=lambda key: (key[1], key[0]))] if held else fed
+    keys: dict[str, list[str]] = document.setdefault("keys", {})
+    last_of_rank = {data.rank: index for index, data in enumerate(ordered)}
+    held_steps = set()
+    for last_rank, index in last_of_rank.items():  # only the last two steps of a rank are looked at
+        before = next((i for i in range(index - 1, -1, -1) if ordered[i].rank == last_rank), None)
+        previous = keys.get(str(last_rank)) if before is None else _read_keys(rule, ordered[before])
+        read = _read_keys(rule, ordered[index])
+        if not final and previous and set(read) < set(previous):
+            data = ordered[index]
+            document.setdefault("held", {})[str(last_rank)] = {
+                "step": data.step,
+                "scalars": data.scalars,
+                "vectors": data.vectors,
+                "events": [[kind, event] for kind, event in data.events],
+            }
+            held_steps.add(index)
+            read = previous
+        keys[str(last_rank)] = read
+    return [data for index, data in enumerate(ordered) if index not in held_steps]
 
 
 def _last_step(batch: BatchIn) -> int:

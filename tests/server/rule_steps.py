@@ -6,6 +6,7 @@ scale, and the scale after update is reported at the same step as amp/skipped=1;
 steps in a row double it).
 """
 
+import itertools
 import json
 import math
 
@@ -25,6 +26,28 @@ def feed(rule, steps, layers=LAYERS, round_trip=False):
             if round_trip:
                 state = json.loads(json.dumps(state))
     return verdicts, state
+
+
+def feed_batches(rule, steps, cuts, layers=LAYERS):
+    """feed() with the steps cut into batches before each index in `cuts`, the state going through
+    json.dumps/json.loads between batches as the engine stores it."""
+    state = rule.initial_state()
+    verdicts = []
+    bounds = [0, *sorted(cuts), len(steps)]
+    for lo, hi in itertools.pairwise(bounds):
+        for data in steps[lo:hi]:
+            if rule.reads(data):
+                verdicts.append((data.step, rule.observe(state, data, list(layers))))
+        state = json.loads(json.dumps(state))
+    return verdicts, state
+
+
+def batchings(count):
+    """Ways to cut `count` steps into batches: whole, at each single boundary, and at every step."""
+    yield []
+    for cut in range(1, count):
+        yield [cut]
+    yield list(range(1, count))
 
 
 def findings_of(verdicts):

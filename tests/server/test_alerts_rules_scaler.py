@@ -172,7 +172,7 @@ def test_scale_drop_fires_on_8x_after_calibration_and_clears_when_the_peak_leave
     assert finding.evidence["steps"] == [116, 119]
     assert finding.evidence["skip_steps"] == [117, 118, 119]
     assert finding.evidence["layers"] == ["hidden.weight"]
-    assert "2^15 -> 2^12" in finding.title
+    assert finding.title == "loss scale fell 8x in 3 steps (2^15 at step 116 -> 2^12 at step 119)"
     first_clear = next(s for s, v in verdicts if v is CLEAR and s > 119)
     assert first_clear == 126  # step 116 left the 10-step window
 

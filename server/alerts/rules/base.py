@@ -16,6 +16,8 @@ MAX_EVIDENCE_POINTS = 50
 MAX_WINDOW = 10_000
 MAX_STEPS = 1_000_000
 MAX_EVIDENCE_LAYERS = 20
+# What "N of the last M steps overflowed" looks back over: the last RECENT_STEPS steps with amp/skipped.
+RECENT_STEPS = 100
 
 
 @dataclass
@@ -164,6 +166,23 @@ def _common_layers(entries: list[list[Any]]) -> list[str]:
     """Layers named by skip events, most frequent first."""
     counts = Counter(name for _, names in entries for name in names)
     return [name for name, _ in counts.most_common(MAX_EVIDENCE_LAYERS)]
+
+
+def _recent_overflows(state: dict[str, Any], data: StepData) -> None:
+    """Keep state["recent"]: one character per step with amp/skipped ("x" skipped, "." applied), the
+    last RECENT_STEPS of them (a short string: cheap to store and the same after a JSON round trip)."""
+    skipped = data.scalars.get("amp/skipped")
+    if skipped is not None:
+        recent = state.get("recent", "") + ("x" if skipped >= 0.5 else ".")
+        state["recent"] = recent[-RECENT_STEPS:]
+
+
+def _overflowed(state: dict[str, Any]) -> str:
+    """ "N of the last M steps overflowed", counted in the steps _recent_overflows kept; "" before any."""
+    recent: str = state.get("recent", "")
+    if not recent:
+        return ""
+    return f"{recent.count('x')} of the last {len(recent)} steps overflowed"
 
 
 def _times(ratio: float) -> str:

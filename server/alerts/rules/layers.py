@@ -49,6 +49,7 @@ class UpdateRatioBand(RuleType):
         if not bad:
             return CLEAR
         bad.sort(key=lambda item: -abs(item[1]) if math.isfinite(item[1]) else -math.inf)  # non-finite first
+        count = len(bad)
         bad = bad[:MAX_EVIDENCE_LAYERS]
         names = [_layer(layers, i) for i, _ in bad]
         values = [v for _, v in bad]
@@ -56,14 +57,22 @@ class UpdateRatioBand(RuleType):
         return Finding(
             data.step,
             f"update ratio of {names[0]} is {values[0]:.3g}, outside [{self.low:g}, {self.high:g}]"
-            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
-            {"key": self.key, "steps": [data.step], "values": values, "layers": names},
+            + _more_layers(count),
+            {"key": self.key, "steps": [data.step], "values": values, "layers": names, "count": count},
             cause="update_ratio_high" if high else "update_ratio_low",
         )
 
 
 def _layer(layers: list[str], index: int) -> str:
     return layers[index] if index < len(layers) else f"layer{index}"
+
+
+def _more_layers(count: int) -> str:
+    """ " (and N more layers)" after the first of `count` layers (all of them, not only those the evidence
+    lists)."""
+    if count <= 1:
+        return ""
+    return f" (and {count - 1} more layer{'s' if count > 2 else ''})"
 
 
 class _PersistentLayers(RuleType):
@@ -147,17 +156,18 @@ class UnderflowFraction(_PersistentLayers):
         held = self.streaks(state, set(bad), width)
         if not held:
             return CLEAR if not bad else None
+        count = len(held)
         held = held[:MAX_EVIDENCE_LAYERS]
         names = [_layer(layers, i) for i in held]
         return Finding(
             data.step,
-            f"{bad[held[0]]:.0%} of {names[0]}'s gradients underflow to zero in fp16"
-            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
+            f"{bad[held[0]]:.0%} of {names[0]}'s gradients underflow to zero in fp16" + _more_layers(count),
             {
                 "key": "grad/zero_frac" if zeros is not None else self.key,
                 "steps": [data.step],
                 "values": [bad[i] for i in held],
                 "layers": names,
+                "count": count,
             },
         )
 
@@ -238,12 +248,13 @@ class NotLearning(_PersistentLayers):
         held = self.streaks(state, set(bad), width)
         if not held:
             return CLEAR if not bad else None
+        count = len(held)
         held = held[:MAX_EVIDENCE_LAYERS]
         names = [_layer(layers, i) for i in held]
         ratio_values = [ratios[i] if ratios is not None and i < len(ratios) else None for i in held]
         return Finding(
             data.step,
-            f"weights of {len(held)} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
+            f"weights of {count} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
             "updates were rounded away (or the learning rate is 0)",
             {
                 "key": "update/rounded_away_frac" if rounded is not None else "update/ratio",
@@ -251,6 +262,7 @@ class NotLearning(_PersistentLayers):
                 "values": [bad[i] for i in held],
                 "update_ratios": ratio_values,
                 "layers": names,
+                "count": count,
             },
         )
 
@@ -319,12 +331,12 @@ class UpdateRatioOutlier(_PersistentLayers):
         return Finding(
             data.step,
             f"update ratio of {names[0]} is {_times(ratios[0] / median)} the median layer's "
-            f"({ratios[0]:.3g} vs {median:.3g} over {len(compared)} layers)"
-            + (f" (and {len(names) - 1} more layers)" if len(names) > 1 else ""),
+            f"({ratios[0]:.3g} vs {median:.3g} over {len(compared)} layers)" + _more_layers(len(held)),
             {
                 "key": "update/ratio",
                 "steps": [data.step],
                 "layers": names,
+                "count": len(held),
                 "values": ratios,
                 "median": median,
                 "factors": [v / median for v in ratios],

@@ -58,18 +58,26 @@ class Misuse(RuleType):
     severity = "critical"
     description = (
         "A setup mistake the agent detected: clip_grad_norm_ before scaler.unscale_, a bf16 model trained in "
-        "fp16, weights beyond fp16's range, a loss scale below one, layers that get gradients but are in no "
-        "param group of the optimizer. Once per run and kind, with the fix."
+        "fp16, weights beyond fp16's range, a loss scale set below one, layers that get gradients but are in "
+        "no param group of the optimizer. Once per run and kind, with the fix. A scale that the GradScaler "
+        "itself lowered below one by backing off from overflows is no setup mistake (scale_floor and the "
+        "other scaler rules report it)."
     )
+    scalar_keys = frozenset({"amp/scale"})
     event_kinds = frozenset(MISUSE_EVENTS)
     cooldown_steps = 0
 
     def initial_state(self) -> dict[str, Any]:
-        return {"seen": []}  # [step, kind, hint]; "details": kind -> the numbers of an event that has them
+        # seen: [step, kind, hint]; "details": kind -> the numbers of an event that has them; scale: the
+        # last loss scale before this step
+        return {"seen": [], "scale": None}
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         new = False
+        backed_off = _backed_off_below_one(state, data)
         for kind, event in data.events:
+            if kind == "scale_below_one" and backed_off:
+                continue
             if kind in MISUSE_EVENTS and kind not in {k for _, k, _ in state["seen"]}:
                 hint = event.get("hint")
                 state["seen"].append(
@@ -99,6 +107,21 @@ class Misuse(RuleType):
         return Finding(
             data.step, f"setup mistake: {names} (first at step {seen[0][0]})", evidence, cause=seen[0][1]
         )
+
+
+def _backed_off_below_one(state: dict[str, Any], data: StepData) -> bool:
+    """Whether the scale went below one at this step by the GradScaler's own back-off: the step skipped
+    and the scale before it (the skip event's, else the last one reported) was at least one. Keeps
+    state["scale"]."""
+    before = state.get("scale")
+    for kind, event in data.events:
+        if kind == "skip" and isinstance(event.get("scale_before"), (int, float)):
+            before = event["scale_before"]
+    scale = data.scalars.get("amp/scale")
+    if scale is not None and math.isfinite(scale):
+        state["scale"] = scale
+    skipped = data.scalars.get("amp/skipped")
+    return skipped is not None and skipped >= 0.5 and before is not None and before >= 1.0
 
 
 def _unheld_details(event: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,9 @@ class NonFinite(RuleType):
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
     def initial_state(self) -> dict[str, Any]:
-        return {"run": [], "phase": ScalerPhase.initial(), "scaler": False}  # run: [step, value, layers]
+        # run: the last MAX_EVIDENCE_POINTS steps [step, value, layers] of the current run of non-finite
+        # norms; count and since: its true length and first step
+        return {"run": [], "count": 0, "since": None, "phase": ScalerPhase.initial(), "scaler": False}
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
@@ -52,21 +54,29 @@ class NonFinite(RuleType):
         if norm is None:
             return None
         if math.isfinite(norm):
-            state["run"] = []
+            state["run"], state["count"], state["since"] = [], 0, None
             return CLEAR
         loss = _loss_of(data)
         loss_finite = loss is None or math.isfinite(loss[1])
         skipped = data.scalars.get("amp/skipped")
         applied = (skipped is not None and skipped < 0.5) or (skipped is None and not state["scaler"])
         streak = (state["run"] + [[data.step, norm, _skip_layers(data)]])[-MAX_EVIDENCE_POINTS:]
+        # .get: a state stored before the counter existed has at most the list's length
+        count = state["count"] = state.get("count", len(state["run"])) + 1
+        since = state["since"] = streak[0][0] if state.get("since") is None else state["since"]
         state["run"] = streak
-        if not applied and (kind == "calibrating" or not loss_finite or len(streak) < self.consecutive):
+        if not applied and (kind == "calibrating" or not loss_finite or count < self.consecutive):
             return None  # the scaler's business (calibration), or the loss's (loss_non_finite)
         layer_names = _common_layers([[s, names] for s, _, names in streak])
         if applied:
             title = f"gradient norm is {norm} at step {data.step}, and the optimizer step was applied"
+        elif count == 1:
+            title = f"gradient norm is {norm} at step {data.step}: it overflowed after calibration"
         else:
-            title = f"gradient norm is {norm}: {len(streak)} steps in a row overflowed after calibration"
+            title = (
+                f"gradient norm is {norm}: {count} steps in a row overflowed after calibration (steps "
+                f"{since}-{data.step})"
+            )
         return Finding(
             data.step,
             title + (f" (first non-finite layer: {layer_names[0]})" if layer_names else ""),
@@ -74,6 +84,8 @@ class NonFinite(RuleType):
                 "keys": ["grad/global_norm"],
                 "steps": [s for s, _, _ in streak],
                 "values": [v for _, v, _ in streak],
+                "count": count,  # non-finite norms in a row up to this step (steps: the last 50)
+                "first_step": since,
                 "applied": applied,
                 "layers": layer_names,
             },
@@ -98,7 +110,7 @@ class LossNonFinite(RuleType):
     cooldown_steps = 0
 
     def initial_state(self) -> dict[str, Any]:
-        return {"bad": [], "finite": 0}  # bad: [step, key, value, ids]
+        return {"bad": [], "count": 0, "finite": 0}  # bad: [step, key, value, ids], the first and the last
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         loss = _loss_of(data)
@@ -108,10 +120,12 @@ class LossNonFinite(RuleType):
         if math.isfinite(value):
             state["finite"] += 1
             if state["bad"] and state["finite"] >= self.clear_after:
-                state["bad"] = []  # the next non-finite loss starts a new story
+                state["bad"], state["count"] = [], 0  # the next non-finite loss starts a new story
                 return CLEAR
             return None
         state["finite"] = 0
+        # .get: a state stored before the counter existed has at most the list's length
+        count = state["count"] = state.get("count", len(state["bad"])) + 1
         ids: list[Any] | None = None
         for kind, event in data.events:
             if kind == "bad_batch" and event.get("ids_logged"):
@@ -127,8 +141,8 @@ class LossNonFinite(RuleType):
         first = bad[0]
         batch = f" (batch {', '.join(map(str, first[3]))})" if first[3] else ""
         title = f"the loss is {first[2]} at step {first[0]}{batch}"
-        if len(bad) > 1:
-            title += f"; {len(bad)} non-finite losses so far, last at step {data.step}"
+        if count > 1:
+            title += f"; {count} non-finite losses so far, last at step {data.step}"
         return Finding(
             data.step,
             title,
@@ -137,6 +151,7 @@ class LossNonFinite(RuleType):
                 "steps": [b[0] for b in bad],
                 "values": [b[2] for b in bad],
                 "first_step": first[0],
+                "count": count,  # non-finite losses since first_step (steps: the first and the last 49)
                 "batch_ids": first[3],
                 "batches": {str(b[0]): b[3] for b in bad if b[3]},
             },

@@ -18,7 +18,9 @@ from .base import (
     Verdict,
     _common_layers,
     _finite,
+    _overflowed,
     _power_of_two,
+    _recent_overflows,
     _skip_layers,
 )
 
@@ -63,6 +65,8 @@ class ScalerPhase:
             "grown": False,
             "ended": None,
             "floor_skips": 0,
+            "observed": 0,  # steps with amp/skipped since `start`, calibrating or not
+            "skipped": 0,  # of which skipped (probes included): what the stored series counts
         }
 
     @staticmethod
@@ -93,7 +97,10 @@ class ScalerPhase:
             phase["scale"] = scale
         if skipped is None:
             return None
+        # .get: a state stored before these counters existed counts from here on
+        phase["observed"] = phase.get("observed", 0) + 1
         if skipped >= 0.5:
+            phase["skipped"] = phase.get("skipped", 0) + 1
             phase["floor_skips"] = (
                 phase["floor_skips"] + 1 if previous is not None and scale == previous else 0
             )
@@ -146,12 +153,13 @@ class ScalerCalibration(RuleType):
     cooldown_steps = 0
 
     def initial_state(self) -> dict[str, Any]:
-        return {"phase": ScalerPhase.initial(), "layers": []}
+        return {"phase": ScalerPhase.initial(), "layers": [], "recent": ""}
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         phase = state["phase"]
         was_calibrating = phase["calibrating"]
         kind = ScalerPhase.observe(phase, data)
+        _recent_overflows(state, data)
         skip_layers = _skip_layers(data)
         if skip_layers:
             state["layers"] = _common_layers([[0, state["layers"]], [0, skip_layers]])
@@ -161,12 +169,15 @@ class ScalerCalibration(RuleType):
         below = _finite(scale) and scale < self.floor
         if not phase["calibrating"] and not below:
             return CLEAR if was_calibrating or kind == "applied" else None
-        steps = data.step - phase["start"] + 1
+        skipped, steps = phase.get("skipped", phase["skips"]), phase.get("observed", 0)
         reason = ""
-        if below and not phase["calibrating"]:
-            reason = f"calibration ended with the scale at {_power_of_two(scale)}, below {self.floor:g}"
-        elif below and not phase["skips"]:
+        if below and not skipped:
             reason = f"the scale is {_power_of_two(scale)}, below {self.floor:g}, without any overflow"
+        elif below and not phase["calibrating"]:
+            reason = (
+                f"the scale fell to {_power_of_two(scale)}, below {self.floor:g}, after calibration ended at "
+                f"step {phase['ended']}: {_overflowed(state)}"
+            )
         elif below:
             reason = f"the scale fell to {_power_of_two(scale)}, below {self.floor:g}, while calibrating"
         elif phase["floor_skips"] >= self.floor_skips:
@@ -183,8 +194,7 @@ class ScalerCalibration(RuleType):
         start_scale = phase["start_scale"]
         return Finding(
             data.step,
-            f"the loss scale is not usable: {phase['skips']} of {steps} steps skipped since step "
-            f"{phase['start']}"
+            f"the loss scale is not usable: {skipped} of {steps} steps skipped since step {phase['start']}"
             + (
                 f", scale {_power_of_two(start_scale)} -> {_power_of_two(scale)}"
                 if _finite(start_scale) and _finite(scale)
@@ -195,9 +205,9 @@ class ScalerCalibration(RuleType):
                 "key": "amp/scale",
                 "steps": [phase["start"], data.step],
                 "values": [start_scale, scale],
-                "skipped": phase["skips"],
+                "skipped": skipped,  # every skipped step since `start` (amp/skipped's count)
                 "calibrating": phase["calibrating"],
-                "calibration_steps": steps,
+                "calibration_steps": steps,  # steps with amp/skipped since `start`
                 "reason": reason,
                 "layers": state["layers"],
             },
@@ -219,11 +229,10 @@ class ScaleDrop(RuleType):
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
     def initial_state(self) -> dict[str, Any]:
-        return {
-            "maxima": [],
-            "skips": [],
-            "phase": ScalerPhase.initial(),
-        }  # maxima: [step, scale], decreasing
+        # maxima: [step, scale], decreasing, the sawtooth's trial peaks left out (what is judged);
+        # peaks: the same with them (what is reported: the true peak in the window, at its last step);
+        # low: [step, scale] where the scale took its current value.
+        return {"maxima": [], "peaks": [], "low": None, "skips": [], "phase": ScalerPhase.initial()}
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
@@ -236,32 +245,48 @@ class ScaleDrop(RuleType):
         state["skips"] = skips[-MAX_EVIDENCE_POINTS:]
         scale = data.scalars.get("amp/scale")
         if not _finite(scale) or phase["calibrating"]:
-            state["maxima"] = []
+            state["maxima"], state["peaks"], state["low"] = [], [], None
             return None
-        maxima = [m for m in state["maxima"] if m[0] > oldest]
-        if kind == "probe":  # the scale returns to where it was before the growth: that peak was a trial
-            maxima = [m for m in maxima if m[1] <= scale]
-        while maxima and maxima[-1][1] <= scale:
-            maxima.pop()
-        maxima.append([step, scale])
-        state["maxima"] = maxima
-        peak_step, peak = maxima[0]
-        if scale > 0 and peak / scale < self.factor:
+        low = state.get("low")
+        if low is None or low[1] != scale:
+            low = state["low"] = [step, scale]
+        # A probe returns the scale to where it was before the growth: that peak was a trial, not judged.
+        maxima = state["maxima"] = (
+            [[step, scale]]
+            if kind == "probe"
+            else _decreasing([m for m in state["maxima"] if m[0] > oldest], step, scale)
+        )
+        peaks = state["peaks"] = _decreasing(
+            [m for m in state.get("peaks", maxima) if m[0] > oldest], step, scale
+        )
+        if scale > 0 and maxima[0][1] / scale < self.factor:
             return CLEAR
+        peak_step, peak = peaks[0]
         ratio = peak / scale if scale > 0 else math.inf
+        fell = f"{ratio:.3g}x" if scale > 0 else "to zero"
         return Finding(
             step,
-            f"loss scale fell {ratio:.3g}x in {step - peak_step} steps ({_power_of_two(peak)} -> "
-            f"{_power_of_two(scale)})",
+            f"loss scale fell {fell} in {low[0] - peak_step} steps ({_power_of_two(peak)} at step "
+            f"{peak_step} -> {_power_of_two(scale)} at step {low[0]})",
             {
                 "key": "amp/scale",
                 "steps": [peak_step, step],
                 "values": [peak, scale],
                 "ratio": ratio,
+                "low_step": low[0],
                 "skip_steps": [s for s, _ in state["skips"]],
                 "layers": _common_layers(state["skips"]),
             },
         )
+
+
+def _decreasing(maxima: list[list[float]], step: int, scale: float) -> list[list[float]]:
+    """A window's running maxima ([step, scale], decreasing, each at the last step it held) with the
+    scale at `step` added: maxima[0] is the window's peak."""
+    while maxima and maxima[-1][1] <= scale:
+        maxima.pop()
+    maxima.append([step, scale])
+    return maxima
 
 
 class SkipStorm(RuleType):
@@ -290,38 +315,91 @@ class SkipStorm(RuleType):
             raise ValueError(f"skip_storm: count ({self.count}) cannot exceed window ({self.window})")
 
     def initial_state(self) -> dict[str, Any]:
-        return {"skips": [], "phase": ScalerPhase.initial(), "first": None}  # skips: [step, layers, scale]
+        # skips: [step, layers, scale] of the last judged skips (no probe, no calibration); judged, skipped,
+        # seen: as [first, last] spans of steps in the window, the judged skips, every skipped step and
+        # every step with amp/skipped (what the counts in the title count)
+        return {
+            "skips": [],
+            "phase": ScalerPhase.initial(),
+            "first": None,
+            "judged": [],
+            "skipped": [],
+            "seen": [],
+        }
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
         kind = ScalerPhase.observe(phase, data)
         if kind is None:
             return None
+        oldest = data.step - self.window
+        if "judged" not in state:  # a state stored before the spans: its skips list, counting from here on
+            state["judged"] = []
+            for skip in state["skips"]:
+                _spans_add(state["judged"], skip[0])
+        spans = {name: _spans_after(state.get(name, []), oldest) for name in ("judged", "skipped", "seen")}
+        _spans_add(spans["seen"], data.step)
+        if data.scalars["amp/skipped"] >= 0.5:
+            _spans_add(spans["skipped"], data.step)
+        state.update(spans)
         if state.get("first") is None:
             state["first"] = data.step
         if data.step < state["first"] + self.ignore_first or kind == "calibrating":
             return None
-        skips = [s for s in state["skips"] if s[0] > data.step - self.window]
+        skips = [s for s in state["skips"] if s[0] > oldest]
         if kind == "skip":
             skips.append([data.step, _skip_layers(data), data.scalars.get("amp/scale")])
-        state["skips"] = skips[-max(self.count, MAX_EVIDENCE_POINTS) :]
-        if len(skips) < self.count:
+            _spans_add(spans["judged"], data.step)
+        state["skips"] = skips[-MAX_EVIDENCE_POINTS:]
+        count = _spans_count(spans["judged"])
+        if count < self.count:
             return CLEAR
         scales = [s[2] for s in skips if _finite(s[2])]
+        others = _spans_count(spans["skipped"]) - count
+        steps = _spans_last(spans["judged"], MAX_EVIDENCE_POINTS)
         return Finding(
             data.step,
-            f"{len(skips)} skipped steps in the last {self.window} steps (steps {skips[0][0]}-{skips[-1][0]}"
+            f"{count} skipped steps in the last {_spans_count(spans['seen'])} steps"
+            + (f", besides {others} while calibrating or right after a growth" if others > 0 else "")
+            + f" (steps {spans['judged'][0][0]}-{spans['judged'][-1][1]}"
             + (f", scale now {_power_of_two(scales[-1])}" if scales else "")
             + ")",
             {
                 "key": "amp/skipped",
-                "steps": [s[0] for s in skips][-MAX_EVIDENCE_POINTS:],
-                "values": [1.0] * min(len(skips), MAX_EVIDENCE_POINTS),
-                "count": len(skips),
-                "scales": scales[-MAX_EVIDENCE_POINTS:],
+                "steps": steps,
+                "values": [1.0] * len(steps),
+                "count": count,  # the judged skips in the window (steps: the last 50 of them)
+                "scales": scales,
                 "layers": _common_layers([[s[0], s[1]] for s in skips]),
             },
         )
+
+
+def _spans_add(spans: list[list[int]], step: int) -> None:
+    """Add `step` to increasing [first, last] spans of steps (a step at or before the last is there)."""
+    if spans and spans[-1][1] == step - 1:
+        spans[-1][1] = step
+    elif not spans or spans[-1][1] < step:
+        spans.append([step, step])
+
+
+def _spans_after(spans: list[list[int]], oldest: int) -> list[list[int]]:
+    """The spans' steps after `oldest`."""
+    return [[max(first, oldest + 1), last] for first, last in spans if last > oldest]
+
+
+def _spans_count(spans: list[list[int]]) -> int:
+    return sum(last - first + 1 for first, last in spans)
+
+
+def _spans_last(spans: list[list[int]], most: int) -> list[int]:
+    """The last `most` steps of the spans, in order."""
+    steps: list[int] = []
+    for first, last in reversed(spans):
+        steps[:0] = range(max(first, last - (most - len(steps)) + 1), last + 1)
+        if len(steps) >= most:
+            break
+    return steps
 
 
 class ScaleFloor(RuleType):
@@ -329,23 +407,28 @@ class ScaleFloor(RuleType):
     severity = "critical"
     description = "The loss scale is below `floor` (below 1, gradients overflow even unscaled)."
     params: ClassVar[dict[str, Param]] = {"floor": Param(1.0, minimum=0.0, exclusive_minimum=True)}
-    scalar_keys = frozenset({"amp/scale"})
+    scalar_keys = frozenset({"amp/scale", "amp/skipped"})
 
     def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+        _recent_overflows(state, data)
         scale = data.scalars.get("amp/scale")
         if scale is None or math.isnan(scale):
             return None
         if scale >= self.floor:
             return CLEAR
         below_one = " (below 1: gradients overflow even unscaled)" if scale < 1.0 else ""
+        overflowed = _overflowed(state)
         return Finding(
             data.step,
-            f"loss scale {_power_of_two(scale)} is below the floor {self.floor:g}{below_one}",
+            f"loss scale {_power_of_two(scale)} is below the floor {self.floor:g}{below_one}"
+            + (f": {overflowed}" if overflowed else ""),
             {
                 "key": "amp/scale",
                 "steps": [data.step],
                 "values": [scale],
                 "floor": self.floor,
+                "overflowed": state.get("recent", "").count("x"),  # of the last `recent_steps` steps
+                "recent_steps": len(state.get("recent", "")),
                 "layers": _skip_layers(data),
             },
         )
