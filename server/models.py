@@ -358,6 +358,8 @@ class Incident(Base):
     notify_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     notify_after: Mapped[float | None] = mapped_column(Float, nullable=True)
     notified_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The cause people were last told (firing or update): a different one later is sent as an update.
+    notified_cause_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
     link: Mapped[str] = mapped_column(String(1000))
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)

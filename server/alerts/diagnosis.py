@@ -19,12 +19,20 @@ from typing import Any
 
 from .rules.misuse import share, unheld_parameters_title
 
-__all__ = ["Diagnosis", "RunContext", "diagnose", "lr_jump_near", "scaler_settings"]
+__all__ = ["Diagnosis", "RunContext", "diagnose", "lr_jump_near", "lr_ramp_near", "scaler_settings"]
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 DIVERGENCE_LOOKBACK = 50  # steps before an incident in which an lr jump is taken as its trigger
 LR_JUMP_FACTOR = 10.0  # an lr change this large in one step is named as a trigger
 LR_HISTORY = 10  # lr points needed before a rise can be a jump (not the first steps of a warm-up)
+LR_RAMP_FACTOR = 10.0  # an lr that rose this much within DIVERGENCE_LOOKBACK steps is a ramp...
+LOSS_RISE_FACTOR = 2.0  # ...to blame when the loss rose this much over it
+TRANSIENT_SPAN = 50  # steps from a burst's first finding to its last: a longer one is not a burst
+# The rules whose findings a burst that passes can raise (a setup mistake, an lr jump, stalled layers or
+# a scaler that never settles are not bursts, whatever happens after).
+_BURST_RULES = frozenset(
+    {"loss_non_finite", "non_finite", "skip_storm", "scale_drop", "grad_norm_spike", "loss_spike"}
+)
 
 
 @dataclass
@@ -43,6 +51,8 @@ class RunContext:
     max_abs_weights: list[tuple[str, float]] = field(
         default_factory=list
     )  # (layer, max |w|) when watching began
+    recovered_step: int | None = None  # every finding's rule judged the run healthy again, by this step
+    loss: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) before and at the incident
 
 
 @dataclass
@@ -80,9 +90,12 @@ def _layers(findings: list[dict[str, Any]], *rules: str) -> list[str]:
     return names
 
 
-def _named(layers: list[str], most: int = 3) -> str:
+def _named(layers: list[str], most: int = 3, total: int | None = None) -> str:
+    """The first `most` layers and how many more; total: how many there are, when `layers` (evidence,
+    capped) lists only some."""
+    count = max(total, len(layers)) if isinstance(total, int) else len(layers)
     shown = ", ".join(layers[:most])
-    return shown + (f" and {len(layers) - most} more" if len(layers) > most else "")
+    return shown + (f" and {count - min(most, len(layers))} more" if count > most else "")
 
 
 def lr_jump_near(
@@ -108,6 +121,61 @@ def lr_jump_near(
         if after >= LR_JUMP_FACTOR * before and (best is None or after / before > best[2] / best[1]):
             best = (at, before, after)
     return best
+
+
+def lr_ramp_near(
+    lr: list[tuple[int, float]], loss: list[tuple[int, float]], step: int, lookback: int = DIVERGENCE_LOOKBACK
+) -> tuple[int, float, int, float, float] | None:
+    """A rise of the lr by LR_RAMP_FACTOR or more over the `lookback` steps up to `step` (a warm-up, or
+    any schedule) while the loss rose LOSS_RISE_FACTOR or more: (first step, lr there, last step, lr
+    there, the loss's rise), or None. The loss must rise too: a bad batch during a short warm-up is no
+    ramp's doing."""
+    window = [(s, v) for s, v in sorted(lr) if step - lookback <= s <= step and math.isfinite(v) and v > 0]
+    if len(window) < 2:
+        return None
+    low_at, low = min(window, key=lambda p: (p[1], p[0]))
+    high_at, high = max(((s, v) for s, v in window if s >= low_at), key=lambda p: (p[1], -p[0]))
+    if high < LR_RAMP_FACTOR * low:
+        return None
+    losses = [(s, v) for s, v in sorted(loss) if low_at <= s <= step and math.isfinite(v)]
+    if len(losses) < 2 or losses[0][1] <= 0:
+        return None
+    rise = max(v for _, v in losses) / losses[0][1]
+    if rise < LOSS_RISE_FACTOR:
+        return None
+    return low_at, low, high_at, high, rise
+
+
+def _ramp(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
+    """The lr ramped up (a warm-up to a peak far too high) and the loss rose with it, then the run
+    broke (a NaN loss, overflows, a spike): the schedule's peak is the cause, not the data or fp16."""
+    if "lr_jump" in by_rule or lr_jump_near(
+        context.lr, step, peak_before=context.lr_peak_before, points_before=context.lr_points_before
+    ):
+        return None  # one step's jump: _divergence names it
+    ramp = lr_ramp_near(context.lr, context.loss, step)
+    if ramp is None:
+        return None
+    low_at, low, high_at, high, rise = ramp
+    return (
+        "lr_ramp",
+        (
+            f"the learning rate ramped {_x(high / low)}x to {high:.3g} by step {high_at} and the loss rose "
+            f"{_x(rise)}x: the peak lr is too high"
+        ),
+        (
+            f"The learning rate rose from {low:.3g} at step {low_at} to {high:.3g} at step {high_at} and the "
+            f"loss rose {_x(rise)}x over the same steps before the run broke at step {step}: a warm-up (or "
+            "schedule) whose peak learning rate is too high for this model, not the data or fp16's range."
+        ),
+        [
+            (
+                f"Lower the peak learning rate (to {high / 10:.3g}, a tenth) or lengthen the warm-up, and "
+                f"restart from the checkpoint before step {low_at}."
+            ),
+            "Clip gradients at max_norm=1.0 (after scaler.unscale_ with fp16) while the lr ramps.",
+        ],
+    )
 
 
 def scaler_settings(band: tuple[float, float] | None, prefer: str = "middle") -> str | None:
@@ -251,6 +319,62 @@ def _lr_at(context: RunContext, step: int) -> float | None:
     return before[-1] if before else None
 
 
+def _finding_onset(finding: dict[str, Any]) -> int:
+    evidence = finding.get("evidence") or {}
+    onset = evidence.get("onset_step", evidence.get("first_step", finding["step"]))
+    return int(onset) if isinstance(onset, int) else int(finding["step"])
+
+
+def _transient(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
+    """A burst (non-finite losses, overflows the scaler skipped, a spike) over at most TRANSIENT_SPAN
+    steps, after which every rule that fired has cleared by itself: a burst that passed, described as one
+    rather than as a lasting cause to act on (the demo's injected activation blow-up; a few bad batches)."""
+    recovered = context.recovered_step
+    if recovered is None or not set(by_rule) <= _BURST_RULES:
+        return None
+    if "non_finite" in by_rule and by_rule["non_finite"]["evidence"].get("applied"):
+        return None  # non-finite gradients reached the weights: nothing a run recovers from by itself
+    first = min(_finding_onset(f) for f in findings)
+    last = max(max(f.get("last_step") or f["step"], f["step"]) for f in findings)
+    if last - first > TRANSIENT_SPAN or _divergence_trigger(by_rule, context, first) is not None:
+        return None
+    what = []
+    if "loss_non_finite" in by_rule:
+        what.append("non-finite losses")
+    if {"skip_storm", "scale_drop", "non_finite"} & set(by_rule):
+        what.append(
+            "overflowing gradients the GradScaler skipped" if context.fp16_scaler else "non-finite gradients"
+        )
+    if {"grad_norm_spike", "loss_spike"} & set(by_rule):
+        what.append(
+            " and ".join(
+                w for r, w in (("grad_norm_spike", "gradient norm"), ("loss_spike", "loss")) if r in by_rule
+            )
+            + " far above the run's median"
+        )
+    span = f"steps {first}-{last}" if last > first else f"step {first}"
+    return (
+        "transient_burst",
+        f"a transient burst at {span} ({'; '.join(what)}); training recovered by step {recovered}",
+        (
+            f"For {last - first + 1} step{'s' if last > first else ''} ({span}) the run showed "
+            f"{'; '.join(what)}, and every rule that fired has cleared since (by step {recovered}): a burst "
+            "that passed, such as a few bad batches or a transient activation spike, not a lasting problem."
+        ),
+        [
+            "Nothing to fix if it does not come back.",
+            (
+                "If it recurs, log each batch's sample ids with run.log_batch(ids): the next burst names "
+                "its batches."
+            ),
+            (
+                "If bursts come more often or grow, lower the learning rate by half and look at the layers "
+                "named."
+            ),
+        ],
+    )
+
+
 def _forward_overflow(
     by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
 ) -> Result:
@@ -259,7 +383,10 @@ def _forward_overflow(
     if finding is None or not context.fp16_scaler:
         return None
     bad = [s for s in finding["evidence"].get("steps") or [] if isinstance(s, int)]
-    if len(bad) < 5 or len(bad) < 0.8 * (bad[-1] - bad[0] + 1):
+    # steps holds the first and the latest 49; count is every one of them (a list is no count)
+    count = finding["evidence"].get("count")
+    count = count if isinstance(count, int) and count >= len(bad) else len(bad)
+    if count < 5 or count < 0.8 * (bad[-1] - bad[0] + 1):
         return None
     if _divergence_trigger(by_rule, context, bad[0]) is not None:
         return None
@@ -274,7 +401,7 @@ def _forward_overflow(
         "fp16_forward_overflow",
         "the forward pass overflows fp16 on every step" + (f" (likely {named[0]})" if named else ""),
         (
-            f"The loss is non-finite on {len(bad)} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under "
+            f"The loss is non-finite on {count} of {bad[-1] - bad[0] + 1} steps since step {bad[0]} under "
             f"fp16 autocast: activations exceed fp16's 65504 in the forward pass{where}, as a model trained "
             "in bf16 (outlier features) does in fp16; no loss scale helps, and the GradScaler skips every "
             "step (or every batch is corrupt)."
@@ -365,11 +492,16 @@ def _divergence(
     else:
         rewind = spikes if spikes is not None else step
         good_lr = _lr_at(context, rewind)
+        lr_now = f" ({good_lr:.3g})" if good_lr else ""
+        # With the lr unchanged, the evidence so far fits two causes: which one tells itself in the next
+        # steps (a burst clears, and the incident is then updated; a divergence stays up).
         cause = (
-            f"Training is diverging from step {rewind}{since}; the learning rate is likely too high for this "
-            "point."
+            f"Training diverges from step {rewind}{since}, with no change of the learning rate before it. "
+            f"Two causes fit, the likelier first: the learning rate{lr_now} is too high for this point, if "
+            "the loss stays up; or a burst that passes (a few bad batches, activations past fp16's range), "
+            "if the loss is back near its median within ~50 steps."
         )
-        title = f"training diverges from step {rewind}"
+        title = f"training diverges from step {rewind} (learning rate unchanged), or a burst"
         first_step = []
     lr_text = f" (to {good_lr / 2:.3g})" if good_lr else ""
     return (
@@ -409,8 +541,10 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
                 "Train in bf16, or use torch.amp.GradScaler with fp16 so overflowing steps are skipped.",
             ],
         )
+    overflowed = bool({"skip_storm", "scale_drop", "non_finite"} & set(by_rule))
     if (
         "scaler_calibration" in by_rule
+        and not overflowed
         and not by_rule["scaler_calibration"]["evidence"].get("skipped")
         and ((by_rule["scaler_calibration"]["evidence"].get("values") or [None])[-1] or 1.0) < 1.0
     ):
@@ -434,6 +568,31 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
     if "scaler_calibration" in by_rule or "scale_floor" in by_rule:
         evidence = (by_rule.get("scaler_calibration") or by_rule["scale_floor"])["evidence"]
         values = evidence.get("values") or [None]
+        last_scale = values[-1]
+        if isinstance(last_scale, (int, float)) and last_scale < 1.0 and overflowed:
+            # Below 1 a scaled gradient cannot overflow fp16 unless it is already inf: what overflows is
+            # not the scaling. Two causes fit; a stale .grad first, since it needs no bad layer at all.
+            stale = ".grad is never cleared (no optimizer.zero_grad() in the loop)"
+            return (
+                "overflow_at_any_scale",
+                f"gradients stay non-finite even at loss scale {_power(last_scale)}: is .grad ever cleared?",
+                (
+                    f"Every step overflows although the loss scale is down to {_power(last_scale)}, where a "
+                    "scaled gradient cannot overflow fp16 unless it is already inf. Likeliest: "
+                    f"{stale}, so the inf of one overflow stays in .grad and every later step adds to "
+                    f"it; else a layer{where} outputs inf in the forward pass."
+                ),
+                [
+                    (
+                        "Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after step(), "
+                        "or before the first backward of the next step)."
+                    ),
+                    "If the loop does clear .grad: keep "
+                    + (_named(layers) if layers else "the overflowing layers")
+                    + " in fp32 or train in bf16.",
+                    f"Restart from the checkpoint before step {step}: no step was applied since.",
+                ],
+            )
         cause = (
             f"Gradients overflow fp16 on (nearly) every step{where}: the GradScaler keeps halving the loss "
             f"scale (now {_power(values[-1])}) and never finds one that works, so no optimizer step is "
@@ -558,22 +717,23 @@ def _dead(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misu
         return None
     evidence = finding["evidence"]
     layers = [str(n) for n in evidence.get("layers") or []]
+    count = evidence.get("count") if isinstance(evidence.get("count"), int) else len(layers)
     none = evidence.get("grad_none") or []
     if none:
         cause = (
-            f"{len(layers)} trainable layers get no gradient at all (grad is None): a .detach(), "
-            f"torch.no_grad() or an unused branch cuts {_named(layers)} off the loss, so they never train."
+            f"{count} trainable layers get no gradient at all (grad is None): a .detach(), "
+            f"torch.no_grad() or an unused branch cuts {_named(layers, total=count)} off the loss, so they "
+            "never train."
         )
     else:
         cause = (
-            f"{len(layers)} trainable layers get a gradient of exactly zero on every step "
-            f"({_named(layers)}): a multiplication by zero, dead ReLUs or a zero-initialised layer after them"
-            + (", or gradients underflowing in fp16" if context.fp16_scaler else "")
-            + "."
+            f"{count} trainable layers get a gradient of exactly zero on every step "
+            f"({_named(layers, total=count)}): a multiplication by zero, dead ReLUs or a zero-initialised "
+            "layer after them" + (", or gradients underflowing in fp16" if context.fp16_scaler else "") + "."
         )
     return (
         "dead_layers",
-        f"no gradient reaches {_named(layers)}",
+        f"no gradient reaches {_named(layers, total=count)}",
         cause,
         [
             (
@@ -685,7 +845,8 @@ def _update_ratio_outlier(
     if not layers or not isinstance(values[0], (int, float)) or not isinstance(median, (int, float)):
         return None
     layer, factor = layers[0], _x(factors[0])
-    more = f" (and {len(layers) - 1} more layers)" if len(layers) > 1 else ""
+    count = evidence.get("count") if isinstance(evidence.get("count"), int) else len(layers)
+    more = f" (and {count - 1} more layer{'s' if count > 2 else ''})" if count > 1 else ""
     follows = [
         what
         for rule, what in (("grad_norm_spike", "gradient norm"), ("loss_spike", "loss"))
@@ -723,6 +884,8 @@ _CAUSES = (
     _clip_before_unscale,
     _fp16_range,
     _params_not_in_optimizer,
+    _transient,
+    _ramp,
     _forward_overflow,
     _bad_loss,
     _update_ratio_outlier,

@@ -7,8 +7,9 @@ is a stalled layer while a divergence, overflow or NaN incident is open (the lay
 otherwise it opens a new incident. An incident is notified once, when its group wait ends: the run
 reached first_step + group_wait_steps, or group_wait_s passed with no data (a crashed run), or the run
 ended. By then the rules that fire together have joined, and diagnosis.diagnose() names the cause.
-Later findings update the incident without a new notification; it resolves when all its alerts have,
-and one that resolves before its notification was due is never sent (a blip, not an incident).
+Later findings update the incident without a new notification unless they change its cause: then the
+new cause is sent as an update (incident.updated). It resolves when all its alerts have, and one that
+resolves before its notification was due is never sent (a blip, not an incident).
 
 Everything here runs in the caller's transaction (ingest, or the outbox worker's periodic task).
 """
@@ -227,6 +228,12 @@ class Incidents:
             for a in alerts
         ][:MAX_FINDINGS]
         context = self.context(session, run, incident.first_step, max(a.last_step or 0 for a in alerts))
+        # Every alert of it resolved: its rules judged the run healthy again (a burst that passed).
+        context.recovered_step = (
+            max((a.resolved_step for a in alerts if a.resolved_step is not None), default=None)
+            if all(a.status == "resolved" for a in alerts)
+            else None
+        )
         diagnosis = diagnose(findings, context)
         incident.severity = diagnosis.severity
         incident.cause_key = diagnosis.cause_key[:64]
@@ -246,6 +253,11 @@ class Incidents:
         incident.last_step = max(a.last_step or a.step or 0 for a in alerts)
         incident.link = self.link(run.id, incident.first_step)
         incident.updated_at = time.time()
+        if incident.notified_at is not None and incident.cause_key != (
+            incident.notified_cause_key or incident.cause_key
+        ):
+            # People were told one cause and the evidence now names another: tell them (once per change).
+            self._notify(session, run, incident, "incident.updated")
         if incident.status == "open" and all(a.status == "resolved" for a in alerts):
             incident.status = "resolved"
             incident.resolved_at = time.time()
@@ -260,6 +272,8 @@ class Incidents:
             if incident.notified_at is not None:
                 return
             incident.notified_at = time.time()
+        if event in ("incident.firing", "incident.updated"):
+            incident.notified_cause_key = incident.cause_key
         webhooks = session.scalars(
             select(Webhook)
             .where(Webhook.project == run.project, Webhook.enabled.is_(True))
@@ -295,6 +309,8 @@ class Incidents:
         """The run's misuse events, lr around the incident, loss scale, safe-scale band and clip settings."""
         keys = (
             "lr",
+            "loss",
+            "amp/loss",
             "amp/scale",
             "amp/safe_scale_min",
             "amp/safe_scale_max",
@@ -348,6 +364,7 @@ class Incidents:
             fp16_scaler="amp/scale" in series,
             misuse=misuse,
             lr=points("lr", lr_start, max(first_step, last_step) + 1),
+            loss=points("loss" if "loss" in series else "amp/loss", lr_start, first_step + 1),
             lr_peak_before=lr_peak_before,
             lr_points_before=int(lr_points_before or 0),
             max_abs_weights=max_abs,

@@ -46,6 +46,8 @@ def _headline(event: str, incident: dict[str, Any]) -> str:
     if event == "test":
         return "gradwatch test notification: this webhook works"
     state = "RESOLVED" if event == "incident.resolved" else str(incident["severity"]).upper()
+    if event == "incident.updated":
+        state = f"UPDATE, {state}"  # the same incident, its cause named anew
     return (
         f"[{state}] {incident['project']}/{incident['run_name']}: {incident['title']} "
         f"({_step_text(incident)})"

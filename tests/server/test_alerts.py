@@ -528,3 +528,56 @@ def test_disabled_webhooks_send_no_test_and_the_log_keeps_status_codes_only(aler
         assert time.monotonic() < deadline + 10, d
         time.sleep(0.05)
     assert d["last_error"] == "no HTTP response from the receiver (refused, unreachable or timed out)"
+
+
+def test_a_burst_that_passes_is_sent_again_as_an_update_naming_it_transient(alert_server, api, receiver):
+    """An fp16 overflow burst (3 steps of inf activations) is notified when its group wait ends, as what
+    it looked like then; once every rule that fired has cleared (the loss finite for 100 steps), the
+    diagnosis names a burst that passed, and the webhook gets that as an update of the same incident."""
+    hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "passing"})
+    assert hook.status_code == 201, hook.text
+    run_id = _train(alert_server, "passing", 140, overflow_steps=(10, 11, 12))
+    [incident] = _incidents(api, run_id)["data"]
+    assert incident["status"] == "resolved" and incident["cause_key"] == "transient_burst", incident
+    assert (
+        incident["title"].startswith("a transient burst at steps 10-31")
+        and "recovered by step" in incident["title"]
+    )
+    sent = [r.json for r in receiver.wait_for(2)]
+    assert [body["event"] for body in sent] == ["incident.firing", "incident.updated"], sent
+    assert sent[0]["incident"]["cause_key"] == "loss_non_finite"  # what it looked like at step 20
+    assert sent[1]["incident"]["cause_key"] == "transient_burst" and sent[1]["text"].startswith("[UPDATE, ")
+    assert {body["incident"]["id"] for body in sent} == {incident["id"]}
+    time.sleep(0.5)
+    assert len(receiver.received) == 2  # one update for one change of cause, nothing more
+
+
+def test_a_loop_that_never_clears_grad_is_diagnosed_as_such(alert_server, api):
+    """No optimizer.zero_grad(): the gradients accumulate until one growth of the scale overflows, and
+    that inf stays in .grad for ever; every later step skips and the scale halves past 1 (where a scaled
+    gradient cannot overflow unless it is already inf). The diagnosis names the stale .grad first."""
+    import torch
+    from torch import nn
+    from training import TinyNet
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=5)
+    generator = torch.Generator().manual_seed(0)
+    with gradwatch.init(project="stale", server=alert_server.url, flush_interval=0.05) as run:
+        run.watch(model, optimizer, scaler=scaler)
+        for _ in range(120):
+            x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            run.log({"loss": loss})
+            scaler.scale(loss).backward()  # no optimizer.zero_grad() anywhere
+            scaler.step(optimizer)
+            scaler.update()
+    assert scaler.get_scale() < 1.0  # the mechanism: every step skipped, the scale fell through 1
+    causes = [incident["cause_key"] for incident in _incidents(api, run.id)["data"]]
+    assert "overflow_at_any_scale" in causes, _incidents(api, run.id)
+    [stale] = [i for i in _incidents(api, run.id)["data"] if i["cause_key"] == "overflow_at_any_scale"]
+    assert "zero_grad" in stale["cause"] and "zero_grad" in stale["next_steps"][0]
+    assert "init_scale below 1" not in json.dumps(_incidents(api, run.id))

@@ -366,3 +366,75 @@ def test_every_rule_type_and_setup_mistake_has_advice():
 
     assert [name for name in RULE_TYPES if not HINTS.get(name)] == []
     assert "params_not_in_optimizer" in MISUSE_EVENTS and HINTS.get("params_not_in_optimizer")
+
+
+def _burst(last_step=15):
+    nan = _finding("loss_non_finite", 10, {"steps": [10, 11, 12], "first_step": 10, "values": ["Infinity"]})
+    drop = {**_finding("scale_drop", 12, {"steps": [9, 12]}), "last_step": last_step}
+    return [nan, drop]
+
+
+def test_a_burst_whose_rules_all_cleared_is_named_transient_with_its_span_and_recovery():
+    diagnosis = diagnose(_burst(), RunContext(fp16_scaler=True, recovered_step=113))
+    assert diagnosis.cause_key == "transient_burst"
+    assert diagnosis.title == (
+        "a transient burst at steps 10-15 (non-finite losses; overflowing gradients the GradScaler "
+        "skipped); training recovered by step 113"
+    )
+    assert diagnosis.next_steps[0] == "Nothing to fix if it does not come back."
+
+
+@pytest.mark.parametrize(
+    ("context", "findings", "why"),
+    [
+        (RunContext(fp16_scaler=True), _burst(), "not recovered yet"),
+        (RunContext(fp16_scaler=True, recovered_step=200), _burst(last_step=70), "longer than a burst"),
+        (
+            RunContext(
+                fp16_scaler=True, recovered_step=113, lr=[(s, 1e-4 if s < 10 else 1e-2) for s in range(16)]
+            ),
+            _burst(),
+            "an lr jump explains it",
+        ),
+        (
+            RunContext(recovered_step=113),
+            [_finding("non_finite", 10, {"applied": True}), *_burst()],
+            "NaN reached the weights",
+        ),
+    ],
+)
+def test_what_is_not_a_transient_burst(context, findings, why):
+    assert diagnose(findings, context).cause_key != "transient_burst", why
+
+
+def _warmup_to_nan(peak=1.0):
+    """A warm-up from 1e-4 to `peak` over steps 0-8 and a loss that climbs 4.4 -> 22, NaN from step 8."""
+    lr = [(s, 1e-4 * (peak / 1e-4) ** (s / 8)) for s in range(9)]
+    loss = [(s, 4.4 * 5 ** (s / 7)) for s in range(8)]
+    nan = _finding("loss_non_finite", 8, {"steps": [8, 9, 10, 11, 12], "first_step": 8, "count": 5})
+    return [nan], RunContext(fp16_scaler=True, lr=lr, loss=loss)
+
+
+def test_a_warm_up_to_a_peak_far_too_high_is_named_with_its_numbers():
+    findings, context = _warmup_to_nan()
+    diagnosis = diagnose(findings, context)
+    assert diagnosis.cause_key == "lr_ramp"
+    assert diagnosis.title == (
+        "the learning rate ramped 10,000x to 1 by step 8 and the loss rose 5x: the peak lr is too high"
+    ), diagnosis.title
+    assert "from 0.0001 at step 0" in diagnosis.cause and "before step 0" in diagnosis.next_steps[0]
+
+
+def test_a_bad_batch_during_a_short_warm_up_is_not_the_ramps_doing():
+    _, context = _warmup_to_nan()
+    context.loss = [(s, 4.4 - 0.1 * s) for s in range(8)]  # the loss fell all along: a bad batch at step 8
+    one = _finding("loss_non_finite", 8, {"steps": [8], "first_step": 8, "count": 1})
+    assert diagnose([one], context).cause_key == "loss_non_finite"
+
+
+def test_forward_overflow_counts_every_non_finite_loss_not_the_capped_list():
+    steps = [*range(100, 101), *range(245, 294)]  # the first and the latest 49 of 194 (rule's evidence)
+    finding = _finding("loss_non_finite", 100, {"steps": steps, "first_step": 100, "count": 194})
+    diagnosis = diagnose([finding], RunContext(fp16_scaler=True))
+    assert diagnosis.cause_key == "fp16_forward_overflow"
+    assert "non-finite on 194 of 194 steps since step 100" in diagnosis.cause
