@@ -28,6 +28,8 @@ LR_HISTORY = 10  # lr points needed before a rise can be a jump (not the first s
 LR_RAMP_FACTOR = 10.0  # an lr that rose this much within DIVERGENCE_LOOKBACK steps is a ramp...
 LOSS_RISE_FACTOR = 2.0  # ...to blame when the loss rose this much over it
 TRANSIENT_SPAN = 50  # steps from a burst's first finding to its last: a longer one is not a burst
+ONGOING_GAP = 3  # finite losses since the last non-finite one: the forward pass no longer overflows
+_WINDOWED_RULES = frozenset({"skip_storm", "scale_drop"})
 # The rules whose findings a burst that passes can raise (a setup mistake, an lr jump, stalled layers or
 # a scaler that never settles are not bursts, whatever happens after).
 _BURST_RULES = frozenset(
@@ -53,6 +55,7 @@ class RunContext:
     )  # (layer, max |w|) when watching began
     recovered_step: int | None = None  # every finding's rule judged the run healthy again, by this step
     loss: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) before and at the incident
+    reached_step: int | None = None  # the run's latest step when the incident was summarised
 
 
 @dataclass
@@ -335,7 +338,12 @@ def _transient(by_rule: ByRule, findings: Findings, context: RunContext, misuse:
     if "non_finite" in by_rule and by_rule["non_finite"]["evidence"].get("applied"):
         return None  # non-finite gradients reached the weights: nothing a run recovers from by itself
     first = min(_finding_onset(f) for f in findings)
-    last = max(max(f.get("last_step") or f["step"], f["step"]) for f in findings)
+    # skip_storm and scale_drop hold as long as their window still shows the burst (and scale_drop while
+    # the scale stays low: it grows back every growth_interval): when they fired is the burst's
+    last = max(
+        f["step"] if f["rule"] in _WINDOWED_RULES else max(f.get("last_step") or f["step"], f["step"])
+        for f in findings
+    )
     if last - first > TRANSIENT_SPAN or _divergence_trigger(by_rule, context, first) is not None:
         return None
     what = []
@@ -388,6 +396,8 @@ def _forward_overflow(
     count = count if isinstance(count, int) and count >= len(bad) else len(bad)
     if count < 5 or count < 0.8 * (bad[-1] - bad[0] + 1):
         return None
+    if context.reached_step is not None and context.reached_step - bad[-1] >= ONGOING_GAP:
+        return None  # the losses are finite again: not "every step" (a burst: _bad_loss, then _transient)
     if _divergence_trigger(by_rule, context, bad[0]) is not None:
         return None
     suspects = _suspect_weights(context)
@@ -524,6 +534,31 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
     layers = _layers(findings, *present)
     where = f" in {_named(layers)}" if layers else ""
     settings = scaler_settings(context.safe_scale)
+    streak = _stale_streak(by_rule)
+    if streak is not None:
+        count, since = streak
+        return (
+            "overflow_at_any_scale",
+            (
+                f"{count} steps in a row overflowed with a finite loss since step {since}: is .grad ever "
+                "cleared?"
+            ),
+            (
+                f"Every step since step {since} ({count} in a row) overflowed although the loss stayed "
+                f"finite and the GradScaler halved its scale each time ({_x(2.0**count)}x by now): a real "
+                "overflow of scaled gradients stops after a few halvings. Likeliest: .grad is never "
+                "cleared (no optimizer.zero_grad() in the loop), so the inf of one overflow stays in .grad "
+                f"and every later step adds to it; else an operation{where} produces inf in backward at "
+                "any scale."
+            ),
+            [
+                (
+                    "Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after step(), "
+                    "or before the first backward of the next step)."
+                ),
+                f"Restart from the checkpoint before step {since}: no step was applied since.",
+            ],
+        )
     if "non_finite" in by_rule and by_rule["non_finite"]["evidence"].get("applied"):
         return (
             "non_finite_applied",
@@ -629,6 +664,23 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
         f"before step {step}."
     )
     return ("scale_collapse" if "scaler_calibration" in by_rule else "overflow", title, cause, steps)
+
+
+STALE_STREAK = 10  # overflows in a row with a finite loss: the scale fell 1024x and it still overflows
+
+
+def _stale_streak(by_rule: ByRule) -> tuple[int, int] | None:
+    """(steps in a row, first step) of an overflow streak that no real overflow of scaled gradients
+    makes: STALE_STREAK or more skipped steps with a finite loss (each halving the scale), none
+    applied; None otherwise."""
+    finding = by_rule.get("non_finite")
+    if finding is None or "loss_non_finite" in by_rule:
+        return None
+    evidence = finding["evidence"]
+    count, since = evidence.get("count"), evidence.get("first_step")
+    if evidence.get("applied") or not isinstance(count, int) or not isinstance(since, int):
+        return None
+    return (count, since) if count >= STALE_STREAK else None
 
 
 def _underflow(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from sqlalchemy import select
@@ -36,6 +36,27 @@ __all__ = ["GROUP_WINDOW_STEPS", "Incidents", "RunVerdict", "incident_document",
 
 GROUP_WINDOW_STEPS = 50
 MAX_FINDINGS = 30
+
+
+def _recovered_step(session: Session, run: Run, alerts: Sequence[Alert]) -> int | None:
+    """The step by which the run was healthy again after the incident's findings, or None: every alert
+    resolved by its own rule; or every one but scale_drop, with no step skipped since the others' last
+    finding (after a burst the GradScaler grows its scale back only every growth_interval steps, 2,000
+    by default: a lower scale that no longer overflows is no lasting problem)."""
+    if all(a.status == "resolved" for a in alerts):
+        return max((a.resolved_step for a in alerts if a.resolved_step is not None), default=None)
+    others = [a for a in alerts if a.type != "scale_drop"]
+    if not others or any(a.status != "resolved" for a in others):
+        return None
+    burst_end = max(a.last_step or a.step or 0 for a in others)
+    skipped_since = bulk.execute(
+        session,
+        "SELECT 1 FROM events WHERE run_id = ? AND kind = 'skip' AND step > ? LIMIT 1",
+        [run.id, burst_end],
+    )
+    if skipped_since:
+        return None
+    return max((a.resolved_step for a in others if a.resolved_step is not None), default=None)
 
 
 def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
@@ -228,12 +249,7 @@ class Incidents:
             for a in alerts
         ][:MAX_FINDINGS]
         context = self.context(session, run, incident.first_step, max(a.last_step or 0 for a in alerts))
-        # Every alert of it resolved: its rules judged the run healthy again (a burst that passed).
-        context.recovered_step = (
-            max((a.resolved_step for a in alerts if a.resolved_step is not None), default=None)
-            if all(a.status == "resolved" for a in alerts)
-            else None
-        )
+        context.recovered_step = _recovered_step(session, run, alerts)
         diagnosis = diagnose(findings, context)
         incident.severity = diagnosis.severity
         incident.cause_key = diagnosis.cause_key[:64]
@@ -365,6 +381,7 @@ class Incidents:
             misuse=misuse,
             lr=points("lr", lr_start, max(first_step, last_step) + 1),
             loss=points("loss" if "loss" in series else "amp/loss", lr_start, first_step + 1),
+            reached_step=run.last_step,
             lr_peak_before=lr_peak_before,
             lr_points_before=int(lr_points_before or 0),
             max_abs_weights=max_abs,

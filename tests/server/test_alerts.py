@@ -540,7 +540,7 @@ def test_a_burst_that_passes_is_sent_again_as_an_update_naming_it_transient(aler
     [incident] = _incidents(api, run_id)["data"]
     assert incident["status"] == "resolved" and incident["cause_key"] == "transient_burst", incident
     assert (
-        incident["title"].startswith("a transient burst at steps 10-31")
+        incident["title"].startswith("a transient burst at steps 10-12")
         and "recovered by step" in incident["title"]
     )
     sent = [r.json for r in receiver.wait_for(2)]

@@ -369,8 +369,14 @@ def test_every_rule_type_and_setup_mistake_has_advice():
 
 
 def _burst(last_step=15):
-    nan = _finding("loss_non_finite", 10, {"steps": [10, 11, 12], "first_step": 10, "values": ["Infinity"]})
-    drop = {**_finding("scale_drop", 12, {"steps": [9, 12]}), "last_step": last_step}
+    nan = {
+        **_finding("loss_non_finite", 10, {"steps": [10, 11, 12], "first_step": 10, "values": ["Infinity"]}),
+        "last_step": last_step,
+    }
+    drop = {
+        **_finding("scale_drop", 12, {"steps": [9, 12]}),
+        "last_step": 400,
+    }  # holds while the scale is low
     return [nan, drop]
 
 

@@ -43,12 +43,18 @@ EXPECTED_ONSETS = {
     "optimizer_subset": 0,
     "unfrozen_after_optimizer": 100,
     "embedding_lr_typo": 0,
+    "transient_overflow_burst": 150,
+    "lr_warmup_too_high": 9,
+    "no_zero_grad": 31,
 }
 # The cause the notification must name (its incident's cause_key), where pinned.
 EXPECTED_CAUSES = {
     "optimizer_subset": "params_not_in_optimizer",
     "unfrozen_after_optimizer": "params_not_in_optimizer",
     "embedding_lr_typo": "update_ratio_outlier",
+    "transient_overflow_burst": "transient_burst",
+    "lr_warmup_too_high": "lr_ramp",
+    "no_zero_grad": "overflow_at_any_scale",
 }
 
 
@@ -188,10 +194,23 @@ def test_pathology_notification_names_its_mechanism(name, outcomes, server, api,
     outcome = run_scenario(name, outcomes, server, api, receiver)
     assert outcome.notifications, f"no notification: {outcome.describe()}"
     assert outcome.scenario.cause == EXPECTED_CAUSES[name]
+    if name == "transient_overflow_burst":
+        # Notified as what it looked like at its group wait, then updated once every rule cleared.
+        first, last = outcome.notifications[0], outcome.notifications[-1]
+        assert first.event == "incident.firing" and first.kind != "transient_burst", outcome.describe()
+        assert last.event == "incident.updated" and last.kind == "transient_burst", outcome.describe()
+        assert last.body["incident"]["title"].startswith("a transient burst at steps 150-"), (
+            outcome.describe()
+        )
+        return
     first = outcome.notifications[0]
     assert first.kind == EXPECTED_CAUSES[name], outcome.describe()
     title = first.body["incident"]["title"]
-    if EXPECTED_CAUSES[name] == "params_not_in_optimizer":
+    if EXPECTED_CAUSES[name] == "lr_ramp":
+        assert title.startswith("the learning rate ramped ") and "to 50 by step" in title, title
+    elif EXPECTED_CAUSES[name] == "overflow_at_any_scale":
+        assert ".grad" in title and "zero_grad" in first.body["incident"]["next_steps"][0], title
+    elif EXPECTED_CAUSES[name] == "params_not_in_optimizer":
         share = outcome.scenario.facts["frozen_by_mistake_share"]
         assert title == (
             f"4 layers ({share:.0%} of the weights) get gradients but are not in the optimizer: "

@@ -14,7 +14,7 @@ from .harness import Scenario
 # A notification must name a step at most this many steps after the onset to count as a detection.
 DETECTION_WINDOW = 30
 
-FIRING_EVENTS = ("incident.firing",)
+FIRING_EVENTS = ("incident.firing", "incident.updated")  # what people are sent: an update names a new cause
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ def _layers_in(value: Any) -> list[str]:
 
 
 def as_notification(body: Any) -> Notification | None:
-    """The firing notification in a generic JSON webhook body ({"event": "incident.firing", "incident":
+    """The notification (firing, or an update naming a new cause) in a generic JSON webhook body
+    ({"event": "incident.firing", "incident":
     {"first_step", "cause_key", "rules", "layers", "findings": [...]}}); None for resolutions and tests."""
     if (
         not isinstance(body, dict)

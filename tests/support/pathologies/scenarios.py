@@ -747,6 +747,97 @@ def embedding_lr_typo(new_run: RunFactory | None = None) -> Scenario:
 # -- healthy controls ----------------------------------------------------------------------------------
 
 
+@_timed
+def transient_overflow_burst(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 with a GradScaler; for six steps (150-155) the inputs arrive 1e5 times too large (a corrupt
+    shard, the demo's injected blow-up): activations overflow fp16, the losses are inf, the scaler skips
+    those steps and backs off; then the data is clean again and training carries on as before. A burst
+    that passed: notified when it happens, then updated once every rule that fired has cleared."""
+    s = Scenario(
+        "transient_overflow_burst", "transient_burst", None, cause="transient_burst", precision="fp16"
+    )
+    trace, task, model = _Trace(s), _Task(31), _mlp(31)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(320):
+            x, y = task.batch(step)
+            if 150 <= step < 156:
+                x = x * 1e5
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp16_step(model, optimizer, scaler, loss, trace)
+    bad = [step for step, loss in enumerate(s.losses) if not _finite(loss)]
+    s.onset_step = bad[0] if bad else None
+    early, late = sum(s.losses[:20]) / 20, sum(s.losses[-20:]) / 20
+    s.facts = {"non_finite_steps": bad, "skips_after_200": sum(s.skipped[200:]), "loss": (early, late)}
+    _require(
+        bool(bad)
+        and bad[0] == 150
+        and bad[-1] <= 155
+        and s.facts["skips_after_200"] <= 2
+        and late < 0.8 * early,
+        f"not a burst that passed: {s.facts}",
+    )
+    return s
+
+
+@_timed
+def lr_warmup_too_high(new_run: RunFactory | None = None) -> Scenario:
+    """fp16, SGD with momentum and a warm-up that multiplies the lr 2.5x a step to a peak of 50, far
+    too high: the loss climbs from 1.4 to ~30 as the lr passes ~10, then goes NaN for good. No one
+    step's rise is a jump; the ramp is the cause, not the data or fp16's range."""
+    s = Scenario("lr_warmup_too_high", "lr_ramp", None, cause="lr_ramp", precision="fp16")
+    trace, task, model = _Trace(s), _Task(21), _mlp(21)
+    optimizer = torch.optim.SGD(model.parameters(), lr=50.0, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, 1e-4 * 1e4 ** (step / 10)))
+    scaler = torch.amp.GradScaler("cpu")
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(60):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            _log(run, loss)
+            _fp16_step(model, optimizer, scaler, loss, trace, clip=None)
+            schedule.step()
+    s.onset_step = _divergence_onset(s.losses, before=5)
+    s.facts = {"first_nan": _first([not _finite(loss) for loss in s.losses]), "peak_lr": max(s.lrs)}
+    _require(
+        s.onset_step is not None and s.facts["first_nan"] is not None and s.facts["peak_lr"] == 50.0,
+        f"the warm-up did not break the run: {s.facts}",
+    )
+    return s
+
+
+@_timed
+def no_zero_grad(new_run: RunFactory | None = None) -> Scenario:
+    """fp16 with a GradScaler (growth_interval=10) and a loop that never calls optimizer.zero_grad():
+    the gradients accumulate until a growth of the scale overflows, that inf stays in .grad for ever,
+    every later step is skipped and the scale halves through 1 towards 0."""
+    s = Scenario("no_zero_grad", "grads_never_cleared", None, cause="overflow_at_any_scale", precision="fp16")
+    trace, task, model = _Trace(s), _Task(41), _mlp(41)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=10)
+    with _gradwatch(new_run, s, model, optimizer, scaler) as run:
+        for step in range(150):
+            x, y = task.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            _log(run, loss)  # no optimizer.zero_grad() anywhere in the loop
+            _fp16_step(model, optimizer, scaler, loss, trace, clip=None)
+    first_skip = _first(s.skipped)
+    s.onset_step = first_skip
+    s.facts = {"first_skip": first_skip, "final_scale": s.scales[-1]}
+    _require(
+        first_skip is not None and all(s.skipped[first_skip:]) and (s.scales[-1] or 1.0) < 1.0,
+        f"the stale inf did not stay: {s.facts}",
+    )
+    return s
+
+
 def _healthy_fp16(s: Scenario, new_run: RunFactory | None, seed: int, steps: int, **scaler_args: Any) -> None:
     trace, task, model = _Trace(s), _Task(seed), _mlp(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -975,6 +1066,9 @@ PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
     optimizer_subset,
     unfrozen_after_optimizer,
     embedding_lr_typo,
+    transient_overflow_burst,
+    lr_warmup_too_high,
+    no_zero_grad,
 )
 HEALTHY: tuple[Callable[..., Scenario], ...] = (
     fp16_calibration,
