@@ -108,8 +108,11 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _evict_one(self) -> bool:
-        """Close the oldest connection still waiting for its head; False when there is none."""
-        for waiting in self._waiting:
+        """Close the oldest connection still waiting for its head of the address that has the most of
+        them (a flood pays for itself, not the client that opened a connection before it); False when
+        there is none."""
+        busiest = max(self._by_address.values(), key=len, default={})
+        for waiting in (*busiest, *self._waiting):
             if waiting is not self:
                 waiting._head_arrived()
                 waiting.transport.close()

@@ -299,6 +299,7 @@ def test_one_addresses_half_open_flood_evicts_only_its_own_connections(sqlite_ur
     server.start()
     where = urlsplit(server.url)
     flood = []
+    slow = None
     try:
         slow = socket.create_connection((where.hostname, where.port), timeout=10)
         slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its head is not finished yet
@@ -313,8 +314,9 @@ def test_one_addresses_half_open_flood_evicts_only_its_own_connections(sqlite_ur
         assert len(waiting.get("127.0.0.2", {})) == 20
         slow.sendall(b"\r\n")  # the head ends: the older connection of the other address was kept
         assert slow.recv(64).startswith(b"HTTP/1.1 200")
-        slow.close()
     finally:
+        if slow is not None:
+            slow.close()
         for sock in flood:
             sock.close()
         server.stop()
