@@ -611,10 +611,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What `pip install 'gradwatch[server]'` adds (pyproject.toml) and what those packages import themselves.
+_SERVER_PACKAGES = frozenset(
+    {"fastapi", "starlette", "uvicorn", "h11", "sqlalchemy", "alembic", "psycopg", "dash", "plotly", "a2wsgi"}
+    | {"httpx", "websockets", "pydantic"}
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command: Callable[[argparse.Namespace], int] = args.func
-    return command(args)
+    try:
+        return command(args)
+    except ModuleNotFoundError as missing:
+        # The agent alone (`pip install gradwatch`) has no server: say what to install, not a traceback.
+        if (missing.name or "").partition(".")[0] not in _SERVER_PACKAGES:
+            raise
+        print(
+            f"gradwatch {args.command}: this needs the server's packages, and {missing.name} is not "
+            "installed: pip install 'gradwatch[server]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":
