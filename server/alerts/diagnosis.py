@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from .rules.misuse import share, unheld_parameters_title
 
-__all__ = ["Diagnosis", "RunContext", "diagnose", "lr_jump_near", "lr_ramp_near", "scaler_settings"]
+__all__ = [
+    "Diagnosis",
+    "RunContext",
+    "diagnose",
+    "finding_onset",
+    "lr_jump_near",
+    "lr_ramp_near",
+    "scaler_settings",
+]
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 DIVERGENCE_LOOKBACK = 50  # steps before an incident in which an lr jump is taken as its trigger
@@ -322,10 +331,17 @@ def _lr_at(context: RunContext, step: int) -> float | None:
     return before[-1] if before else None
 
 
-def _finding_onset(finding: dict[str, Any]) -> int:
+def finding_onset(finding: dict[str, Any], rules: Collection[str] | None = None) -> int:
+    """Where a finding's condition began: its evidence's onset_step or first_step (a sustained rule, a
+    streak) when it has one and its rule is among `rules` (None: any rule), else the step it fired."""
     evidence = finding.get("evidence") or {}
-    onset = evidence.get("onset_step", evidence.get("first_step", finding["step"]))
-    return int(onset) if isinstance(onset, int) else int(finding["step"])
+    step = int(finding["step"])
+    onset = (
+        evidence.get("onset_step", evidence.get("first_step"))
+        if rules is None or finding["rule"] in rules
+        else None
+    )
+    return min(step, onset) if isinstance(onset, int) else step
 
 
 def _transient(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:
@@ -337,7 +353,7 @@ def _transient(by_rule: ByRule, findings: Findings, context: RunContext, misuse:
         return None
     if "non_finite" in by_rule and by_rule["non_finite"]["evidence"].get("applied"):
         return None  # non-finite gradients reached the weights: nothing a run recovers from by itself
-    first = min(_finding_onset(f) for f in findings)
+    first = min(finding_onset(f) for f in findings)
     # skip_storm and scale_drop hold as long as their window still shows the burst (and scale_drop while
     # the scale stays low: it grows back every growth_interval): when they fired is the burst's
     last = max(
@@ -552,10 +568,7 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
                 "any scale."
             ),
             [
-                (
-                    "Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after step(), "
-                    "or before the first backward of the next step)."
-                ),
+                CLEAR_GRAD_ADVICE,
                 f"Restart from the checkpoint before step {since}: no step was applied since.",
             ],
         )
@@ -618,10 +631,7 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
                     f"it; else a layer{where} outputs inf in the forward pass."
                 ),
                 [
-                    (
-                        "Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after step(), "
-                        "or before the first backward of the next step)."
-                    ),
+                    CLEAR_GRAD_ADVICE,
                     "If the loop does clear .grad: keep "
                     + (_named(layers) if layers else "the overflowing layers")
                     + " in fp32 or train in bf16.",
@@ -666,6 +676,10 @@ def _scaler(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Mi
     return ("scale_collapse" if "scaler_calibration" in by_rule else "overflow", title, cause, steps)
 
 
+CLEAR_GRAD_ADVICE = (
+    "Call optimizer.zero_grad(set_to_none=True) once per optimizer step (after step(), or before the first "
+    "backward of the next step)."
+)
 STALE_STREAK = 10  # overflows in a row with a finite loss: the scale fell 1024x and it still overflows
 
 

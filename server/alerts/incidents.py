@@ -28,7 +28,7 @@ from ..models import Alert, Delivery, Incident, Run, Series, VectorPoint, Webhoo
 from ..storage import bulk, chunked_points
 from ..storage.codecs import dump_json, iso_time, unpack
 from ..storage.queries import events_of_kinds
-from .diagnosis import SEVERITY_ORDER, RunContext, diagnose
+from .diagnosis import SEVERITY_ORDER, RunContext, diagnose, finding_onset
 from .rules import MISUSE_EVENTS, RULE_TYPES
 from .webhooks import render
 
@@ -85,13 +85,6 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
         "resolved_at": iso_time(incident.resolved_at),
         "notified_at": iso_time(incident.notified_at),
     }
-
-
-def _onset(finding: dict[str, Any]) -> int:
-    evidence = finding["evidence"]
-    step: int = finding["step"]
-    onset = evidence.get("onset_step", evidence.get("first_step")) if finding["rule"] in ONSET_RULES else None
-    return min(step, onset) if isinstance(onset, int) else step
 
 
 ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_non_finite")
@@ -265,7 +258,7 @@ class Incidents:
         incident.findings_json = dump_json({"f": findings})[len('{"f":') : -1]
         incident.layers_json = json.dumps(diagnosis.layers[:20])
         # Where it began: a sustained rule's onset or a NaN loss's first step comes before the step it fired.
-        incident.first_step = min(_onset(f) for f in findings)
+        incident.first_step = min(finding_onset(f, ONSET_RULES) for f in findings)
         incident.last_step = max(a.last_step or a.step or 0 for a in alerts)
         incident.link = self.link(run.id, incident.first_step)
         incident.updated_at = time.time()
