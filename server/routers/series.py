@@ -3,10 +3,12 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Query
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from ..deps import PrincipalDep, StoreDep, authorize_run
 from ..errors import InvalidRequest
+from ..http_errors import model_json
 from ..schemas import (
     CompareOut,
     CompareSeries,
@@ -34,7 +36,7 @@ class EventPageOut(EventList):
     )
 
 
-@compare_router.get("")
+@compare_router.get("", response_model=CompareOut)
 def compare_runs(
     store: StoreDep,
     principal: PrincipalDep,
@@ -46,7 +48,7 @@ def compare_runs(
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
     rank: Annotated[int, Query(ge=0)] = 0,
-) -> CompareOut:
+) -> Response:
     """One key of several runs in one call, each downsampled like /series, aligned by step."""
     if len(run) > MAX_COMPARED_RUNS:
         raise InvalidRequest(f"at most {MAX_COMPARED_RUNS} runs per comparison, got {len(run)}")
@@ -65,10 +67,10 @@ def compare_runs(
                 downsampled=result.downsampled,
             )
         )
-    return CompareOut(key=key, rank=rank, data=data)
+    return model_json(CompareOut(key=key, rank=rank, data=data))
 
 
-@router.get("/{run_id}/series")
+@router.get("/{run_id}/series", response_model=SeriesOut)
 def get_series(
     run_id: str,
     store: StoreDep,
@@ -78,16 +80,18 @@ def get_series(
     start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
     end: Annotated[int | None, Query(ge=0, description="last step, exclusive")] = None,
     rank: Annotated[int, Query(ge=0)] = 0,
-) -> SeriesOut:
+) -> Response:
     """One scalar series over [start, end); exact up to max_points points, min/max-downsampled beyond."""
     authorize_run(store, principal, run_id, "read")
     result = store.series(run_id, key, rank, start, end, max_points)
-    return SeriesOut(
-        key=key,
-        rank=rank,
-        steps=result.steps,
-        values=[json_float(v) for v in result.values],
-        downsampled=result.downsampled,
+    return model_json(
+        SeriesOut(
+            key=key,
+            rank=rank,
+            steps=result.steps,
+            values=[json_float(v) for v in result.values],
+            downsampled=result.downsampled,
+        )
     )
 
 
@@ -105,7 +109,7 @@ class PackedVectorsOut(BaseModel):
     downsampled: bool = Field(description="true when steps were merged (max per layer, non-finite kept)")
 
 
-@router.get("/{run_id}/vectors")
+@router.get("/{run_id}/vectors", response_model=VectorsOut | PackedVectorsOut)
 def get_vectors(
     run_id: str,
     store: StoreDep,
@@ -119,31 +123,35 @@ def get_vectors(
         Literal["json", "f64"],
         Query(description="f64: the values as `values_f64` (PackedVectorsOut), unless rows differ in length"),
     ] = "json",
-) -> VectorsOut | PackedVectorsOut:
+) -> Response:
     """A per-layer quantity as a step x layer matrix (for heatmaps), in the model's layer order."""
     authorize_run(store, principal, run_id, "read")
     result = store.vectors(run_id, key, rank, start, end, max_steps)
     if encoding == "f64" and all(len(row) == len(result.layers) for row in result.values):
         matrix = np.asarray(result.values, dtype="<f8").reshape(len(result.steps), len(result.layers))
-        return PackedVectorsOut(
+        return model_json(
+            PackedVectorsOut(
+                key=key,
+                rank=rank,
+                layers=result.layers,
+                steps=result.steps,
+                values_f64=base64.b64encode(matrix.tobytes()).decode("ascii"),
+                downsampled=result.downsampled,
+            )
+        )
+    return model_json(
+        VectorsOut(
             key=key,
             rank=rank,
             layers=result.layers,
             steps=result.steps,
-            values_f64=base64.b64encode(matrix.tobytes()).decode("ascii"),
+            values=[[json_float(v) for v in row] for row in result.values],
             downsampled=result.downsampled,
         )
-    return VectorsOut(
-        key=key,
-        rank=rank,
-        layers=result.layers,
-        steps=result.steps,
-        values=[[json_float(v) for v in row] for row in result.values],
-        downsampled=result.downsampled,
     )
 
 
-@router.get("/{run_id}/histograms")
+@router.get("/{run_id}/histograms", response_model=HistogramsOut)
 def get_histograms(
     run_id: str,
     store: StoreDep,
@@ -154,19 +162,21 @@ def get_histograms(
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
     rank: Annotated[int, Query(ge=0)] = 0,
-) -> HistogramsOut:
+) -> Response:
     """One layer's log2|g| histograms over steps: counts per power of two, zeros, NaN/Inf."""
     authorize_run(store, principal, run_id, "read")
     result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
-    return HistogramsOut(
-        key=key,
-        rank=rank,
-        layer=layer,
-        exponents=result.exponents,
-        steps=result.steps,
-        counts=result.counts,
-        zeros=result.zeros,
-        non_finite=result.non_finite,
+    return model_json(
+        HistogramsOut(
+            key=key,
+            rank=rank,
+            layer=layer,
+            exponents=result.exponents,
+            steps=result.steps,
+            counts=result.counts,
+            zeros=result.zeros,
+            non_finite=result.non_finite,
+        )
     )
 
 

@@ -18,6 +18,7 @@ downsampling of the raw points.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,7 +29,7 @@ import numpy as np
 from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
-from ..models import PointRollup, VectorPoint, VectorRollup
+from ..models import Flag, PointRollup, VectorPoint, VectorRollup
 from . import bulk, chunked_points
 
 BASE = 32
@@ -175,26 +176,29 @@ def _group_points(
 
 def point_summaries(
     executor: Executor, series_id: int, rank: int, lo: int, hi: int, level: int, bucket_width: int
-) -> list[SummaryRow]:
+) -> _Spans:
     """Summaries covering exactly the steps [lo, hi), none straddling a multiple of bucket_width (a
-    multiple of level's width): whole buckets of `level`, finer ones at the edges, and raw points
-    summarised per bucket_width at level 0."""
+    multiple of level's width), in step order: whole buckets of `level`, finer ones at the edges, and
+    raw points summarised per bucket_width at level 0. Columns, not rows: a read of 100,000 points
+    grouped in Python objects took ~1 s of the server's one interpreter."""
     if hi <= lo:
-        return []
-    if level == 0:  # vectorised: a read of 100,000 raw points took ~1 s of the server's one interpreter
+        return _Spans.empty()
+    if level == 0:
         points = chunked_points.read(executor, series_id, [rank], lo, hi).get(rank)
         if points is None or not len(points):
-            return []
-        return _Spans.of_points({series_id: points}).coarser(bucket_width).rows()
+            return _Spans.empty()
+        return _Spans.of_points({series_id: points}).coarser(bucket_width)
     w = width(level)
     first, last = -(-lo // w), hi // w  # whole buckets [first, last)
     if first >= last:
         return point_summaries(executor, series_id, rank, lo, hi, level - 1, bucket_width)
-    return [
-        *point_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
-        *(row[2:] for row in _read_point_rollups(executor, [series_id], rank, level, first, last)),
-        *point_summaries(executor, series_id, rank, last * w, hi, level - 1, bucket_width),
-    ]
+    return _Spans.concatenate(
+        [
+            point_summaries(executor, series_id, rank, lo, first * w, level - 1, bucket_width),
+            _Spans.of_rollup_rows(_read_point_rollups(executor, [series_id], rank, level, first, last)),
+            point_summaries(executor, series_id, rank, last * w, hi, level - 1, bucket_width),
+        ]
+    )
 
 
 def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
@@ -213,22 +217,22 @@ def plan(first: int, last: int, buckets: int) -> tuple[int, int]:
     return level, bucket_width
 
 
-def downsample(
-    summaries: list[SummaryRow], bucket_width: int
-) -> tuple[list[tuple[int, float | None, int]], int]:
-    """The lowest and highest point of each bucket of steps (at most two per bucket, in step order)
-    and the number of points summarised."""
-    groups: dict[int, list[SummaryRow]] = defaultdict(list)
-    for s in summaries:
-        groups[s[LOW_STEP] // bucket_width].append(s)
-    kept: dict[int, tuple[int, float | None, int]] = {}
-    total = 0
-    for parts in groups.values():
-        s = combine(parts)
-        total += s[POINT_COUNT]
-        kept[s[LOW_STEP]] = s[LOW_STEP:HIGH_STEP]
-        kept.setdefault(s[HIGH_STEP], s[HIGH_STEP:POINT_COUNT])
-    return [kept[step] for step in sorted(kept)], total
+def downsample(summaries: _Spans, bucket_width: int) -> tuple[list[int], list[float], int]:
+    """The lowest and highest point of each bucket of steps (at most two per bucket, in step order,
+    non-finite values as such) as (steps, values), and the number of points summarised."""
+    if not len(summaries.low_step):
+        return [], [], 0
+    # Every summary lies inside one bucket: group them by their first step's bucket.
+    buckets = summaries.rebucketed(summaries.low_step).coarser(bucket_width)
+    low_first = buckets.low_step <= buckets.high_step
+    first_step = np.where(low_first, buckets.low_step, buckets.high_step)
+    first_value = np.where(low_first, buckets.low_value, buckets.high_value)
+    second_step = np.where(low_first, buckets.high_step, buckets.low_step)
+    second_value = np.where(low_first, buckets.high_value, buckets.low_value)
+    keep = np.column_stack((np.ones(len(first_step), dtype=bool), second_step != first_step)).ravel()
+    steps = np.column_stack((first_step, second_step)).ravel()[keep]
+    values = np.column_stack((first_value, second_value)).ravel()[keep]
+    return steps.tolist(), values.tolist(), int(buckets.count.sum())
 
 
 # -- per-layer vectors ------------------------------------------------------------------------------
@@ -496,6 +500,41 @@ class _Spans:
         ones = np.ones(len(steps), dtype=np.int64)
         return cls(series, steps, steps, values, flags, steps, values, flags, ones)
 
+    @classmethod
+    def empty(cls) -> _Spans:
+        ints, floats, flags = (np.zeros(0, dtype=t) for t in (np.int64, np.float64, np.int8))
+        return cls(ints, ints, ints, floats, flags, ints, floats, flags, ints)
+
+    @classmethod
+    def of_rollup_rows(cls, rows: Sequence[tuple[Any, ...]]) -> _Spans:
+        """From (series_id, bucket, *Summary fields) rows (a NULL value is non-finite: its flag says how)."""
+        if not rows:
+            return cls.empty()
+        series, bucket, low_step, low_value, low_flag, high_step, high_value, high_flag, count = zip(
+            *rows, strict=True
+        )
+        low_flags = np.asarray(low_flag, dtype=np.int8)
+        high_flags = np.asarray(high_flag, dtype=np.int8)
+        return cls(
+            np.asarray(series, dtype=np.int64),
+            np.asarray(bucket, dtype=np.int64),
+            np.asarray(low_step, dtype=np.int64),
+            _decoded(low_value, low_flags),
+            low_flags,
+            np.asarray(high_step, dtype=np.int64),
+            _decoded(high_value, high_flags),
+            high_flags,
+            np.asarray(count, dtype=np.int64),
+        )
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[_Spans]) -> _Spans:
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
+
+    def rebucketed(self, bucket: np.ndarray) -> _Spans:
+        """The same summaries with other bucket numbers (what coarser() groups by)."""
+        return dataclasses.replace(self, bucket=bucket)
+
     def coarser(self, factor: int = BASE) -> _Spans:
         """The summaries of the buckets `factor` times wider (a bucket's spans are adjacent, in step order):
         the lowest is the first non-finite one, else the smallest value (earliest on ties); the highest
@@ -553,6 +592,15 @@ class _Spans:
                 strict=True,
             )
         )
+
+
+def _decoded(values: Sequence[float | None], flags: np.ndarray) -> np.ndarray:
+    """Stored values as floats: NULL (non-finite) as the NaN or ±Inf its flag names."""
+    out = np.fromiter((0.0 if v is None else v for v in values), dtype=np.float64, count=len(values))
+    out[flags == Flag.NAN] = np.nan
+    out[flags == Flag.POS_INF] = np.inf
+    out[flags == Flag.NEG_INF] = -np.inf
+    return out
 
 
 def _first_where(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

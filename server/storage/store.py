@@ -40,7 +40,7 @@ from ..models import (
 )
 from ..schemas import BatchIn, RunIn, ScalarSeriesIn
 from . import bulk, chunked_points, liveness, queries, resumes, rollups
-from .codecs import decode_float, dump_json, pack, unpack
+from .codecs import dump_json, pack, unpack
 from .live import LiveReads
 from .ranks import RankReads
 
@@ -743,13 +743,9 @@ class Store:
                 summaries = rollups.point_summaries(
                     session, series_id, rank, first, last + 1, level, bucket_width
                 )
-                kept, total = rollups.downsample(summaries, bucket_width)
+                steps, values, total = rollups.downsample(summaries, bucket_width)
                 if total > max_points:
-                    return SeriesResult(
-                        [step for step, _, _ in kept],
-                        [decode_float(v, f) for _, v, f in kept],
-                        downsampled=True,
-                    )
+                    return SeriesResult(steps, values, downsampled=True)
             points = chunked_points.read(session, series_id, [rank], first, last + 1).get(rank)
         if points is None:
             return SeriesResult([], [], False)
