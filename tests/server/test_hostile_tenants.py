@@ -590,3 +590,23 @@ def test_events_and_layer_names_count_against_the_batch_caps(api_server):
         events = [{"step": s, "kind": "skip", "data": {}} for s in range(0, 2_000, 2)]
         ok = client.post(url, json={"seq": 3, "layers": names, "events": events})
         assert ok.status_code == 200, ok.text
+
+
+def test_numeric_reads_answer_a_string_pydantic_refuses_as_an_escape():
+    # The numeric reads serialize with pydantic's JSON directly; a lone surrogate (which the API
+    # refuses on input, but an older database may hold) falls back to escaped ASCII, never a 500.
+    import json
+
+    from gradwatch.server.http_errors import model_json
+    from gradwatch.server.schemas import SeriesOut
+
+    plain = model_json(SeriesOut(key="loss", rank=0, steps=[1, 2], values=["NaN", 2.5], downsampled=False))
+    assert json.loads(plain.body) == {
+        "key": "loss",
+        "rank": 0,
+        "steps": [1, 2],
+        "values": ["NaN", 2.5],
+        "downsampled": False,
+    }
+    odd = model_json(SeriesOut(key="x\ud800", rank=0, steps=[1], values=[1.0], downsampled=False))
+    assert b'"x\\ud800"' in odd.body and odd.media_type == "application/json"
