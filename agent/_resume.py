@@ -108,6 +108,14 @@ def _ask(transport: Transport, document: dict[str, Any], mode: str) -> _Answer |
         timeout = min(transport.timeout, CHECK_TIMEOUT_S)
         asker = HttpTransport(transport.base, transport.token, timeout=timeout)
     try:
+        return _post_resume(asker, document, mode, run_id)
+    finally:
+        if asker is not transport:
+            asker.close()
+
+
+def _post_resume(asker: Any, document: dict[str, Any], mode: str, run_id: Any) -> _Answer | None:
+    try:
         answer = asker.create_run({**document, "resume": mode})
     except TransportError as exc:
         if exc.status == 404 and mode == "must":

@@ -44,7 +44,7 @@ from typing import Any
 from ._buffer import Packet, Resolved, host_points
 from ._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES, BatchFaults
 from ._spool import DeadLetters, Spool, dead_letter_path
-from ._transport import Backoff, Transport, TransportError
+from ._transport import Backoff, HttpTransport, Transport, TransportError
 from ._wire import (
     HEALTH_PREFIX,
     MAX_BATCH_VALUES,
@@ -307,6 +307,9 @@ class Sender:
             self._collector.join(1.0)  # a collector stuck reading device values is left behind
             if self._uploader is not None:
                 self._uploader.join(0.1)  # one in the middle of a request is left to finish it
+            uploading = self._uploader is not None and self._uploader.is_alive()
+            if isinstance(self.transport, HttpTransport) and not uploading:
+                self.transport.close()  # its kept-alive connection
             with self._lock:
                 # Whatever is still here must survive the process: `gradwatch sync` or a resumed run
                 # sends it. A batch an uploader still has in flight may be written too; its seq makes

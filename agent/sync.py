@@ -80,14 +80,19 @@ def sync(
     target = Path(path)
     if not target.exists() and not (dead_letters and dead_letter_path(target).is_file()):
         raise ValueError(f"no spool file or folder at {str(target)!r}")
+    own = transport is None
     transport = transport or HttpTransport(server, token)
     report = SyncReport()
     policy = _Policy(Backoff(base=min(0.25, max_backoff), cap=max_backoff), give_up_after, server_error_tries)
-    for spool_path in iter_spool_files(target, dead_letters=dead_letters):
-        report.files += 1
-        _sync_file(spool_path, transport, report, policy, log)
-        if report.error is not None:
-            break
+    try:
+        for spool_path in iter_spool_files(target, dead_letters=dead_letters):
+            report.files += 1
+            _sync_file(spool_path, transport, report, policy, log)
+            if report.error is not None:
+                break
+    finally:
+        if own:
+            transport.close()
     return report
 
 

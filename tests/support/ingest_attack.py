@@ -127,6 +127,7 @@ class Victim(threading.Thread):
             step += self.points
             next_send = max(next_send + self.interval, time.monotonic())
             self.stop.wait(next_send - time.monotonic())
+        self.transport.close()  # its kept-alive connection
 
     def between(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.at < end]
