@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ingest_isolation.py [--databases sqlite,postgresql] [--baseline-s 5]
         [--attack-s 15] [--swarm 8] [--no-batches] [--firing] [--postgres-admin-url URL]
-        [--attacks batches,events,layers,rules,reads,websockets,preauth,halfopen]
+        [--attacks batches,events,layers,rules,reads,websockets,preauth,halfopen] [--proxy nginx]
 
 For each database and each configuration, a fresh database (a SQLite file in a temp folder; a
 PostgreSQL database created through --postgres-admin-url and dropped after) and a real server child
@@ -35,6 +35,8 @@ alert rules with the largest windows as its project may hold, then the batches a
 threads reading 100,000 points of a 400,000-point series), websockets (2,000 live streams held
 open), preauth (gzip bombs and 30 MB JSON without a token) and halfopen (up to 15,000 connections
 that send half a request head). A last table gives the victim's p50/p95 alone and under each.
+--proxy nginx puts server/deploy/nginx.conf in front of the server (its per-address limits on
+connections and stream opens included), as a team deployment runs it: victim and hostile go through it.
 
 First (skip with --no-batches), the server's peak RSS for single batches, each sent gzip-compressed to
 a fresh server with the default limits (SQLite): one at the points cap and one at the numbers cap
@@ -147,6 +149,52 @@ def server(
             process.wait()
 
 
+@contextlib.contextmanager
+def nginx_in_front(server_url: str, folder: Path) -> Iterator[str]:
+    """server/deploy/nginx.conf in front of the one server (its per-address connection and stream-open
+    limits included), as a team deployment runs it; yields the proxy's URL."""
+    import shutil
+
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if nginx is None:
+        raise SystemExit("--proxy nginx: nginx is not installed (apt-get install nginx-light)")
+    site = (ROOT / "server" / "deploy" / "nginx.conf").read_text()
+    upstream = server_url.removeprefix("http://")
+    site = site.replace("server gradwatch-1:8765", f"server {upstream}")
+    site = "\n".join(line for line in site.splitlines() if "gradwatch-2:8765" not in line)
+    port = free_port()
+    site = site.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    home = folder / f"nginx-{port}"
+    home.mkdir()
+    (home / "site.conf").write_text(site)
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    temp_paths = "".join(
+        f"{kind}_temp_path {home / kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (home / "nginx.conf").write_text(
+        f"{user}daemon off;\nworker_processes 1;\nworker_rlimit_nofile 40000;\npid {home / 'nginx.pid'};\n"
+        f"error_log {home / 'error.log'} crit;\n"
+        "events { worker_connections 20000; }\n"
+        f"http {{\naccess_log off;\n{temp_paths}include {home / 'site.conf'};\n}}\n"
+    )
+    process = subprocess.Popen([nginx, "-p", str(home), "-c", str(home / "nginx.conf")])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"nginx exited: {(home / 'error.log').read_text()[-2000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=1):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("nginx did not answer within 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def one_batch_rss(folder: Path) -> None:
     """Peak RSS of a fresh server (limits on, SQLite) for one batch at each cap, and one past each."""
     defaults = Settings(database_url="sqlite://")
@@ -199,7 +247,10 @@ def run_one(
             url, "ingest" if attack == "batches" else "ingest,read,admin"
         )
         log = folder / f"server-{kind}-{config}-{attack}.log"
-        with server(url, CONFIGS[config], log) as (server_url, process):
+        with contextlib.ExitStack() as stack:
+            server_url, process = stack.enter_context(server(url, CONFIGS[config], log))
+            if args.proxy == "nginx":
+                server_url = stack.enter_context(nginx_in_front(server_url, folder))
             result = scenario.run_scenario(
                 server_url,
                 victim_token,
@@ -234,7 +285,7 @@ def run_one(
     if failures:
         print(f"  victim failures: {failures[:5]}", flush=True)
     print(
-        f"{kind:10} {attack:10} limits {config:3}: "
+        f"{kind:10} {attack:10} limits {config:3}{' via nginx' if args.proxy == 'nginx' else ''}: "
         f"victim baseline p50 {b.p50 * 1000:.0f} ms p95 {b.p95 * 1000:.0f} ms "
         f"({b.samples} samples, {b.errors} errors); "
         f"under attack p50 {a.p50 * 1000:.0f} ms p95 {a.p95 * 1000:.0f} ms "
@@ -307,6 +358,13 @@ def main() -> int:
     parser.add_argument("--attack-s", type=float, default=15.0)
     parser.add_argument("--swarm", type=int, default=8)
     parser.add_argument("--no-batches", action="store_true", help="skip the one-batch peak RSS figures")
+    parser.add_argument(
+        "--proxy",
+        choices=("none", "nginx"),
+        default="none",
+        help="nginx: victim and hostile reach the server through server/deploy/nginx.conf, as a team "
+        "deployment does",
+    )
     parser.add_argument(
         "--attacks",
         default=",".join(scenario.ATTACKS),
