@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -106,6 +107,8 @@ def test_a_proxy_named_by_the_environment_is_still_used(recorder, monkeypatch):
     try:
         monkeypatch.setenv("http_proxy", proxy.url)
         monkeypatch.setenv("no_proxy", "")
+        # urlopen keeps the opener it built first, with the proxies of that moment: a new one here.
+        monkeypatch.setattr(urllib.request, "_opener", None)
         transport = HttpTransport(recorder.url)
         transport.create_run({"id": "r", "project": "p"})
         assert proxy.requests[0][0] == f"POST {recorder.url}/api/v1/runs HTTP/1.1"
