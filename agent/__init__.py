@@ -5,19 +5,29 @@
     ...            # training loop unchanged; run.log({"loss": loss}) for extras
     run.finish()
 
-Importing this package loads neither torch nor any web or database library.
+Importing this package loads neither torch nor any web or database library. Everything it raises is
+a gradwatch.GradwatchError (the tree: gradwatch._errors).
 """
 
 import os as _os
 from typing import Any as _Any
 
-from ._errors import GradwatchWarning, ResumeError
+from ._errors import GradwatchError, GradwatchWarning, ResumeError
 from ._run import Run
 from ._run import server_and_token as _server_and_token
 from .api import Api, ApiError
 
 __version__ = "0.1.0"
-__all__ = ["Api", "ApiError", "GradwatchWarning", "ResumeError", "Run", "__version__", "init"]
+__all__ = [
+    "Api",
+    "ApiError",
+    "GradwatchError",
+    "GradwatchWarning",
+    "ResumeError",
+    "Run",
+    "__version__",
+    "init",
+]
 
 
 def init(

@@ -145,6 +145,18 @@ class Packet:
     # Called on the sender thread with the resolved values; each may append events.
     derivers: list[Callable[[Resolved], None]] = field(default_factory=list)
 
+    @property
+    def points(self) -> int:
+        """Points the packet carries (one key at one step each; device slots and host values)."""
+        return len(self.slots) + host_points(self.host_scalars)
+
+    def fragment(self) -> dict[str, Any]:
+        """resolve() as the data part of a wire batch (no rank or seq yet), with the run status if any."""
+        fragment: dict[str, Any] = dict(self.resolve().wire_fields())
+        if self.status is not None:
+            fragment["status"] = self.status
+        return fragment
+
     def resolve(self) -> Resolved:
         """Wait for the device copy (sender thread only) and return plain Python values."""
         flat: list[float] = []

@@ -1,23 +1,8 @@
-"""What becomes of a batch the server will not take: its tries, when it is dead-lettered, the file it
-goes to and the notice that tells the server. The Sender calls this under its lock; no thread here.
+"""What becomes of a batch the server will not take as it is: split in two (413), or moved to the
+dead-letter file with a notice that tells the server; and the counts. When that happens is
+gradwatch._delivery's to decide (its classify() is the status policy); this module carries it out on
+the spool and the dead-letter file. The Sender calls it under its lock; no thread here.
 
-What a failure means for the batch (HTTP status of the answer):
-    no answer, 408, 429, 502, 503, 504   the server is away or busy: retried without end (finish()
-                                         stops when nothing moves, see Sender.close())
-    404                                  the server lost the run: created again, retried
-    401, 403                             the token is wrong for this run: retried without end, never
-                                         dropped or dead-lettered -- the batches wait in the spool
-                                         for a fixed token (a resumed run, or `gradwatch sync --token`)
-    413                                  too large for this server: split in two by steps (the pieces
-                                         take its place in the queue); a single step is dead-lettered
-    other 4xx                            this batch is refused: dead-lettered after REFUSAL_TRIES tries
-    other 5xx (500...), a transport's    ambiguous -- the batch, or the whole server? After
-    own exception                        SERVER_ERROR_TRIES tries in a row the sender sends a small
-                                         notice batch (a "dead_letter" event): if the server stores
-                                         it, the fault is the batch's and it is dead-lettered; if the
-                                         notice fails too, the server is failing everything and the
-                                         batch stays, its count restarted. A broken server therefore
-                                         never empties the spool into dead letters.
 Dead-lettering moves a batch to the dead-letter file beside the spool (RUN-rankR.dead.jsonl, written
 by the spool module), counts its points in stats.dead_lettered (and the agent/dead_lettered health
 key), and tells the server with a "dead_letter" event (the run page lists it); `gradwatch sync`
@@ -28,55 +13,101 @@ dropped and counted in stats.dropped.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
-from ._spool import DeadLetters
-from ._wire import HEALTH_PREFIX, batch_steps
+from ._delivery import REFUSAL_TRIES, SERVER_ERROR_TRIES, Delivery
+from ._spool import DeadLetters, Spool
+from ._wire import HEALTH_PREFIX, SeqAllocator, batch_steps, dumps, halve_batch
 
 __all__ = ["REFUSAL_TRIES", "SERVER_ERROR_TRIES", "BatchFaults"]
 
-# Tries of one batch before it is dead-lettered: answers 5xx (other than 502/503/504) in a row (then
-# the notice probe decides), or refusals with a 4xx that is not auth/408/429.
-SERVER_ERROR_TRIES = 6
-REFUSAL_TRIES = 3
+logger = logging.getLogger("gradwatch")
 
 
 class BatchFaults:
-    """The failures of the batch being tried, the notices queued, and the dead-lettered batches."""
+    """Carries out the Delivery's decisions about a batch the server will not take as it is: split
+    in two, or dead-lettered with a notice in its place; keeps the dead-letter counts."""
 
     def __init__(
-        self,
-        dead_letters: DeadLetters | None,
-        server_error_tries: int = SERVER_ERROR_TRIES,
-        refusal_tries: int = REFUSAL_TRIES,
+        self, dead_letters: DeadLetters | None, spool: Spool, delivery: Delivery, seqs: SeqAllocator
     ) -> None:
-        if server_error_tries < 1 or refusal_tries < 1:
-            raise ValueError(
-                f"server_error_tries and refusal_tries must be >= 1, got {server_error_tries!r}, "
-                f"{refusal_tries!r}"
-            )
         self.file = dead_letters  # None: no spool file, a dead-lettered batch is dropped
-        self.server_error_tries = server_error_tries
-        self.refusal_tries = refusal_tries
-        self._trying = (-1, 0, 0)  # (seq, server errors, refusals in a row) of the batch being tried
-        self.notices: set[int] = set()  # seqs of queued "dead_letter" notice batches
+        self.spool = spool
+        self.delivery = delivery
+        self.seqs = seqs
         self.points = self.batches = 0  # dead-lettered (kept in the file)
         self.last_refusal: str | None = None  # why the latest dead-lettered batch was refused
+        self._warned: set[str] = set()  # "kept", "dropped": said once each
 
-    def failed(self, seq: int, server_error: bool, refused: bool) -> tuple[bool, bool]:
-        """Count a failed try of batch `seq`: (refused for good: dead-letter it, server errors long
-        enough in a row: probe with a notice)."""
-        tried, errors, refusals = self._trying
-        if tried != seq:
-            errors = refusals = 0
-        errors += server_error
-        refusals += refused
-        self._trying = (seq, errors, refusals)
-        return refusals >= self.refusal_tries, errors >= self.server_error_tries
+    def split(
+        self, seq: int, batch: dict[str, Any] | bytes, rank: int, run_id: str, error: str | None, now: float
+    ) -> bool:
+        """Replace a batch the server found too large (413) by two halves, queued in its place;
+        False when it holds a single step."""
+        pieces = halve_batch(batch, rank, self.seqs.next)
+        if pieces is None:
+            return False
+        self.spool.replace(seq, pieces)
+        self.delivery.split(now)
+        logger.info(
+            "gradwatch: run %s: the server found batch %d too large (%s); sending it in two halves",
+            run_id,
+            seq,
+            error,
+        )
+        return True
 
-    def restart(self, seq: int = -1) -> None:
-        """The batch `seq` starts its count again (-1: no batch is being tried)."""
-        self._trying = (seq, 0, 0)
+    def dead_letter(
+        self,
+        seq: int,
+        batch: dict[str, Any] | bytes,
+        points: int,
+        reason: str,
+        *,
+        run_id: str,
+        rank: int,
+        newest_step: int,
+        now: float,
+        notice_sent: bool = False,
+    ) -> int:
+        """Move a batch the server will not take out of the queue, to the dead-letter file; unless
+        it went out already (the probe), queue a notice for the server at its place. Returns the
+        points dropped (there is no file to keep them)."""
+        if self.delivery.dead_lettered(seq, now):
+            self.spool.remove(seq)  # a notice the server will not take: it carries no points
+            return 0
+        order = self.spool.order_of(seq)
+        kept = self.keep(seq, batch if isinstance(batch, bytes) else dumps(batch).encode(), points, reason)
+        self.spool.retire(seq, "dead_letter")
+        where = self.file.path if self.file is not None else None
+        if kept and "kept" not in self._warned:
+            logger.warning(
+                "gradwatch: run %s: the server would not take a batch of %d points (%s); it is moved to "
+                "%s so the batches after it go on (counted in run.stats.dead_lettered); "
+                "`gradwatch sync %s` retries it",
+                run_id,
+                points,
+                reason,
+                where,
+                where,
+            )
+        elif not kept and "dropped" not in self._warned:
+            logger.warning(
+                "gradwatch: run %s: the server would not take a batch of %d points (%s) and there is no "
+                "dead-letter file to keep it in; dropped, counted in run.stats.dropped",
+                run_id,
+                points,
+                reason,
+            )
+        self._warned.add("kept" if kept else "dropped")
+        if not notice_sent:
+            notice = self.notice(
+                rank, self.seqs.next(), seq, batch, points, reason, newest_step, counted=True
+            )
+            self.delivery.notice_queued(notice["seq"])
+            self.spool.add(notice, 0, persist=self.delivery.failing, order=order)
+        return 0 if kept else points
 
     def keep(self, seq: int, body: bytes, points: int, reason: str) -> bool:
         """Write a batch the server will not take to the dead-letter file and count it; False when

@@ -1,8 +1,27 @@
-"""The agent's one rule about failure: never raise into the training loop.
+"""The agent's one rule about failure: never raise into the training loop; and the one tree of what
+gradwatch raises.
 
 `guarded(feature)` wraps the agent's own observation code; the first exception disables that feature
 with one warning and every later call returns at once. Misuse of the public API at setup time
 (init/watch arguments) is still reported with a ValueError naming the bad value.
+
+Everything gradwatch raises is a GradwatchError (`except gradwatch.GradwatchError` catches it all);
+classes that were RuntimeErrors before the tree had a root stay RuntimeErrors too:
+
+    GradwatchError
+    ├── ApiError                 a request to the server's API failed: status (None when no answer
+    │   │                        came; status_code is the same), detail (the server's message), url
+    │   ├── ApiUnavailable       no answer, or the server failed on its side (5xx)
+    │   │   └── ApiUnreachable   no answer: refused, timed out, reset
+    │   └── RunNotFound          404 for a run asked for by id (the dashboard's client); run_id
+    ├── ResumeError              init(resume=...) found what the server says is not so; a RuntimeError
+    ├── TransportError           one send of the agent's failed (gradwatch._transport); retryable
+    ├── GradwatchServerError     the store's errors, one HTTP status each (gradwatch.server.errors)
+    ├── SchemaError              the database's schema is stale (gradwatch.server.database); a RuntimeError
+    └── ExposureRefused          an open server on a non-loopback address (gradwatch.server.serve); a
+                                 RuntimeError
+
+Warnings are not errors: GradwatchWarning is a UserWarning.
 """
 
 from __future__ import annotations
@@ -22,7 +41,53 @@ class GradwatchWarning(UserWarning):
     """Something inside gradwatch failed or was misused; training continues unchanged."""
 
 
-class ResumeError(RuntimeError):
+class GradwatchError(Exception):
+    """Root of everything gradwatch raises."""
+
+
+class ApiError(GradwatchError):
+    """A request to the gradwatch server's API failed.
+
+    status: the HTTP status (401 no or bad token, 403 the token may not read this, 404 no such run…),
+    None when no answer came; status_code: the same (the dashboard's name for it); detail: the
+    server's own message (the message itself when there is none); url: what was asked, when known."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        detail: str | None = None,
+        url: str = "",
+        *,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status if status is not None else status_code
+        self.detail = detail or message
+        self.url = url
+
+    @property
+    def status_code(self) -> int | None:
+        return self.status
+
+
+class ApiUnavailable(ApiError):
+    """The API did not answer (down, unreachable, timed out) or failed on its side (5xx)."""
+
+
+class ApiUnreachable(ApiUnavailable):
+    """No answer: the server is down, the URL is wrong, or it timed out."""
+
+
+class RunNotFound(ApiError):
+    """The server has no run with this id."""
+
+    def __init__(self, run_id: str, message: str, url: str = "") -> None:
+        super().__init__(message, 404, message, url)
+        self.run_id = run_id
+
+
+class ResumeError(GradwatchError, RuntimeError):
     """gradwatch.init(resume=...) asked for what the server says is not so: resume="must" for a run it
     does not have, resume="never" for an id it has. Raised by init() only, never during training."""
 

@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ._delivery import classify
+from ._errors import GradwatchError
 from ._wire import dumps
 
 # Bodies smaller than this go uncompressed: gzip's header and CPU are not worth it (bytes).
@@ -52,7 +54,7 @@ def parse_retry_after(value: str | None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER) if math.isfinite(seconds) else None
 
 
-class TransportError(Exception):
+class TransportError(GradwatchError):
     """A request failed; `retryable` says whether sending the same thing again can succeed.
 
     `status` is the HTTP status when the server answered, else None (connection refused, timeout).
@@ -154,10 +156,9 @@ class HttpTransport:
             status, answer, retry_after = self._through_urllib(path, body, headers)
         if status >= 300:
             detail = answer[:500].decode("utf-8", "replace")
-            # 5xx, 408 and 429 are the server's trouble and pass; other 4xx mean this request is wrong.
-            retryable = status >= 500 or status in (408, 429)
-            wait = parse_retry_after(retry_after) if status in (429, 503) else None
-            raise TransportError(f"POST {path}: HTTP {status}: {detail}", retryable, status, wait)
+            verdict = classify(status)  # what each status means: gradwatch._delivery.classify
+            wait = parse_retry_after(retry_after) if verdict.honours_retry_after else None
+            raise TransportError(f"POST {path}: HTTP {status}: {detail}", verdict.retryable, status, wait)
         try:
             parsed = json.loads(answer) if answer else {}
         except ValueError:

@@ -19,7 +19,7 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import chain, islice
 from typing import Any
 
@@ -345,6 +345,19 @@ def halve_by_steps(batch: dict[str, Any]) -> list[dict[str, Any]] | None:
     if len(steps) < 2:
         return None
     return _pieces(batch, [steps[0], steps[len(steps) // 2]])
+
+
+def halve_batch(
+    batch: dict[str, Any] | bytes, rank: int, next_seq: Callable[[], int]
+) -> list[tuple[dict[str, Any], int]] | None:
+    """A sealed batch (or its JSON) as two batches by halve_by_steps, each (batch, points) with a seq
+    of its own from next_seq (and the batch's rank, else `rank`); None when it holds a single step."""
+    data = unpack_values(json.loads(batch) if isinstance(batch, bytes) else batch)
+    halves = halve_by_steps({k: v for k, v in data.items() if k not in ("rank", "seq")})
+    if halves is None:
+        return None
+    rank = data.get("rank", rank)
+    return [({"rank": rank, "seq": next_seq(), **half}, batch_points(half)) for half in halves]
 
 
 def batch_steps(batch: dict[str, Any]) -> set[int]:

@@ -16,28 +16,26 @@ Without pandas (or with as_frame=False) history() returns plain rows, one dict p
     [{"step": 0, "loss": 2.31, "amp/scale": 65536.0}, {"step": 1, "loss": 2.28, "amp/scale": None}, ...]
 a key without a point at that step is None there (a logged NaN stays float("nan")).
 
-Errors: ApiError (status: the HTTP status or None, detail: the server's own message, url); its
-subclass ApiUnreachable when no answer came (refused, timed out), naming the URL.
+Errors (gradwatch.GradwatchError, see gradwatch._errors): ApiError (status: the HTTP status or None,
+detail: the server's own message, url); its subclass ApiUnavailable when no answer came or the server
+failed (5xx), and ApiUnavailable's subclass ApiUnreachable when no answer came (refused, timed out).
 
-Only the standard library is imported here; pandas and pyarrow are imported when asked for.
+Only the standard library is imported here (HTTP: gradwatch._http); pandas and pyarrow when asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import http.client
-import json
 import math
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO, Any, ClassVar, Literal, overload
 
+from ._errors import ApiError, ApiUnavailable, ApiUnreachable
+from ._http import HttpCore, path_segment
 from ._run import server_and_token
 from ._tables import Row, Series, pandas_module, pyarrow_modules, to_frame, to_rows, write_csv
 
@@ -46,6 +44,7 @@ __all__ = [
     "Alert",
     "Api",
     "ApiError",
+    "ApiUnavailable",
     "ApiUnreachable",
     "Event",
     "RunInfo",
@@ -59,23 +58,6 @@ ALERTS_PAGE = 1000  # GET /alerts: limit <= 1000
 DEFAULT_TIMEOUT_S = 30.0
 ALERT_STATES = ("open", "firing", "resolved", "all")  # "open" is "firing": alerts whose condition holds
 EXPORT_FORMATS = ("csv", "parquet")
-
-
-class ApiError(Exception):
-    """A read from the gradwatch server failed.
-
-    status: the HTTP status (401 no or bad token, 403 the token may not read this, 404 no such run…),
-    None when no answer came; detail: the server's own message; url: what was asked."""
-
-    def __init__(self, message: str, status: int | None = None, detail: str = "", url: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.detail = detail or message
-        self.url = url
-
-
-class ApiUnreachable(ApiError):
-    """No answer: the server is down, the URL is wrong, or it timed out."""
 
 
 def _number(value: Any) -> float:
@@ -323,26 +305,13 @@ class RunInfo:
         return found
 
     def _events_of(self, kind: str | None, start: int | None, end: int | None) -> Iterator[Event]:
-        # /events has no offset: page on steps, each page ending before the last step it reached
-        # (that step is read again, whole, by the next page).
-        low = start
-        while True:
-            params = {"kind": kind, "start": low, "end": end, "limit": MAX_PAGE}
-            body = self._api._get(self._path("events"), params)
-            data = body.get("data", [])
-            if len(data) >= int(body.get("count", 0)):
-                yield from (_event(e) for e in data)
-                return
-            last = int(data[-1]["step"])
-            page = [e for e in data if int(e["step"]) < last]
-            if not page:
-                raise ApiError(
-                    f"run {self.id!r} has more than {MAX_PAGE} events at step {last}: they cannot be "
-                    "read in pages; pass start= and end= around other steps",
-                    url=self._api._url(self._path("events")),
-                )
+        # /events has no offset: it is read in pages over steps
+        params = {"kind": kind, "start": start, "end": end}
+        pages = self._api._http.step_pages(
+            self._path("events"), params, MAX_PAGE, owner=f"run {self.id!r}", items="events"
+        )
+        for page in pages:
             yield from (_event(e) for e in page)
-            low = last
 
     def alerts(self, state: str | None = None) -> list[Alert]:
         """This run's alerts, newest first; state "open" (or "firing"), "resolved", or None for all."""
@@ -457,8 +426,7 @@ def _segment(run_id: str) -> str:
     """A run id as one path segment."""
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"a run id must be a non-empty string, got {run_id!r}")
-    segment = urllib.parse.quote(run_id, safe="")
-    return segment.replace(".", "%2E") if segment in (".", "..") else segment
+    return path_segment(run_id)
 
 
 # -- the client -----------------------------------------------------------------------------------
@@ -483,6 +451,11 @@ class Api:
         self.server = server.rstrip("/")
         self.token = token
         self.timeout = timeout
+
+    @property
+    def _http(self) -> HttpCore:
+        # made on each use: server, token and timeout may be changed between calls, as ever
+        return HttpCore(self.server, token=self.token, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"Api(server={self.server!r}, token={'set' if self.token else None})"
@@ -519,7 +492,8 @@ class Api:
             "sort": sort,
             "order": order,
         }
-        return [RunInfo._from_json(self, r) for r in self._paged("/api/v1/runs", params, RUNS_PAGE, limit)]
+        runs = self._http.offset_pages("/api/v1/runs", params, RUNS_PAGE, limit)
+        return [RunInfo._from_json(self, r) for r in runs]
 
     def run(self, run: str) -> RunInfo:
         """One run, by id; or by its exact name, when no run has that id and one run (of those the token
@@ -570,70 +544,14 @@ class Api:
             "status": status,
             "acknowledged": acknowledged,
         }
-        return [Alert._from_json(self, a) for a in self._paged("/api/v1/alerts", params, ALERTS_PAGE, limit)]
+        alerts = self._http.offset_pages("/api/v1/alerts", params, ALERTS_PAGE, limit)
+        return [Alert._from_json(self, a) for a in alerts]
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _paged(
-        self, path: str, params: dict[str, Any], page_size: int, limit: int | None
-    ) -> list[dict[str, Any]]:
-        """A listing's items, page by page (limit/offset), up to `limit` (None: all of them)."""
-        found: list[dict[str, Any]] = []
-        while limit is None or len(found) < limit:
-            page = page_size if limit is None else min(page_size, limit - len(found))
-            body = self._get(path, params | {"limit": page, "offset": len(found)})
-            data = body.get("data", [])
-            found.extend(data)
-            if len(data) < page or len(found) >= int(body.get("count", 0)):
-                break
-        return found
-
-    def _url(self, path: str, params: dict[str, Any] | None = None) -> str:
-        query = {
-            name: ("true" if value else "false") if isinstance(value, bool) else value
-            for name, value in (params or {}).items()
-            if value is not None and value != []
-        }
-        return self.server + path + (f"?{urllib.parse.urlencode(query, doseq=True)}" if query else "")
-
     def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """GET one API path: its JSON object, or an ApiError."""
-        url = self._url(path, params)
-        headers = {
-            "Accept": "application/json",
-            "Accept-Encoding": "gzip",
-            "User-Agent": "gradwatch-api/0.1",
-        }
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(url, headers=headers, method="GET")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                body = response.read()
-                if response.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-        except urllib.error.HTTPError as exc:
-            with exc:
-                detail = _detail(exc.read())
-            raise ApiError(_explain(exc.code, detail, self.token, path), exc.code, detail, url) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", None) or exc
-            raise ApiUnreachable(
-                f"cannot reach the gradwatch server at {self.server} ({reason}); is it running there? "
-                "(set GRADWATCH_SERVER, pass server=, or --server)",
-                None,
-                str(reason),
-                url,
-            ) from None
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            raise ApiError(
-                f"GET {path}: the answer is not JSON; is {self.server} a gradwatch server?", url=url
-            ) from None
-        if not isinstance(parsed, dict):
-            raise ApiError(f"GET {path}: expected a JSON object, got {type(parsed).__name__}", url=url)
-        return parsed
+        return self._http.request("GET", path, params)
 
     def _series_page(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
@@ -679,26 +597,3 @@ def _strings(value: str | Sequence[str] | None) -> list[str] | None:
 
 def _iso(moment: datetime | str | None) -> str | None:
     return moment.isoformat() if isinstance(moment, datetime) else moment
-
-
-def _detail(body: bytes) -> str:
-    """The server's {"detail": ...} message; validation errors read "query.limit: Input should be …"."""
-    try:
-        detail = json.loads(body).get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    if isinstance(detail, str):
-        return detail
-    if isinstance(detail, list) and all(isinstance(item, dict) for item in detail):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc') or [])}: {item.get('msg', '')}".lstrip(": ")
-            for item in detail
-        )
-    return str(detail) if detail is not None else body[:200].decode("utf-8", "replace")
-
-
-def _explain(status: int, detail: str, token: str | None, path: str) -> str:
-    message = f"GET {path}: HTTP {status}: {detail}"
-    if status == 401 and not token:
-        message += " -- pass token= (or --token), or set GRADWATCH_TOKEN, to a token with read scope"
-    return message

@@ -5,11 +5,14 @@ Bodies come back as the API writes them (plain dicts and lists); non-finite floa
 reading runs, the client reads incidents (a run's verdict) and manages alerts: rules, alerts (and
 acknowledging them), webhooks and their test deliveries.
 
-Errors, one rooted hierarchy:
+Requests, paging and errors are gradwatch._http's, which gradwatch.Api shares; this client sends
+through an httpx.Client (pooled connections, its timeout). Errors, those of gradwatch.Api too, all
+gradwatch.GradwatchError (the whole tree: gradwatch._errors):
 
     ApiError                 any failed request; `status_code` is None when no response came,
     │                        `detail` is the server's own message (what to show next to a form)
     ├── ApiUnavailable       no answer: connection refused, timeout, or a 5xx from the server
+    │   └── ApiUnreachable   no answer
     └── RunNotFound          404 for a run id the server does not know
 """
 
@@ -18,9 +21,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import httpx
+
+from .._errors import ApiError, ApiUnavailable, ApiUnreachable, RunNotFound
+from .._http import Answer, HttpCore, Request, Send, Wording, path_segment
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -33,6 +38,7 @@ __all__ = [
     "ApiClient",
     "ApiError",
     "ApiUnavailable",
+    "ApiUnreachable",
     "RunNotFound",
 ]
 
@@ -48,26 +54,16 @@ DEFAULT_TIMEOUT_S = 5.0
 
 Json = dict[str, Any]
 
-
-class ApiError(Exception):
-    """A request to the gradwatch API failed."""
-
-    def __init__(self, message: str, status_code: int | None = None, detail: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.detail = detail if detail is not None else message
-
-
-class ApiUnavailable(ApiError):
-    """The API did not answer (down, unreachable, timed out) or failed on its side (5xx)."""
-
-
-class RunNotFound(ApiError):
-    """The server has no run with this id."""
-
-    def __init__(self, run_id: str, message: str) -> None:
-        super().__init__(message, status_code=404, detail=message)
-        self.run_id = run_id
+# What the dashboard's errors say (shown in its banners and next to its forms).
+_UNREACHABLE = "gradwatch API at {base} did not answer: {reason}"
+_WORDING = Wording(
+    unreachable=_UNREACHABLE,
+    unreachable_detail=_UNREACHABLE,
+    refused="{method} {path} → {status}: {detail}",
+    failed="{method} {path} failed on the server ({status}): {detail}",
+    not_json="{method} {path} returned a body that is not JSON",
+    not_object="{method} {path} returned {type}, expected an object",
+)
 
 
 class ApiClient:
@@ -99,11 +95,14 @@ class ApiClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Accept": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._token_provider = token_provider
         self._client = client if client is not None else httpx.Client(timeout=timeout_s)
+        self._http = HttpCore(
+            self.base_url,
+            token=token,
+            token_provider=token_provider,
+            send=_send_with(self._client),
+            wording=_WORDING,
+        )
         # An own client is closed by close(), or when this object is collected (a Dash app holds it
         # with no shutdown hook), or at exit: pooled keep-alive sockets are never left to the GC.
         self._close_own_client = weakref.finalize(self, self._client.close) if client is None else None
@@ -393,48 +392,27 @@ class ApiClient:
     ) -> Json:
         """One API call; the JSON object it answers ({} for 204 No Content), or an ApiError.
         token: send this one instead of the current person's (checking a token at sign-in)."""
-        url = self.base_url + path
-        headers = self._headers
-        if token is None and self._token_provider is not None:
-            token = self._token_provider()
-        if token:
-            headers = headers | {"Authorization": f"Bearer {token}"}
+        return self._http.request(method, path, params, body=json, token=token, run_id=run_id)
+
+
+def _send_with(client: httpx.Client) -> Send:
+    """gradwatch._http's send over an httpx.Client, with the client's own timeout."""
+
+    def send(request: Request) -> Answer:
         try:
-            response = self._client.request(method, url, params=params, json=json, headers=headers)
+            response = client.request(request.method, request.url, json=request.json, headers=request.headers)
         except httpx.HTTPError as exc:
-            raise ApiUnavailable(f"gradwatch API at {self.base_url} did not answer: {exc}") from exc
-        detail = _detail(response) if response.status_code >= 400 else ""
-        if response.status_code == 404 and run_id is not None:
-            raise RunNotFound(run_id, detail or f"run {run_id!r} does not exist")
-        if response.status_code >= 500:
-            raise ApiUnavailable(
-                f"{method} {path} failed on the server ({response.status_code}): {detail}",
-                response.status_code,
-                detail,
-            )
-        if response.status_code >= 400:
-            raise ApiError(
-                f"{method} {path} → {response.status_code}: {detail}", response.status_code, detail
-            )
-        if response.status_code == 204 or not response.content:
-            return {}
-        try:
-            body = response.json()
-        except ValueError as exc:
-            raise ApiError(f"{method} {path} returned a body that is not JSON", response.status_code) from exc
-        if not isinstance(body, dict):
-            raise ApiError(f"{method} {path} returned {type(body).__name__}, expected an object")
-        return body
+            raise ConnectionError(str(exc)) from exc
+        return Answer(response.status_code, response.content, response.reason_phrase)
+
+    return send
 
 
 def _run_path(run_id: str, *rest: str) -> str:
     # The id comes from the browser's URL: quote it so it stays one path segment.
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
-    segment = quote(run_id, safe="")
-    if segment in (".", ".."):  # dot segments would be resolved away by URL normalisation
-        segment = segment.replace(".", "%2E")
-    return "/".join(["/api/v1/runs", segment, *rest])
+    return "/".join(["/api/v1/runs", path_segment(run_id), *rest])
 
 
 def _int_id(value: Any) -> int:
@@ -446,22 +424,3 @@ def _int_id(value: Any) -> int:
 def _present(**params: Any) -> dict[str, Any]:
     """The query parameters that have a value."""
     return {name: value for name, value in params.items() if value is not None}
-
-
-def _detail(response: httpx.Response) -> str:
-    """The server's {"detail": ...} message, or the start of the body. FastAPI's validation errors
-    (a list of {"loc", "msg"}) read as "body.project: Field required; …"."""
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    if isinstance(detail, str):
-        return detail
-    if isinstance(detail, list) and all(isinstance(item, dict) for item in detail):
-        return "; ".join(
-            f"{'.'.join(str(part) for part in item.get('loc') or [])}: {item.get('msg', '')}".lstrip(": ")
-            for item in detail
-        )
-    if detail is not None:
-        return str(detail)
-    return response.text[:200] or response.reason_phrase

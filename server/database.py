@@ -29,6 +29,8 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 import gradwatch.migrations
 
+from .._errors import GradwatchError
+
 
 class Transactions:
     """One session per transaction: commit on success, roll back on any error, always close.
@@ -66,7 +68,7 @@ def is_lock_timeout(exc: BaseException) -> bool:
     return "database is locked" in message or "database is busy" in message
 
 
-class SchemaError(RuntimeError):
+class SchemaError(GradwatchError, RuntimeError):
     """The database's schema is not the one this version of gradwatch needs."""
 
 

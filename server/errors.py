@@ -7,10 +7,14 @@ GradwatchServerError
 ├── Conflict        → 409
 ├── TooLarge        → 413 (more work than one request may make; `limit` names the limit)
 └── InvalidRequest  → 422
+
+GradwatchServerError is a gradwatch.GradwatchError, the root of everything gradwatch raises.
 """
 
+from .._errors import GradwatchError
 
-class GradwatchServerError(Exception):
+
+class GradwatchServerError(GradwatchError):
     """Root of the server's own errors."""
 
 

@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
+from .._errors import GradwatchError
 from . import connections
 from .app import create_app
 from .auth import TOKEN_PREFIX
@@ -85,7 +86,7 @@ class BackgroundServer:
         self._thread.join(timeout=10)
 
 
-class ExposureRefused(RuntimeError):
+class ExposureRefused(GradwatchError, RuntimeError):
     """Binding beyond this machine with no tokens configured: anyone on the network could read and write."""
 
 
