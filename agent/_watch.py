@@ -38,7 +38,13 @@ Layers are the trainable parameters the optimizer holds, in the model's named_pa
 
 Collaborators: the run is seen only as a StepSink (_sink: the current step, record, end a step);
 the GradScaler's private state only through a ScalerView (_scaler); what the sender thread derives
-from the transferred values is _derive's (the Watcher's `derive` is a WatchDerivation).
+from the transferred values is _derive's (the Watcher's `derive` is a WatchDerivation); what is
+observed once, when watching starts, is _watch_start's. The Watcher keeps the run-long state; what it
+has seen of the current step is one StepState (_step_state), made fresh as each step starts.
+
+A step ends in _end_step alone, reached from the optimizer's post-step hook without a GradScaler and
+from scaler.step() with one; under a GradScaler the step's scale after scaler.update() is its last
+value (_after_update records it, then lets the run flush).
 
 Distributed (see _distributed): every quantity is computed from this rank's local tensors only (a
 DTensor's local shard), so watching adds no collective. With sharded gradients the per-rank norms are
@@ -48,107 +54,29 @@ the shards' norms and the server combines them (sqrt of the sum of squares); wit
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _distributed, _gradients, _quantities
+from . import _distributed, _gradients, _quantities, _watch_start
 from ._coverage import OptimizerCoverage
 from ._derive import (  # the agent-internal keys this module records for _derive
-    MAX_ABS_WEIGHT,
     MAX_LAYERS_IN_EVENT,
     POST_CLIP_NORM,
     SCALE_BEFORE,
     UNCHANGED_COUNTS,
     WatchDerivation,
 )
-from ._errors import GradwatchWarning
 from ._names import user_layer_names
 from ._scaler import SCALE, ScalerView
+from ._step_state import StepState
+from ._watch_options import WatchOptions
 
 if TYPE_CHECKING:
     import torch
 
     from ._sink import StepSink
 
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """Sampling schedules (every N optimizer steps; 0 turns a quantity off) and throughput hints.
-
-    Defaults keep the cost near zero: scale, skips, global norm and lr every step; per-layer
-    gradient norms every 20 steps; parameter norms, histograms and update ratios every 100.
-
-    dense_start_steps: during the first this many optimizer steps (default 200; 0 = off) each
-    sampled quantity is also taken every max(1, every // 5) steps, so that problems present from the
-    start (a detached layer, underflowing adapters, bf16 weights that never change) show within ~20
-    steps; the steady-state cost is unchanged.
-
-    histogram_ranks: which ranks of a distributed job take the gradient histograms. "auto" (default):
-    rank 0 alone when gradients are replicated (DDP: every rank would send the same counts), every
-    rank when they are sharded (FSDP: each rank counts its shard; the shards' counts add up); "all";
-    or a collection of ranks, e.g. (0, 4).
-    """
-
-    layer_norms_every: int = 20
-    param_norms_every: int = 100
-    histograms_every: int = 100
-    update_ratio_every: int = 100
-    samples_per_step: int | None = None
-    tokens_per_step: int | None = None
-    histogram_ranks: str | tuple[int, ...] | frozenset[int] = "auto"
-    dense_start_steps: int = 200
-
-    def __post_init__(self) -> None:
-        for name in ("layer_norms_every", "param_norms_every", "histograms_every", "update_ratio_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a whole number of steps >= 0 (0 = off), got {value!r}")
-        dense = self.dense_start_steps
-        if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
-            raise ValueError(
-                f"dense_start_steps must be a whole number of steps >= 0 (0 = off), got {dense!r}"
-            )
-        for name in ("samples_per_step", "tokens_per_step"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
-        ranks = self.histogram_ranks
-        if isinstance(ranks, str):
-            if ranks not in ("auto", "all"):
-                raise ValueError(
-                    f"histogram_ranks must be 'auto', 'all' or a collection of ranks, got {ranks!r}"
-                )
-        else:
-            try:
-                chosen = frozenset(ranks)
-            except TypeError:
-                raise ValueError(
-                    f"histogram_ranks must be 'auto', 'all' or a collection of ranks, got {ranks!r}"
-                ) from None
-            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in chosen):
-                raise ValueError(f"histogram_ranks must hold whole numbers >= 0, got {ranks!r}")
-            object.__setattr__(self, "histogram_ranks", chosen)
-
-    def takes_histograms(self, rank: int, layout: str) -> bool:
-        """Whether `rank` takes gradient histograms for a model whose gradients have `layout`."""
-        if self.histogram_ranks == "all":
-            return True
-        if self.histogram_ranks == "auto":
-            return rank == 0 or layout != _distributed.REPLICATED
-        return rank in self.histogram_ranks
-
-    def due(self, every: int, step: int) -> bool:
-        """Whether a quantity sampled every `every` optimizer steps (one of the *_every options; 0 =
-        off) is taken at `step`: every `every` steps, and every max(1, every // 5) steps while
-        step < dense_start_steps."""
-        if every <= 0:
-            return False
-        if step < self.dense_start_steps:
-            every = max(1, every // 5)
-        return step % every == 0
+__all__ = ["WatchOptions", "Watcher"]  # WatchOptions too: the run builds it from here (_watch_options)
 
 
 class Watcher:
@@ -216,7 +144,7 @@ class Watcher:
         guard = sink.features.guarded("step observation")
         self._check_coverage = sink.features.guarded("optimizer coverage check")(self.coverage.check)
         self._backward_end = _gradients.BackwardEnd(guard(self._on_backward_end))
-        self._reset_step_state()
+        self._this_step = StepState()  # what has been seen of the current step (see _start_step)
         # On the CPU, when the next step takes a snapshot too, this step's copies are kept and written
         # over (_quantities.snapshot); otherwise, and always on other devices, they are freed after
         # the step, so a GPU's peak memory (forward and backward) never holds a second model copy.
@@ -250,7 +178,9 @@ class Watcher:
         except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
             sink.features.disable("gradient measurement at the end of backward", exc)
         guard(self._check_setup)(model)  # its observations go through the same sink as the step's
-        sink.features.guarded("rank report")(self._report_rank)()
+        sink.features.guarded("rank report")(_watch_start.report_rank)(
+            sink, self.parallelism, self.layout, self.histograms_here and options.histograms_every > 0
+        )
 
     def shift_steps(self, delta: int) -> None:
         """The run's steps were renumbered by `delta` (a resumed run learning its step): a step that
@@ -286,35 +216,17 @@ class Watcher:
         obj.__dict__[name] = wrapper
         self._wrapped.append((obj, name))
 
-    def _reset_step_state(self) -> None:
-        self._step_open = False  # something of the current step has been observed
-        self._pre_clip: Any = None  # per-layer unscaled norms of the step's last backward pass (device)
-        self._measured_at: _gradients.Versions | None = None  # the gradients' versions when measured
-        self._measured_grads: list[Any] = []
-        self._post_clip: Any = None  # the global norm after a clip rewrote the gradients (device)
-        self._gradients_settled = False  # the optimizer step (or the skip) came: no clip after it
-        self._layer_norms_wanted = False  # a skipped step: per-layer norms name the non-finite layers
-        self._global_norm: Any = None
-        self._global_norm_given = False  # set_global_norm() was called: no norm of our own
-        self._optimizer_stepped = False
-        self._snapshot: _quantities.Snapshot | None = None
-        self._histograms: Any = None  # this step's grad/hist (on the device), when taken
-        self._loss_sum: Any = None  # sum of this step's losses passed to scaler.scale (on the device)
-        self._loss_count = 0
-        self._backwards = 0  # backward passes that reached the last layer this step
-        self._backward_end.reset()
-
     @property
     def step_open(self) -> bool:
         """Whether the current step has begun (a backward pass or a scaled loss was seen) and not yet
         ended: its values are not all recorded, so the run does not flush them yet."""
-        return self._step_open or self._awaiting_update is not None
+        return self._this_step.begun or self._awaiting_update is not None
 
     def measure_gradients(self) -> None:
         """For an integration whose engine rewrites the gradients after backward itself (DeepSpeed's
         all-reduce at the accumulation boundary): the gradients as they are now are this step's,
         not yet clipped and not loss-scaled by a GradScaler. Measured again, histograms included."""
-        self._step_open = True
+        self._this_step.begun = True
         grads = self._grads()
         self._measure(grads, scaled=False)
         if self._histograms_due():
@@ -324,8 +236,8 @@ class Watcher:
         """This step's pre-clip global gradient norm as the training framework computed it (DeepSpeed's
         engine: a number, or a 0-dim tensor kept on its device), recorded as grad/global_norm in place
         of the Watcher's own; None: no global norm is recorded for this step."""
-        self._global_norm = norm
-        self._global_norm_given = True
+        self._this_step.global_norm = norm
+        self._this_step.global_norm_given = True
 
     # -- gradient observations --------------------------------------------------------------------
 
@@ -346,7 +258,7 @@ class Watcher:
         return self.histograms_here and self.options.due(self.options.histograms_every, self.sink.step)
 
     def _on_last_layer_grad(self, param: Any) -> None:
-        self._backwards += 1  # a host counter: the hook runs once per backward pass, no device work
+        self._this_step.backwards += 1  # a host counter: the hook runs once per backward pass, no device work
         self._backward_end.hook(param)
 
     def _on_backward_end(self) -> None:
@@ -354,7 +266,7 @@ class Watcher:
         any clip. Under a GradScaler they are still scaled: the norms are divided by the scale the
         pass used. A run without a scaler takes its sampled histograms here too (with one, after
         unscale_: they are binned unscaled)."""
-        self._step_open = True
+        self._this_step.begun = True
         grads = self._grads()
         self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
         if self.scaler is None and self._histograms_due():
@@ -370,18 +282,20 @@ class Watcher:
             scale = self.scaler_view.scale() if self.scaler_view is not None else None
             if scale is not None:
                 per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
-        self._pre_clip = per_layer
-        self._measured_grads = grads  # held until the step ends (an engine may clear them before)
-        self._measured_at = _gradients.versions(grads)
+        this_step = self._this_step
+        this_step.pre_clip = per_layer
+        this_step.measured_grads = grads
+        this_step.measured_at = _gradients.versions(grads)
 
     def _take_histograms(self, grads: list[Any]) -> None:
-        self._histograms = _quantities.log2_histograms(grads, self._like)
-        self.sink.add_tensor("grad/hist", self.sink.step, self._histograms)
+        self._this_step.histograms = _quantities.log2_histograms(grads, self._like)
+        self.sink.add_tensor("grad/hist", self.sink.step, self._this_step.histograms)
 
     def _before_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
-        if optimizer is not self.optimizer or self._measured_at is None or self.fused:
+        measured_at = self._this_step.measured_at
+        if optimizer is not self.optimizer or measured_at is None or self.fused:
             return
-        if _gradients.rewritten(self._measured_at, self._grads()):
+        if _gradients.rewritten(measured_at, self._grads()):
             self._report_misuse(
                 "clip_before_unscale",
                 "the gradients were rewritten in place while still SCALED (before scaler.unscale_): a "
@@ -393,46 +307,48 @@ class Watcher:
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is not self.optimizer:
             return
-        self._step_open = True
+        this_step = self._this_step
+        this_step.begun = True
         grads = self._grads()
-        if self._pre_clip is None:
+        if this_step.pre_clip is None:
             # No backward pass was seen (gradients assigned by hand): unscaled and not yet clipped
             # here, as a clip of scaled gradients is a misuse.
             self._measure(grads, scaled=False)
-        if self._histograms_due() and self._histograms is None:
+        if self._histograms_due() and this_step.histograms is None:
             self._take_histograms(grads)
-        self._measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
+        this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
 
     def _settle_gradients(self) -> None:
         """The optimizer step (or the skip) has come: whatever clip there was is done. A gradient
         rewritten since it was measured was clipped: its post-clip global norm, one more pass."""
-        if self._gradients_settled:
+        this_step = self._this_step
+        if this_step.gradients_settled:
             return
-        self._gradients_settled = True
-        if self._measured_at is None:
+        this_step.gradients_settled = True
+        if this_step.measured_at is None:
             return
         grads = self._grads()
-        if _gradients.rewritten(self._measured_at, grads):
-            self._post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
+        if _gradients.rewritten(this_step.measured_at, grads):
+            this_step.post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
 
     def _record_gradient_norms(self, step: int) -> None:
         """grad/global_norm (and post-clip), and per-layer grad/norm on sampled and skipped steps,
         from the step's measurement; a step that could not be measured records none (said once)."""
-        sink = self.sink
-        if self._global_norm_given:
-            if self._global_norm is not None:
-                sink.add_scalar("grad/global_norm", step, self._global_norm)
-        elif self._pre_clip is not None:
-            sink.add_scalar("grad/global_norm", step, _quantities.global_norm(self._pre_clip))
+        sink, this_step = self.sink, self._this_step
+        if this_step.global_norm_given:
+            if this_step.global_norm is not None:
+                sink.add_scalar("grad/global_norm", step, this_step.global_norm)
+        elif this_step.pre_clip is not None:
+            sink.add_scalar("grad/global_norm", step, _quantities.global_norm(this_step.pre_clip))
         else:
             self._report_unmeasured(step)
-        if self._pre_clip is None:
+        if this_step.pre_clip is None:
             return
-        if self._post_clip is not None:
-            sink.add_scalar(POST_CLIP_NORM, step, self._post_clip)
-        if self._layer_norms_wanted or self.options.due(self.options.layer_norms_every, step):
-            sink.add_tensor("grad/norm", step, self._pre_clip)
-            self._report_missing_gradients(self._measured_grads)
+        if this_step.post_clip is not None:
+            sink.add_scalar(POST_CLIP_NORM, step, this_step.post_clip)
+        if this_step.layer_norms_wanted or self.options.due(self.options.layer_norms_every, step):
+            sink.add_tensor("grad/norm", step, this_step.pre_clip)
+            self._report_missing_gradients(this_step.measured_grads)
 
     def _report_unmeasured(self, step: int) -> None:
         if self._unmeasured_reported or not self.params:
@@ -468,43 +384,43 @@ class Watcher:
     # -- optimizer hooks --------------------------------------------------------------------------
 
     def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
-        self._optimizer_stepped = True
+        self._this_step.optimizer_stepped = True
         self._settle_gradients()
         self._check_coverage(self.sink.step, self.sink)
         if self.options.due(self.options.update_ratio_every, self.sink.step):
-            self._snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)
+            self._this_step.snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)
             self._spent_snapshot = None
 
     def _post_step_hook(self, optimizer: Any, *_: Any) -> None:
-        step = self.sink.step
-        if self._snapshot is not None:
+        step, this_step = self.sink.step, self._this_step
+        if this_step.snapshot is not None:
             update = _quantities.update_stats(
-                self._local_params(), self._grads(), self._snapshot, histograms=self._histograms
+                self._local_params(), self._grads(), this_step.snapshot, histograms=this_step.histograms
             )
             if self._cpu_params and self.options.due(self.options.update_ratio_every, step + 1):
-                self._spent_snapshot = self._snapshot
-            self._snapshot = None
+                self._spent_snapshot = this_step.snapshot
+            this_step.snapshot = None
             self.sink.add_tensor(UNCHANGED_COUNTS, step, update.unchanged_counts)
             self.sink.add_tensor("update/ratio", step, update.ratios)
         if self.scaler is None:
-            self._finish_step()
-            self.sink.step_recorded()
+            self._end_step(scale_follows=False)
 
     # -- GradScaler -------------------------------------------------------------------------------
 
     def _after_scale(self, *args: Any, **kwargs: Any) -> None:
         """Sum the one-element losses passed to scaler.scale this step (a device add, no sync): their
         mean is amp/loss, as passed (a loss divided by the accumulation steps stays divided)."""
-        self._step_open = True
+        this_step = self._this_step
+        this_step.begun = True
         outputs = args[0] if args else kwargs.get("outputs")
         if not isinstance(outputs, self._torch.Tensor) or outputs.numel() != 1:
             return  # a list/tuple of losses, or not a loss: left alone
         loss = outputs.detach().reshape(()).float()
-        if self._loss_sum is None:
-            self._loss_sum = loss  # read at the end of the step, after the mean's division
+        if this_step.loss_sum is None:
+            this_step.loss_sum = loss  # read at the end of the step, after the mean's division
         else:
-            self._loss_sum = self._loss_sum + loss.to(self._loss_sum.device, non_blocking=True)
-        self._loss_count += 1
+            this_step.loss_sum = this_step.loss_sum + loss.to(this_step.loss_sum.device, non_blocking=True)
+        this_step.loss_count += 1
 
     def _after_scaler_load(self, *args: Any, **kwargs: Any) -> None:
         """A `scaler_state_loaded` event: the steps after it are a new calibration, not a scale jump.
@@ -519,7 +435,7 @@ class Watcher:
         view = self.scaler_view
         if optimizer is not self.optimizer or view is None:
             return
-        self._optimizer_stepped = False
+        self._this_step.optimizer_stepped = False
         scale = view.scale()
         if scale is not None:
             self.sink.add_scalar(SCALE_BEFORE, self.sink.step, scale)
@@ -536,14 +452,15 @@ class Watcher:
             if skipped is not None:
                 sink.add_scalar("amp/skipped", step, skipped)
         else:
-            skipped_on_host = not self._optimizer_stepped
+            skipped_on_host = not self._this_step.optimizer_stepped
             sink.add_scalar("amp/skipped", step, 1.0 if skipped_on_host else 0.0)
             # Localise the inf/NaN: the per-layer norms (measured anyway) recorded on skipped steps.
-            self._layer_norms_wanted = skipped_on_host
-        self._awaiting_update = step
-        self._finish_step()
+            self._this_step.layer_norms_wanted = skipped_on_host
+        self._end_step(scale_follows=True)
 
     def _after_update(self, *_: Any, **__: Any) -> None:
+        """The last values of a step that ended in scaler.step(): the scale and growth tracker after
+        the update; then the run may flush the step."""
         step, view, sink = self._awaiting_update, self.scaler_view, self.sink
         if step is None or view is None:
             return
@@ -562,20 +479,37 @@ class Watcher:
             self.derive.loss_scaling = False  # fp16 fractions would be taken at a made-up scale
         self.sink.features.disable(f"{signal} from the GradScaler", exc)
 
-    # -- step bookkeeping -------------------------------------------------------------------------
+    # -- the end of a step -------------------------------------------------------------------------
 
-    def _finish_step(self) -> None:
-        """Record the step's remaining observations and advance the run's step counter."""
+    def _end_step(self, *, scale_follows: bool) -> None:
+        """The one way a step ends (see the module docstring): record its remaining observations,
+        start the next step and advance the run's counter; then the run may flush, unless
+        `scale_follows`: under a GradScaler the step's scale after scaler.update() is still to come."""
         sink = self.sink
         step = sink.step
-        options = self.options
+        if scale_follows:
+            self._awaiting_update = step
+        self._record_step_end(step)
+        self._start_step()
+        sink.advance_step()
+        if not scale_follows:
+            sink.step_recorded()
+
+    def _start_step(self) -> None:
+        """Nothing of the step that ended carries over (a backward pass that failed included)."""
+        self._this_step = StepState()
+        self._backward_end.reset()
+
+    def _record_step_end(self, step: int) -> None:
+        """What is recorded once the optimizer step (or the skip) is done: the gradient norms, the
+        loss and micro-batches, parameter norms, lr and step time."""
+        sink, this_step, options = self.sink, self._this_step, self.options
         self._settle_gradients()
         self._record_gradient_norms(step)
-        if self._loss_count:
-            sink.add_scalar("amp/loss", step, self._loss_sum / self._loss_count)
-        micro_batches = self._backwards or self._loss_count
-        if micro_batches:
-            sink.add_scalar("amp/micro_batches", step, float(micro_batches))
+        if this_step.loss_count:
+            sink.add_scalar("amp/loss", step, this_step.loss_sum / this_step.loss_count)
+        if this_step.micro_batches:
+            sink.add_scalar("amp/micro_batches", step, float(this_step.micro_batches))
         if options.due(options.param_norms_every, step):
             sink.add_tensor("param/norm", step, _quantities.layer_norms(self._local_params(), self._like))
         for i, group in enumerate(self.optimizer.param_groups):
@@ -592,8 +526,6 @@ class Watcher:
             if options.tokens_per_step and step_time > 0:
                 sink.add_scalar("perf/tokens_per_sec", step, options.tokens_per_step / step_time)
         self._last_step_end = now
-        self._reset_step_state()
-        sink.advance_step()
 
     # -- misuse -----------------------------------------------------------------------------------
 
@@ -604,72 +536,11 @@ class Watcher:
         self.sink.add_event(self.sink.step, kind, {"hint": hint, **evidence})
 
     def _check_setup(self, model: Any) -> None:
-        """One-time checks when watching starts (not in the step: a host read here is fine)."""
-        torch = self._torch
-        if self.scaler is None:
-            return
-        config_dtype = getattr(getattr(model, "config", None), "torch_dtype", None)
-        bf16_params = any(p.dtype == torch.bfloat16 for p in self.params)
-        if bf16_params or config_dtype in (torch.bfloat16, "bfloat16"):
-            self._report_misuse(
-                "bf16_model_in_fp16",
-                "this model was trained/stored in bfloat16 and is now trained with an fp16 GradScaler: "
-                "its weights and activations can exceed fp16's range (65504) and overflow every step. "
-                "Train it in bf16 (torch.autocast(dtype=torch.bfloat16), no GradScaler).",
-                config_dtype=str(config_dtype),
-                bf16_parameters=bf16_params,
+        """One-time checks when watching starts (see _watch_start)."""
+        if self.scaler is not None:
+            _watch_start.check_fp16_setup(
+                self.sink, model, self.params, self._local_params(), self._like, self._report_misuse
             )
-        local = self._local_params()
-        if any(p.numel() for p in local):
-            # Checked on the sender thread once the value has arrived: no device sync here. The per-layer
-            # maxima (param/max_abs, once) let the server name the layer likely to overflow fp16.
-            with torch.no_grad():
-                zero = torch.zeros((), dtype=torch.float32, device=self._like.device)
-                per_layer = torch.stack(
-                    [
-                        p.detach().abs().amax().float().to(zero.device, non_blocking=True)
-                        if p.numel()
-                        else zero
-                        for p in local
-                    ]
-                )
-            self.sink.add_tensor("param/max_abs", self.sink.step, per_layer)
-            self.sink.add_scalar(MAX_ABS_WEIGHT, self.sink.step, per_layer.amax())
-
-    def _report_rank(self) -> None:
-        """A distributed run's "rank" event: who this rank is and how its gradients are laid out
-        (the server reads it to list a run's ranks and to combine their values)."""
-        sink = self.sink
-        identity = _distributed.process_identity()
-        if identity.source == "torch.distributed" and identity.rank != sink.rank:
-            warnings.warn(
-                f"gradwatch: this run reports as rank {sink.rank} but torch.distributed says rank "
-                f"{identity.rank}: call gradwatch.init() after init_process_group() (or set RANK), or "
-                "several ranks will write over each other's data",
-                GradwatchWarning,
-                stacklevel=4,
-            )
-        started_as = sink.identity
-        world_size = max(identity.world_size, started_as.world_size)
-        if world_size <= 1:
-            return
-        sink.report_rank_at_finish()
-        sink.add_event(
-            sink.step,
-            "rank",
-            {
-                "rank": sink.rank,
-                "world_size": world_size,
-                "local_rank": started_as.local_rank
-                if started_as.local_rank is not None
-                else identity.local_rank,
-                "host": identity.host,
-                "pid": os.getpid(),
-                "parallelism": self.parallelism,
-                "gradients": self.layout,
-                "histograms": self.histograms_here and self.options.histograms_every > 0,
-            },
-        )
 
 
 def _in_model_order(model_params: list[Any], trainable: list[Any]) -> list[Any]:

@@ -1,0 +1,42 @@
+"""What a Watcher has seen of the current optimizer step: one StepState, made fresh as each step starts.
+
+The Watcher's own attributes are the run-long ones (its hooks, the layers, the schedules, what was
+reported once); everything that belongs to one step is here, so a step's end forgets it in one
+assignment and nothing of a step can leak into the next. Device values stay on the device: they are
+recorded (and transferred on the sender thread) as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._gradients import Versions
+    from ._quantities import Snapshot
+
+
+@dataclass
+class StepState:
+    """The current step's observations, from its first backward pass (or scaled loss) to its end."""
+
+    begun: bool = False  # a backward pass, a scaled loss or an unscale_ of this step was seen
+    backwards: int = 0  # backward passes that reached the last layer (gradient accumulation)
+    pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
+    measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
+    measured_at: Versions | None = None  # the gradients' versions when measured
+    gradients_settled: bool = False  # the optimizer step (or the skip) came: no clip after it
+    post_clip: Any = None  # the global norm after a clip rewrote the gradients (on the device)
+    global_norm: Any = None  # the training framework's own pre-clip global norm (set_global_norm)
+    global_norm_given: bool = False  # set_global_norm() was called: no norm of our own
+    optimizer_stepped: bool = False  # the optimizer's step ran (under a GradScaler: it was not skipped)
+    layer_norms_wanted: bool = False  # a skipped step: per-layer norms name the non-finite layers
+    snapshot: Snapshot | None = None  # the parameters before the optimizer step, for update ratios
+    histograms: Any = None  # grad/hist (on the device), when taken
+    loss_sum: Any = None  # sum of the losses passed to scaler.scale (on the device)
+    loss_count: int = 0
+
+    @property
+    def micro_batches(self) -> int:
+        """Backward passes of the step, or else the losses scaled in it (0: neither was seen)."""
+        return self.backwards or self.loss_count
