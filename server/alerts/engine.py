@@ -14,19 +14,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, and_, event, literal, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from ..errors import TooLarge
-from ..models import Alert, AlertProject, AlertRule, AlertRuleState, Run
+from ..models import Alert, AlertRule, AlertRuleState, Run
 from ..schemas import BatchIn
-from ..storage import bulk
+from ..storage import alerts as alert_tables
+from ..storage.alerts import RuleRow
 from ..storage.codecs import dump_json, iso_time
 from ..storage.liveness import NO_HEARTBEAT
 from ..storage.queries import events_of_kinds
+from .advice import EXPLAINED_BY_MISUSE, HINTS, alert_hint
+from .evidence import HeartbeatEvidence
 from .incidents import Incidents
 from .rules import (
     CLEAR,
@@ -39,6 +41,7 @@ from .rules import (
     Verdict,
     make_rule,
 )
+from .steps import complete_steps, last_step, step_data
 
 __all__ = ["HINTS", "AlertEngine", "alert_document", "step_data"]
 
@@ -52,91 +55,6 @@ _MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear t
 # it again in halves; without the cap, one batch at the points cap on a project with many rules held
 # the lock for minutes (issue 28).
 MAX_RULE_EVALUATIONS_PER_BATCH = 100_000
-
-
-class _RuleRow(NamedTuple):
-    """What evaluation on ingest reads of an alert rule's row."""
-
-    id: int
-    type: str
-    params_json: str
-    cooldown_steps: int
-
-
-HINTS = {
-    "scale_drop": "Gradients keep overflowing fp16. Look at the layers named in the evidence; lower the "
-    "learning rate or add warmup; if the model was pretrained in bf16, train it in bf16 (no GradScaler).",
-    "skip_storm": "Optimizer steps are being skipped because gradients overflow fp16: lower the learning "
-    "rate, check the named layers, or switch to bf16. A few skips at the start are the scaler calibrating.",
-    "scale_floor": "The loss scale collapsed: a layer produces inf/NaN whatever the scale (often a NaN in "
-    "the forward pass, not overflow). Check the layers in the skip events, lower the learning rate or switch "
-    "to bf16; if the scale reaches ~3e-39 the weights turn NaN.",
-    "non_finite": "NaN/Inf in the loss or gradients: check the named layer's inputs (log of 0, division, "
-    "fp16 overflow in attention/softmax), lower the learning rate, or switch to bf16.",
-    "non_finite_applied": "A non-finite value reached the optimizer and the weights may now be NaN: use a "
-    "GradScaler with fp16 (or train in bf16), lower the learning rate, and restart from the last good "
-    "checkpoint.",
-    "grad_norm_spike": "The learning rate is likely too high (or a bad batch): lower it or add warmup, and "
-    "clip gradients after scaler.unscale_(optimizer).",
-    "no_scale_growth": "An overflow recurs within every growth interval, so the scale never grows back: a "
-    "layer sits at fp16's limit. If small gradients start to underflow, raise init_scale or switch to bf16.",
-    "update_ratio_high": "Updates above the band each step: the learning rate is too high for that layer; "
-    "lower it (or use a per-layer learning rate) and add warmup.",
-    "update_ratio_low": "Updates below the band: the layer barely learns: frozen by mistake, learning rate "
-    "too low, or gradients underflowing in fp16 (raise init_scale / switch to bf16).",
-    "underflow": "Gradients underflow to zero in fp16: raise the GradScaler's init_scale (or let it grow), "
-    "or switch to bf16; tiny LoRA/QLoRA adapter gradients are the usual case.",
-    "heartbeat": "The run stopped reporting: the process may have crashed, hung (NCCL timeout, data loader) "
-    "or exited (e.g. DeepSpeed's 'Current loss scale already at minimum'). Check its logs.",
-    "rank_disagreement": "Ranks disagree on skipping a step, so their weights diverge: their found-inf "
-    "checks are not synchronised. With FSDP use ShardedGradScaler; every rank must unscale_/step the same "
-    "optimizer.",
-    "scaler_calibration": "The GradScaler never finds a working scale: a layer overflows fp16 whatever the "
-    "scale (often a model trained in bf16, or activations beyond 65504). Train in bf16 or keep that layer in "
-    "fp32.",
-    "loss_non_finite": "The loss is NaN/Inf before any scaling: a bad sample or an unstable op in the "
-    "forward pass (log of 0, division by 0). Drop the batch named in the evidence (log ids with "
-    "run.log_batch) and check the loss.",
-    "misuse": "A setup mistake: follow the fix named in the evidence.",
-    "params_not_in_optimizer": "These layers get gradients but no optimizer param group holds them, so they "
-    "never train: build the optimizer after unfreezing, from model.parameters() (or add them with "
-    "optimizer.add_param_group).",
-    "update_ratio": "A layer's update ratio ||dW||/||W|| left the band the rule allows: far above it the "
-    "learning rate is too high for that layer; far below, the layer barely learns (in bf16, updates may "
-    "round away: keep fp32 master weights).",
-    "update_ratio_outlier": "One layer's updates are far larger, relative to its weights, than every other "
-    "layer's: most often its param group's learning rate is far too high (a typo); else its weights were "
-    "initialised far smaller. Compare the optimizer's param groups.",
-    "loss_spike": "The loss jumped and stays up: lower the learning rate by half and rewind to the "
-    "checkpoint before the spike; look for an lr change just before it.",
-    "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the "
-    "config.",
-    "clip_saturation": "The clip fires on every step, so it sets the step size: with gradient accumulation "
-    "divide the loss by the number of micro-batches; otherwise raise max_norm or lower the learning rate.",
-    "clip_saturation_accumulation": "Each step accumulates several micro-batches and the clip fires every "
-    "time: divide the loss by the number of micro-batches before backward.",
-    "dead_layers": "Layers get no gradient: a .detach(), torch.no_grad() or unused branch cuts them off the "
-    "loss.",
-    "dead_layers_none": "These layers' .grad stays None: a .detach(), torch.no_grad() or an unused branch "
-    "cuts them off the loss. Freeze them on purpose with requires_grad_(False), or find the detach.",
-    "dead_layers_zero": "These layers' gradients are exactly zero: a multiplication by zero, dead ReLUs, or "
-    "fp16 underflow (with a GradScaler).",
-    "not_learning": "Weights stop changing: updates are rounded away (weights stored in bf16/fp16; keep fp32 "
-    "master weights) or the learning rate is 0.",
-}
-# When a run has a misuse event, its hint comes first in the rules it explains.
-_EXPLAINED_BY_MISUSE = {
-    "scale_drop",
-    "skip_storm",
-    "scale_floor",
-    "non_finite",
-    "no_scale_growth",
-    "grad_norm_spike",
-    "underflow",
-    "scaler_calibration",
-    "clip_saturation",
-    "not_learning",
-}
 
 
 def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
@@ -163,29 +81,6 @@ def alert_document(alert: Alert, run_name: str) -> dict[str, Any]:
         "resolved_at": iso_time(alert.resolved_at),
         "acknowledged_at": iso_time(alert.acknowledged_at),
     }
-
-
-def step_data(batch: BatchIn, scalar_keys: set[str], vector_keys: set[str]) -> list[StepData]:
-    """The batch's points of the wanted keys (and all its events), grouped by step, in step order."""
-    by_step: dict[int, StepData] = {}
-
-    def at(step: int) -> StepData:
-        data = by_step.get(step)
-        if data is None:
-            data = by_step[step] = StepData(step, batch.rank)
-        return data
-
-    for series in batch.scalars:
-        if series.key in scalar_keys:
-            for step, value in zip(series.steps, series.values, strict=True):  # validated to pair up
-                at(step).scalars[series.key] = value
-    for vector in batch.vectors:
-        if vector.key in vector_keys:
-            for step, row in zip(vector.steps, vector.values, strict=True):
-                at(step).vectors[vector.key] = row
-    for item in batch.events:
-        at(item.step).events.append((item.kind, item.data))
-    return [by_step[step] for step in sorted(by_step)]
 
 
 class AlertEngine:
@@ -217,15 +112,8 @@ class AlertEngine:
         """Install DEFAULT_RULES the first time a project is seen (recorded in alert_projects)."""
         if project in self._projects_ready:
             return
-        insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
         now = time.time()
-        created = session.execute(
-            insert(AlertProject)
-            .values(project=project, created_at=now)
-            .on_conflict_do_nothing()
-            .returning(AlertProject.project)
-        ).first()
-        if created is not None:
+        if alert_tables.claim_project(session, project, now):
             for rule_type in DEFAULT_RULES:
                 session.add(
                     AlertRule(
@@ -253,18 +141,12 @@ class AlertEngine:
     def forget_project(self, project: str) -> None:
         self._projects_ready.discard(project)
 
-    def _rules(self, session: Session, project: str, run_id: str) -> list[tuple[_RuleRow, RuleType]]:
+    def _rules(self, session: Session, project: str, run_id: str) -> list[tuple[RuleRow, RuleType]]:
         """The enabled rules of a run (its project's and its own), read as plain rows on every batch
         (rules change through the API, maybe on another replica); each rule type is built once per
         (type, parameters) and reused (rule objects hold parameters only, state lives in the rows)."""
-        rows = bulk.execute(
-            session,
-            "SELECT id, type, params_json, cooldown_steps FROM alert_rules WHERE project = ? AND enabled = ?"
-            " AND (run_id IS NULL OR run_id = ?) ORDER BY id",
-            [project, True, run_id],
-        )
         rules = []
-        for row in map(_RuleRow._make, rows):
+        for row in alert_tables.enabled_rules(session, project, run_id):
             key = (row.type, row.params_json)
             rule = self._built.get(key)
             if rule is None:
@@ -285,7 +167,7 @@ class AlertEngine:
 
     def _plan(
         self, session: Session, run: Run, batch: BatchIn
-    ) -> tuple[list[tuple[_RuleRow, RuleType]], list[tuple[_RuleRow, RuleType, list[StepData]]]]:
+    ) -> tuple[list[tuple[RuleRow, RuleType]], list[tuple[RuleRow, RuleType, list[StepData]]]]:
         """The enabled rules of the batch's run and, for each rule that reads anything in the batch, the
         steps it is fed (in step order)."""
         self.ensure_defaults(session, run.project)
@@ -349,23 +231,15 @@ class AlertEngine:
             layers = batch.layers if batch.layers is not None else json.loads(run.layers_json)
             # Every state this batch needs, locked in one query (in rule order, the same in every process),
             # read and written as plain rows: one SELECT and one UPDATE for all of them.
-            if ended:  # the run's last batch: what a rule holds of a step (see _complete) is evaluated now
+            # The run's last batch: what a rule holds of a step (see complete_steps) is evaluated now.
+            if ended:
                 fed_rules = {row.id for row, _, _ in work}
                 unfed = [(row, rule) for row, rule in rules if row.id not in fed_rules and not rule.periodic]
                 work = [*work, *((row, rule, []) for row, rule in unfed)]
             states: dict[int, str] = {}
             if work:
-                ids = [row.id for row, _, _ in work]
                 session.flush()  # what _rewind and _run_ended changed: the read below bypasses the ORM
-                lock = " FOR UPDATE" if session.get_bind().dialect.name == "postgresql" else ""
-                states = dict(
-                    bulk.execute(
-                        session,
-                        f"SELECT rule_id, state_json FROM alert_rule_states WHERE rule_id IN"
-                        f" ({', '.join('?' for _ in ids)}) AND run_id = ? ORDER BY rule_id{lock}",
-                        [*ids, run_id],
-                    )
-                )
+                states = alert_tables.read_rule_states(session, [row.id for row, _, _ in work], run_id)
             written = []
             for row, rule, fed in work:
                 stored = states.get(row.id)
@@ -376,28 +250,18 @@ class AlertEngine:
                     written.append((document, time.time(), row.id, run_id))
             if written:
                 session.flush()  # ORM changes of this batch first (alerts, new states), then the states
-                bulk.execute(
-                    session,
-                    "UPDATE alert_rule_states SET state_json = ?, updated_at = ?"
-                    " WHERE rule_id = ? AND run_id = ?",
-                    written,
-                )
-        self.incidents.refresh(session, run, touched, _last_step(batch), ended)
+                alert_tables.write_rule_states(session, written)
+        self.incidents.refresh(session, run, touched, last_step(batch), ended)
 
     def _rewind(
-        self, session: Session, run_id: str, rules: list[tuple[_RuleRow, RuleType]], rank: int, step: int
+        self, session: Session, run_id: str, rules: list[tuple[RuleRow, RuleType]], rank: int, step: int
     ) -> None:
         """A resumed run (a `resume` event at `step`): its steps from there on are a new attempt. Each
         rule starts over as on a new run (the scaler calibrates again, windows refill: a restored loss
         scale is not a scale event, the abandoned attempt's values are no baseline), and the steps from
         `step` on are evaluated even where the abandoned attempt had reached further. Open alerts stay
         open until their rule clears them."""
-        states = session.scalars(
-            select(AlertRuleState)
-            .where(AlertRuleState.rule_id.in_([row.id for row, _ in rules]), AlertRuleState.run_id == run_id)
-            .order_by(AlertRuleState.rule_id)  # the lock order every ingest uses
-            .with_for_update()
-        ).all()
+        states = alert_tables.lock_rule_states(session, [row.id for row, _ in rules], run_id)
         by_rule = {row.id: rule for row, rule in rules}
         for state in states:
             document = json.loads(state.state_json)
@@ -410,7 +274,7 @@ class AlertEngine:
             state.updated_at = time.time()
 
     def _run_ended(
-        self, session: Session, run: Run, periodic: list[tuple[_RuleRow, RuleType]], touched: set[int]
+        self, session: Session, run: Run, periodic: list[tuple[RuleRow, RuleType]], touched: set[int]
     ) -> None:
         """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
         for row, rule in periodic:
@@ -422,13 +286,9 @@ class AlertEngine:
                 state.updated_at = time.time()
 
     def _load_state(
-        self, session: Session, rule_row: _RuleRow | AlertRule, rule: RuleType, run_id: str
+        self, session: Session, rule_row: RuleRow | AlertRule, rule: RuleType, run_id: str
     ) -> AlertRuleState:
-        state = session.scalars(
-            select(AlertRuleState)
-            .where(AlertRuleState.rule_id == rule_row.id, AlertRuleState.run_id == run_id)
-            .with_for_update()
-        ).first()
+        state = alert_tables.rule_state(session, rule_row.id, run_id)
         if state is None:
             document = {
                 "eval": rule.initial_state(),
@@ -447,7 +307,7 @@ class AlertEngine:
         self,
         session: Session,
         run: Run,
-        row: _RuleRow | AlertRule,
+        row: RuleRow | AlertRule,
         rule: RuleType,
         fed: list[StepData],
         layers: list[str],
@@ -467,7 +327,7 @@ class AlertEngine:
         verdicts: list[tuple[int, Verdict]] = []
         observe, evaluation = rule.observe, document["eval"]
         if not rule.periodic:
-            fed = _complete(document, rule, fed, final)
+            fed = complete_steps(document, rule, fed, final)
         try:  # pure: a failing rule is logged and skipped, it never blocks ingest
             for data in fed:
                 rank = str(data.rank)
@@ -510,7 +370,7 @@ class AlertEngine:
         self,
         session: Session,
         run: Run,
-        row: _RuleRow | AlertRule,
+        row: RuleRow | AlertRule,
         rule: RuleType,
         document: dict[str, Any],
         finding: Finding,
@@ -524,21 +384,14 @@ class AlertEngine:
         fired = document.get("fired_step")
         if previous is not None and fired is not None and finding.step < fired + row.cooldown_steps:
             # Within the cooldown: the previous alert opens again, without a new notification.
-            result = session.execute(
-                update(Alert)
-                .where(Alert.id == previous, Alert.status == "resolved")
-                .values(
-                    status="firing",
-                    open_key=_open_key(row.id, run.id),
-                    resolved_at=None,
-                    resolved_step=None,
-                    occurrences=Alert.occurrences + 1,
-                    last_step=finding.step,
-                    title=finding.title[:500],  # this finding's numbers, not the previous opening's
-                    evidence_json=evidence,
-                )
+            reopened = alert_tables.reopen_alert(
+                session,
+                previous,
+                _open_key(row.id, run.id),
+                finding.step,
+                finding.title[:500],  # this finding's numbers, not the previous opening's
+                evidence,
             )
-            reopened = cast("CursorResult[Any]", result).rowcount  # an UPDATE's result is a CursorResult
             if reopened:
                 document["alert"] = previous
                 self.incidents.reopen(session, document.get("incident"))
@@ -578,15 +431,13 @@ class AlertEngine:
         if not repeats:
             return
         latest = repeats[-1]
-        session.execute(
-            update(Alert)
-            .where(Alert.id == document["alert"])
-            .values(
-                occurrences=Alert.occurrences + len(repeats),
-                last_step=latest.step,
-                title=latest.title[:500],
-                evidence_json=dump_json(latest.evidence | {"link": self.link(run.id, latest.step)}),
-            )
+        alert_tables.count_repeats(
+            session,
+            document["alert"],
+            len(repeats),
+            latest.step,
+            latest.title[:500],
+            dump_json(latest.evidence | {"link": self.link(run.id, latest.step)}),
         )
         if document.get("incident") is not None:
             touched.add(document["incident"])
@@ -612,15 +463,13 @@ class AlertEngine:
         return base if step is None else f"{base}?step={step}"
 
     def _hint(self, session: Session, run_id: str, rule_name: str, finding: Finding) -> str:
-        base = HINTS.get(finding.cause or rule_name, HINTS.get(rule_name, ""))
-        if rule_name not in _EXPLAINED_BY_MISUSE:
-            return base
-        causes: dict[str, str] = {}
-        for kind, data in events_of_kinds(session, run_id, MISUSE_EVENTS, limit=len(MISUSE_EVENTS) * 2):
-            hint = data.get("hint")
-            if isinstance(hint, str) and kind not in causes:
-                causes[kind] = f"Likely cause ({kind.replace('_', ' ')}): {hint}"
-        return " ".join([*causes.values(), base]).strip()
+        misuse_hints: dict[str, str] = {}
+        if rule_name in EXPLAINED_BY_MISUSE:
+            for kind, data in events_of_kinds(session, run_id, MISUSE_EVENTS, limit=len(MISUSE_EVENTS) * 2):
+                hint = data.get("hint")
+                if isinstance(hint, str) and kind not in misuse_hints:
+                    misuse_hints[kind] = hint
+        return alert_hint(rule_name, finding.cause, misuse_hints)
 
     def notify_after_commit(self, session: Session) -> None:
         if self.on_enqueued is not None and not session.info.get("gradwatch_notify"):
@@ -638,26 +487,9 @@ class AlertEngine:
         """Open a heartbeat alert for each running run silent for longer than its rule's timeout (a run
         the server marked crashed for that silence, NO_HEARTBEAT, still counts as running here)."""
         opened = 0
-        rules = session.scalars(
-            select(AlertRule)
-            .where(AlertRule.type == "heartbeat", AlertRule.enabled.is_(True))
-            .order_by(AlertRule.id)
-        ).all()
-        for row in rules:
+        for row in alert_tables.enabled_rules_of_type(session, "heartbeat"):
             rule = make_rule(row.type, json.loads(row.params_json))
-            already_open = select(Alert.id).where(Alert.open_key == literal(f"{row.id}/") + Run.id).exists()
-            query = select(Run).where(
-                Run.project == row.project,
-                or_(
-                    Run.status == "running",
-                    and_(Run.status == "crashed", Run.status_reason == NO_HEARTBEAT),
-                ),
-                Run.updated_at < now - rule.timeout_s,
-                ~already_open,
-            )
-            if row.run_id is not None:
-                query = query.where(Run.id == row.run_id)
-            for run in session.scalars(query.order_by(Run.id).limit(1000)).all():
+            for run in alert_tables.silent_runs(session, row, now - rule.timeout_s, NO_HEARTBEAT):
                 state = self._load_state(session, row, rule, run.id)
                 document = json.loads(state.state_json)
                 if document["alert"] is not None:
@@ -666,11 +498,11 @@ class AlertEngine:
                 finding = Finding(
                     run.last_step if run.last_step is not None else 0,
                     f"no data for {silent / 60:.0f} min (last step {run.last_step})",
-                    {
-                        "steps": [run.last_step],
-                        "last_seen": iso_time(run.updated_at),
-                        "silent_s": round(silent, 1),
-                    },
+                    HeartbeatEvidence(
+                        steps=[run.last_step],
+                        last_seen=iso_time(run.updated_at),
+                        silent_s=round(silent, 1),
+                    ),
                 )
                 touched: set[int] = set()
                 self._fire(session, run, row, rule, document, finding, touched)
@@ -683,67 +515,6 @@ class AlertEngine:
     def notify_due_incidents(self, session: Session, now: float) -> int:
         """The periodic task: incidents whose wall-clock group wait is over are notified."""
         return self.incidents.notify_due(session, now)
-
-
-def _read_keys(rule: RuleType, data: StepData) -> list[str]:
-    """The scalar and vector keys of `data` that `rule` reads."""
-    wanted = rule.scalar_keys | rule.vector_keys | {"amp/skipped", str(rule.values.get("key"))}
-    return sorted(k for k in (*data.scalars, *data.vectors) if k in wanted)
-
-
-def _complete(document: dict[str, Any], rule: RuleType, fed: list[StepData], final: bool) -> list[StepData]:
-    """A rule's steps as whole steps, however the agent cut them into batches.
-
-    The agent may send part of a step in one batch and the rest in the next (a loss logged before the
-    step's backward, then a flush: the loss at step N ends one batch, N's gradients and scaler values
-    begin the next). A step is evaluated once, so its first part alone would stand for the whole step.
-    So the last step of a rank in a batch is held back (in the state, document["held"]) when it holds
-    fewer of the keys the rule reads than the step before it, and joined with the rest of that step from
-    the next batch; on the run's last batch (`final`) nothing is held. document["keys"] keeps, per rank,
-    the keys the rule read at the last step it evaluated."""
-    held: dict[str, Any] = document.pop("held", None) or {}
-    if not held and not fed:
-        return fed
-    steps = {(data.rank, data.step): data for data in fed} if held else {}
-    for held_rank, part in held.items():
-        step, rank = part["step"], int(held_rank)
-        rest = steps.get((rank, step))
-        steps[(rank, step)] = StepData(
-            step,
-            rank,
-            {**part["scalars"], **(rest.scalars if rest else {})},
-            {**part["vectors"], **(rest.vectors if rest else {})},
-            [(kind, event) for kind, event in part["events"]] + (rest.events if rest else []),
-        )
-    ordered = [steps[key] for key in sorted(steps, key=lambda key: (key[1], key[0]))] if held else fed
-    keys: dict[str, list[str]] = document.setdefault("keys", {})
-    last_of_rank = {data.rank: index for index, data in enumerate(ordered)}
-    held_steps = set()
-    for last_rank, index in last_of_rank.items():  # only the last two steps of a rank are looked at
-        before = next((i for i in range(index - 1, -1, -1) if ordered[i].rank == last_rank), None)
-        previous = keys.get(str(last_rank)) if before is None else _read_keys(rule, ordered[before])
-        read = _read_keys(rule, ordered[index])
-        if not final and previous and set(read) < set(previous):
-            data = ordered[index]
-            document.setdefault("held", {})[str(last_rank)] = {
-                "step": data.step,
-                "scalars": data.scalars,
-                "vectors": data.vectors,
-                "events": [[kind, event] for kind, event in data.events],
-            }
-            held_steps.add(index)
-            read = previous
-        keys[str(last_rank)] = read
-    return [data for index, data in enumerate(ordered) if index not in held_steps]
-
-
-def _last_step(batch: BatchIn) -> int:
-    """The highest step a batch carries (its run has reached at least that)."""
-    steps = [max(s.steps) for s in batch.scalars if s.steps] + [
-        max(v.steps) for v in batch.vectors if v.steps
-    ]
-    steps += [e.step for e in batch.events]
-    return max(steps, default=-1)
 
 
 def _open_key(rule_id: int, run_id: str) -> str:

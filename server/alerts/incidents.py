@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import Alert, Delivery, Incident, Run, Series, VectorPoint, Webhook
-from ..storage import bulk, chunked_points
+from ..models import Alert, Delivery, Incident, Run
+from ..storage import alerts as alert_tables
+from ..storage import chunked_points
 from ..storage.codecs import dump_json, iso_time, unpack
 from ..storage.queries import events_of_kinds
 from .diagnosis import SEVERITY_ORDER, RunContext, diagnose, finding_onset
@@ -49,12 +49,7 @@ def _recovered_step(session: Session, run: Run, alerts: Sequence[Alert]) -> int 
     if not others or any(a.status != "resolved" for a in others):
         return None
     burst_end = max(a.last_step or a.step or 0 for a in others)
-    skipped_since = bulk.execute(
-        session,
-        "SELECT 1 FROM events WHERE run_id = ? AND kind = 'skip' AND step > ? LIMIT 1",
-        [run.id, burst_end],
-    )
-    if skipped_since:
+    if alert_tables.skipped_since(session, run.id, burst_end):
         return None
     return max((a.resolved_step for a in others if a.resolved_step is not None), default=None)
 
@@ -119,10 +114,7 @@ class Incidents:
     def attach(self, session: Session, run: Run, alert: Alert, family: str) -> Incident:
         """The incident an alert that just opened belongs to (an open one that matches, or a new one)."""
         step = alert.step if alert.step is not None else 0
-        candidates = session.scalars(
-            select(Incident).where(Incident.run_id == run.id, Incident.status == "open").order_by(Incident.id)
-        ).all()
-        for incident in candidates:
+        for incident in alert_tables.open_incidents(session, run.id):
             same_family = incident.family == family
             nearby = (
                 family != "liveness"
@@ -189,32 +181,16 @@ class Incidents:
             incident = session.get(Incident, incident_id)
             if incident is not None:
                 self._summarise(session, run, incident)
-        if not incident_ids and not bulk.execute(
-            session,
-            "SELECT 1 FROM incidents WHERE run_id = ? AND status = 'open' AND notified_at IS NULL LIMIT 1",
-            [run.id],
-        ):
+        if not incident_ids and not alert_tables.has_unnotified_incident(session, run.id):
             return  # the usual batch: nothing waits to be notified (one plain read, no ORM query)
-        pending = session.scalars(
-            select(Incident)
-            .where(Incident.run_id == run.id, Incident.status == "open", Incident.notified_at.is_(None))
-            .order_by(Incident.id)
-            .with_for_update()
-        ).all()
-        for incident in pending:
+        for incident in alert_tables.unnotified_incidents(session, run.id):
             if ended or (incident.notify_step is not None and reached_step >= incident.notify_step):
                 self._notify(session, run, incident, "incident.firing")
 
     def notify_due(self, session: Session, now: float) -> int:
         """The periodic task: notify open incidents whose wall-clock group wait is over (a run that
         stopped reporting right after a finding still gets its notification)."""
-        due = session.scalars(
-            select(Incident)
-            .where(Incident.notified_at.is_(None), Incident.status == "open", Incident.notify_after <= now)
-            .order_by(Incident.id)
-            .limit(100)
-            .with_for_update(skip_locked=True)
-        ).all()
+        due = alert_tables.due_incidents(session, now, limit=100)
         for incident in due:
             run = session.get(Run, incident.run_id)
             if run is not None:
@@ -223,9 +199,7 @@ class Incidents:
         return len(due)
 
     def _summarise(self, session: Session, run: Run, incident: Incident) -> None:
-        alerts = session.scalars(
-            select(Alert).where(Alert.incident_id == incident.id).order_by(Alert.step, Alert.id)
-        ).all()
+        alerts = alert_tables.incident_alerts(session, incident.id)
         if not alerts:
             return
         findings = [
@@ -283,11 +257,7 @@ class Incidents:
             incident.notified_at = time.time()
         if event in ("incident.firing", "incident.updated"):
             incident.notified_cause_key = incident.cause_key
-        webhooks = session.scalars(
-            select(Webhook)
-            .where(Webhook.project == run.project, Webhook.enabled.is_(True))
-            .order_by(Webhook.id)
-        ).all()
+        webhooks = alert_tables.enabled_webhooks(session, run.project)
         if event == "incident.resolved":
             webhooks = [w for w in webhooks if w.send_resolved]
         if not webhooks:
@@ -327,11 +297,7 @@ class Incidents:
             "grad/clip_max_norm",
             "param/max_abs",
         )
-        series = dict(
-            session.execute(
-                select(Series.key, Series.id).where(Series.run_id == run.id, Series.key.in_(keys))
-            ).all()
-        )
+        series = alert_tables.series_ids(session, run.id, keys)
 
         def points(
             key: str, start: int, end: int, limit: int = 200, latest: bool = False
@@ -360,12 +326,7 @@ class Incidents:
             )
         max_abs: list[tuple[str, float]] = []
         if "param/max_abs" in series:
-            row = session.execute(
-                select(VectorPoint.data)
-                .where(VectorPoint.series_id == series["param/max_abs"], VectorPoint.rank == 0)
-                .order_by(VectorPoint.step)
-                .limit(1)
-            ).scalar()
+            row = alert_tables.first_vector(session, series["param/max_abs"])
             if row is not None:
                 # The run's layer list may have changed since: pair what both name.
                 max_abs = list(zip(json.loads(run.layers_json), unpack(row, "d"), strict=False))

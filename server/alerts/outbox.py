@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine, and_, or_, select, update
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ..database import Transactions
-from ..models import Delivery, Webhook
+from ..models import Webhook
 from ..settings import Settings
+from ..storage import alerts as alert_tables
 from .egress import HostNotPublic, PinnedTransport
 from .webhooks import signature_headers, validate_url
 
@@ -152,32 +153,9 @@ class OutboxWorker:
     def claim(self) -> Claimed | None:
         """Atomically take the oldest due delivery (or one whose lease expired) for this worker."""
         now = time.time()
-        claimable = or_(
-            and_(Delivery.status == "pending", Delivery.next_attempt_at <= now),
-            and_(Delivery.status == "sending", Delivery.claimed_until < now),
-        )
-        oldest = (
-            select(Delivery.id)
-            .where(claimable)
-            .order_by(Delivery.next_attempt_at, Delivery.id)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
         token = uuid.uuid4().hex
         with self._transaction() as session:
-            row = session.execute(
-                update(Delivery)
-                .where(Delivery.id == oldest, claimable)
-                .values(
-                    status="sending",
-                    claim_token=token,
-                    claimed_until=now + self.settings.outbox_lease_s,
-                    attempts=Delivery.attempts + 1,
-                )
-                .returning(Delivery.id, Delivery.attempts, Delivery.webhook_id, Delivery.payload)
-                .execution_options(synchronize_session=False)
-            ).first()
+            row = alert_tables.claim_delivery(session, now, token, now + self.settings.outbox_lease_s)
             if row is None:
                 return None
             webhook = session.get(Webhook, row.webhook_id)
@@ -270,12 +248,7 @@ class OutboxWorker:
             )
             values = {"status": "pending", "next_attempt_at": now + delay, "last_error": error}
         with self._transaction() as session:
-            session.execute(
-                update(Delivery)
-                .where(Delivery.id == claimed.id, Delivery.claim_token == claimed.token)
-                .values(response_status=status, claim_token=None, claimed_until=None, **values)
-                .execution_options(synchronize_session=False)
-            )
+            alert_tables.finish_delivery(session, claimed.id, claimed.token, status, values)
         if error is not None:
             logger.warning(
                 "gradwatch: webhook delivery %d attempt %d failed: %s", claimed.id, claimed.attempts, error

@@ -7,14 +7,15 @@ import json
 import time
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ..database import Transactions
 from ..errors import InvalidRequest, NotFound
-from ..models import Alert, AlertRule, AlertRuleState, Delivery, Incident, Run, Webhook
+from ..models import Alert, AlertRule, Delivery, Incident, Run, Webhook
 from ..schemas import AlertRuleIn, AlertRulePatch, WebhookIn
 from ..settings import Settings
+from ..storage import alerts as alert_tables
 from ..storage.codecs import iso_time
 from ..storage.queries import require_run
 from .engine import AlertEngine, alert_document
@@ -87,14 +88,11 @@ class AlertService:
     def list_rules(self, project: str | None, run_id: str | None) -> list[dict[str, Any]]:
         """Rules of a project (its defaults installed on first sight), or those applying to one run."""
         with self._transaction() as session:
-            query = select(AlertRule)
             if run_id is not None:
                 project = require_run(session, run_id).project
-                query = query.where((AlertRule.run_id.is_(None)) | (AlertRule.run_id == run_id))
             if project is not None:
                 self.alert_engine.ensure_defaults(session, project)
-                query = query.where(AlertRule.project == project)
-            return [self._rule(row) for row in session.scalars(query.order_by(AlertRule.id))]
+            return [self._rule(row) for row in alert_tables.rules(session, project, run_id)]
 
     def create_rule(self, rule: AlertRuleIn) -> dict[str, Any]:
         params = self._validated(rule.type, rule.params)
@@ -106,7 +104,7 @@ class AlertService:
                     # One answer for both: another project's run ids are not for this caller to learn.
                     raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}")
             self.alert_engine.ensure_defaults(session, rule.project)
-            held = session.scalar(select(func.count()).where(AlertRule.project == rule.project)) or 0
+            held = alert_tables.count_rules(session, rule.project)
             if held >= MAX_RULES_PER_PROJECT:
                 raise InvalidRequest(
                     f"project {rule.project!r} has {held} alert rules, the most a project may hold is"
@@ -153,18 +151,12 @@ class AlertService:
         with self._transaction() as session:
             row = self._require(session, AlertRule, rule_id, "alert rule")
             self._restart(session, rule_id)
-            session.execute(update(Alert).where(Alert.rule_id == rule_id).values(rule_id=None))
+            alert_tables.detach_alerts(session, rule_id)
             session.delete(row)
 
     @staticmethod
     def _restart(session: Session, rule_id: int) -> None:
-        now = time.time()
-        session.execute(delete(AlertRuleState).where(AlertRuleState.rule_id == rule_id))
-        session.execute(
-            update(Alert)
-            .where(Alert.rule_id == rule_id, Alert.status == "firing")
-            .values(status="resolved", open_key=None, resolved_at=now)
-        )
+        alert_tables.restart_rule(session, rule_id, time.time())
 
     # -- alerts -----------------------------------------------------------------------------------
 
@@ -179,19 +171,9 @@ class AlertService:
     ) -> tuple[list[dict[str, Any]], int]:
         """Alerts, newest first, and how many match before limit/offset."""
         with self._transaction() as session:
-            query = select(Alert, Run.name).join(Run, Run.id == Alert.run_id)
-            if project is not None:
-                query = query.where(Alert.project == project)
-            if run_id is not None:
-                query = query.where(Alert.run_id == run_id)
-            if status is not None:
-                query = query.where(Alert.status == status)
-            if acknowledged is not None:
-                query = query.where(
-                    Alert.acknowledged_at.is_not(None) if acknowledged else Alert.acknowledged_at.is_(None)
-                )
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.execute(query.order_by(Alert.id.desc()).limit(limit).offset(offset)).all()
+            rows, total = alert_tables.alerts_page(
+                session, project, run_id, status, acknowledged, limit, offset
+            )
             return [alert_document(alert, name) for alert, name in rows], total
 
     def get_alert(self, alert_id: int) -> dict[str, Any]:
@@ -216,25 +198,14 @@ class AlertService:
     ) -> tuple[list[dict[str, Any]], int]:
         """Incidents, newest first, and how many match before limit/offset."""
         with self._transaction() as session:
-            query = select(Incident, Run.name).join(Run, Run.id == Incident.run_id)
-            if project is not None:
-                query = query.where(Incident.project == project)
-            if run_id is not None:
-                query = query.where(Incident.run_id == run_id)
-            if status is not None:
-                query = query.where(Incident.status == status)
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.execute(query.order_by(Incident.id.desc()).limit(limit).offset(offset)).all()
+            rows, total = alert_tables.incidents_page(session, project, run_id, status, limit, offset)
             return [incident_document(incident, name) for incident, name in rows], total
 
     def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, RunVerdict]:
         """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
         with self._transaction() as session:
             run = require_run(session, run_id)
-            rows = session.scalars(
-                select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc())
-            ).all()
-            documents = [incident_document(incident, run.name) for incident in rows]
+            documents = [incident_document(i, run.name) for i in alert_tables.run_incidents(session, run_id)]
             return documents[:limit], len(documents), verdict(documents)
 
     def get_incident(self, incident_id: int) -> dict[str, Any]:
@@ -286,10 +257,7 @@ class AlertService:
 
     def list_webhooks(self, project: str | None) -> list[dict[str, Any]]:
         with self._transaction() as session:
-            query = select(Webhook)
-            if project is not None:
-                query = query.where(Webhook.project == project)
-            return [self._webhook(row) for row in session.scalars(query.order_by(Webhook.id))]
+            return [self._webhook(row) for row in alert_tables.webhooks(session, project)]
 
     def get_webhook(self, webhook_id: int) -> dict[str, Any]:
         with self._transaction() as session:
@@ -298,7 +266,7 @@ class AlertService:
     def delete_webhook(self, webhook_id: int) -> None:
         with self._transaction() as session:
             row = self._require(session, Webhook, webhook_id, "webhook")
-            session.execute(delete(Delivery).where(Delivery.webhook_id == webhook_id))
+            alert_tables.delete_deliveries(session, webhook_id)
             session.delete(row)
 
     def send_test(self, webhook_id: int) -> dict[str, Any]:
@@ -374,22 +342,13 @@ class AlertService:
     ) -> tuple[list[dict[str, Any]], int]:
         """The delivery log, newest first (of one project's webhooks if project is given)."""
         with self._transaction() as session:
-            query = select(Delivery)
-            if project is not None:
-                query = query.join(Webhook, Webhook.id == Delivery.webhook_id).where(
-                    Webhook.project == project
-                )
             if webhook_id is not None:
                 hook = self._require(session, Webhook, webhook_id, "webhook")
                 if project is not None and hook.project != project:  # as if absent: no existence oracle
                     raise NotFound(f"webhook {webhook_id} does not exist")
-                query = query.where(Delivery.webhook_id == webhook_id)
-            if alert_id is not None:
-                query = query.where(Delivery.alert_id == alert_id)
-            if status is not None:
-                query = query.where(Delivery.status == status)
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.scalars(query.order_by(Delivery.id.desc()).limit(limit).offset(offset)).all()
+            rows, total = alert_tables.deliveries_page(
+                session, project, webhook_id, alert_id, status, limit, offset
+            )
             return [self._delivery(row) for row in rows], total
 
     @staticmethod

@@ -10,11 +10,12 @@
     bulk      upserts on the driver's fast path
     codecs    how values are stored and shown: NaN/±Inf flags, packed arrays, JSON, ISO times
     queries   query helpers shared by the above and the alert engine
+    alerts    the SQL of the alert engine, incidents, outbox and service (their tables: rules,
+              alerts, incidents, webhooks, deliveries), which gradwatch.server.alerts calls
 
 Everything here returns frozen dataclasses (a live stream's cursor is the one mutable record); no
 SQLAlchemy object leaves the package. The ORM tables are gradwatch.server.models, engines and
-migrations gradwatch.server.database. The alert engine and service (gradwatch.server.alerts) keep
-their own tables (rules, alerts, incidents, webhooks, deliveries) with these codecs and queries.
+migrations gradwatch.server.database.
 """
 
 from .live import LiveCursor, LiveEvent, LiveReads, LiveUpdate, PointsChunk

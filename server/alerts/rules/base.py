@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeGuard
 
+from ..evidence import Evidence
+
 __all__ = ["CLEAR", "LOSS_KEYS", "Finding", "Param", "RuleType", "StepData", "Verdict"]
 
 MAX_EVIDENCE_POINTS = 50
@@ -37,12 +39,12 @@ class StepData:
 
 @dataclass(frozen=True)
 class Finding:
-    """The rule's condition holds at `step`; evidence is JSON-ready (steps, values, layers…)."""
+    """The rule's condition holds at `step`; evidence is JSON-ready (its rule's type in evidence.py)."""
 
     step: int
     title: str
-    evidence: dict[str, Any]
-    cause: str = ""  # a key of HINTS (engine) naming the likeliest cause, "" for the rule's default
+    evidence: Evidence
+    cause: str = ""  # a key of advice.HINTS naming the likeliest cause, "" for the rule's default
 
 
 class _Clear:

@@ -7,6 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..evidence import (
+    DeadLayersEvidence,
+    NotLearningEvidence,
+    UnderflowEvidence,
+    UpdateRatioBandEvidence,
+    UpdateRatioOutlierEvidence,
+)
 from .base import (
     CLEAR,
     MAX_EVIDENCE_LAYERS,
@@ -58,7 +65,9 @@ class UpdateRatioBand(RuleType):
             data.step,
             f"update ratio of {names[0]} is {values[0]:.3g}, outside [{self.low:g}, {self.high:g}]"
             + _more_layers(count),
-            {"key": self.key, "steps": [data.step], "values": values, "layers": names, "count": count},
+            UpdateRatioBandEvidence(
+                key=self.key, steps=[data.step], values=values, layers=names, count=count
+            ),
             cause="update_ratio_high" if high else "update_ratio_low",
         )
 
@@ -162,13 +171,13 @@ class UnderflowFraction(_PersistentLayers):
         return Finding(
             data.step,
             f"{bad[held[0]]:.0%} of {names[0]}'s gradients underflow to zero in fp16" + _more_layers(count),
-            {
-                "key": "grad/zero_frac" if zeros is not None else self.key,
-                "steps": [data.step],
-                "values": [bad[i] for i in held],
-                "layers": names,
-                "count": count,
-            },
+            UnderflowEvidence(
+                key="grad/zero_frac" if zeros is not None else self.key,
+                steps=[data.step],
+                values=[bad[i] for i in held],
+                layers=names,
+                count=count,
+            ),
         )
 
 
@@ -204,13 +213,13 @@ class DeadLayers(_PersistentLayers):
             data.step,
             f"{len(names)} of {len(row)} trainable layers get {what}: {', '.join(names[:3])}"
             + ("…" if len(names) > 3 else ""),
-            {
-                "key": "grad/norm",
-                "steps": [data.step],
-                "layers": names[:MAX_EVIDENCE_LAYERS],
-                "count": len(names),
-                "grad_none": without[:MAX_EVIDENCE_LAYERS],
-            },
+            DeadLayersEvidence(
+                key="grad/norm",
+                steps=[data.step],
+                layers=names[:MAX_EVIDENCE_LAYERS],
+                count=len(names),
+                grad_none=without[:MAX_EVIDENCE_LAYERS],
+            ),
             cause="dead_layers_none" if without else "dead_layers_zero",
         )
 
@@ -256,14 +265,14 @@ class NotLearning(_PersistentLayers):
             data.step,
             f"weights of {count} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
             "updates were rounded away (or the learning rate is 0)",
-            {
-                "key": "update/rounded_away_frac" if rounded is not None else "update/ratio",
-                "steps": [data.step],
-                "values": [bad[i] for i in held],
-                "update_ratios": ratio_values,
-                "layers": names,
-                "count": count,
-            },
+            NotLearningEvidence(
+                key="update/rounded_away_frac" if rounded is not None else "update/ratio",
+                steps=[data.step],
+                values=[bad[i] for i in held],
+                update_ratios=ratio_values,
+                layers=names,
+                count=count,
+            ),
         )
 
 
@@ -332,16 +341,16 @@ class UpdateRatioOutlier(_PersistentLayers):
             data.step,
             f"update ratio of {names[0]} is {_times(ratios[0] / median)} the median layer's "
             f"({ratios[0]:.3g} vs {median:.3g} over {len(compared)} layers)" + _more_layers(len(held)),
-            {
-                "key": "update/ratio",
-                "steps": [data.step],
-                "layers": names,
-                "count": len(held),
-                "values": ratios,
-                "median": median,
-                "factors": [v / median for v in ratios],
-                "compared_layers": len(compared),
-                "other_layers_max": max((v for i, v in compared if i not in outliers), default=None),
-            },
+            UpdateRatioOutlierEvidence(
+                key="update/ratio",
+                steps=[data.step],
+                layers=names,
+                count=len(held),
+                values=ratios,
+                median=median,
+                factors=[v / median for v in ratios],
+                compared_layers=len(compared),
+                other_layers_max=max((v for i, v in compared if i not in outliers), default=None),
+            ),
             cause="update_ratio_outlier",
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ..evidence import RankDisagreementEvidence
 from .base import CLEAR, MAX_WINDOW, Finding, Param, RuleType, StepData, Verdict, _skip_layers
 
 __all__ = ["Heartbeat", "RankDisagreement"]
@@ -62,11 +63,11 @@ class RankDisagreement(RuleType):
         return Finding(
             data.step,
             f"step {data.step} was skipped on rank(s) {skipped_ranks} but applied on rank(s) {applied_ranks}",
-            {
-                "key": "amp/skipped",
-                "steps": [data.step],
-                "skipped_ranks": skipped_ranks,
-                "applied_ranks": applied_ranks,
-                "layers": _skip_layers(data),
-            },
+            RankDisagreementEvidence(
+                key="amp/skipped",
+                steps=[data.step],
+                skipped_ranks=skipped_ranks,
+                applied_ranks=applied_ranks,
+                layers=_skip_layers(data),
+            ),
         )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
+from ..advice import MISUSE_HINTS
+from ..evidence import MisuseEvidence, UnheldParameters
 from .base import MAX_EVIDENCE_LAYERS, Finding, RuleType, StepData, Verdict, _names
 
 __all__ = ["MISUSE_EVENTS", "Misuse", "unheld_parameters_title"]
@@ -16,13 +19,6 @@ MISUSE_EVENTS = (
     "scale_below_one",
     "params_not_in_optimizer",
 )
-
-# The fix of a kind whose event carries numbers, not a hint (the agent's hints travel with the others).
-_HINTS = {
-    "params_not_in_optimizer": "build the optimizer after unfreezing, from model.parameters() (or add the "
-    "missing ones with optimizer.add_param_group); if they are frozen on purpose, call requires_grad_(False) "
-    "on them so they get no gradient.",
-}
 
 
 def share(fraction: float) -> str:
@@ -36,7 +32,7 @@ def share(fraction: float) -> str:
     return f"{fraction:.0%}"
 
 
-def unheld_parameters_title(details: dict[str, Any]) -> str:
+def unheld_parameters_title(details: Mapping[str, object]) -> str:
     """ "N layers (X% of the weights) get gradients but are not in the optimizer: a, b, c…" from a
     `params_not_in_optimizer` event's data."""
     layers = _names(details.get("layers"))
@@ -81,7 +77,7 @@ class Misuse(RuleType):
             if kind in MISUSE_EVENTS and kind not in {k for _, k, _ in state["seen"]}:
                 hint = event.get("hint")
                 state["seen"].append(
-                    [data.step, kind, hint if isinstance(hint, str) else _HINTS.get(kind, "")]
+                    [data.step, kind, hint if isinstance(hint, str) else MISUSE_HINTS.get(kind, "")]
                 )
                 if kind == "params_not_in_optimizer":
                     state.setdefault("details", {})[kind] = _unheld_details(event)
@@ -89,16 +85,16 @@ class Misuse(RuleType):
         if not new:
             return None
         seen = state["seen"]
-        details: dict[str, dict[str, Any]] = state.get("details") or {}
+        details: dict[str, UnheldParameters] = state.get("details") or {}
         names = "; ".join(
             unheld_parameters_title(details[kind]) if kind in details else kind.replace("_", " ")
             for _, kind, _ in seen
         )
-        evidence: dict[str, Any] = {
-            "kinds": [kind for _, kind, _ in seen],
-            "steps": [s for s, _, _ in seen],
-            "hints": [hint for _, _, hint in seen],
-        }
+        evidence = MisuseEvidence(
+            kinds=[kind for _, kind, _ in seen],
+            steps=[s for s, _, _ in seen],
+            hints=[hint for _, _, hint in seen],
+        )
         if details:
             evidence["details"] = details
             evidence["layers"] = [name for d in details.values() for name in d["layers"]][
@@ -124,15 +120,15 @@ def _backed_off_below_one(state: dict[str, Any], data: StepData) -> bool:
     return skipped is not None and skipped >= 0.5 and before is not None and before >= 1.0
 
 
-def _unheld_details(event: dict[str, Any]) -> dict[str, Any]:
+def _unheld_details(event: dict[str, Any]) -> UnheldParameters:
     """The numbers of a `params_not_in_optimizer` event, bounded (rule state stays small)."""
     count, fraction = event.get("count"), event.get("fraction")
     layers = _names(event.get("layers"))
-    return {
-        "layers": layers[:MAX_EVIDENCE_LAYERS],
-        "count": int(count) if isinstance(count, (int, float)) and math.isfinite(count) else len(layers),
-        "fraction": float(fraction)
+    return UnheldParameters(
+        layers=layers[:MAX_EVIDENCE_LAYERS],
+        count=int(count) if isinstance(count, (int, float)) and math.isfinite(count) else len(layers),
+        fraction=float(fraction)
         if isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 <= fraction <= 1
         else None,
-        "elements": event.get("elements") if isinstance(event.get("elements"), int) else None,
-    }
+        elements=event.get("elements") if isinstance(event.get("elements"), int) else None,
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..evidence import LossNonFiniteEvidence, NonFiniteEvidence
 from .base import (
     CLEAR,
     LOSS_KEYS,
@@ -80,15 +81,15 @@ class NonFinite(RuleType):
         return Finding(
             data.step,
             title + (f" (first non-finite layer: {layer_names[0]})" if layer_names else ""),
-            {
-                "keys": ["grad/global_norm"],
-                "steps": [s for s, _, _ in streak],
-                "values": [v for _, v, _ in streak],
-                "count": count,  # non-finite norms in a row up to this step (steps: the last 50)
-                "first_step": since,
-                "applied": applied,
-                "layers": layer_names,
-            },
+            NonFiniteEvidence(
+                keys=["grad/global_norm"],
+                steps=[s for s, _, _ in streak],
+                values=[v for _, v, _ in streak],
+                count=count,  # non-finite norms in a row up to this step (steps: the last 50)
+                first_step=since,
+                applied=applied,
+                layers=layer_names,
+            ),
             cause="non_finite_applied" if applied else "",
         )
 
@@ -146,13 +147,13 @@ class LossNonFinite(RuleType):
         return Finding(
             data.step,
             title,
-            {
-                "key": key,
-                "steps": [b[0] for b in bad],
-                "values": [b[2] for b in bad],
-                "first_step": first[0],
-                "count": count,  # non-finite losses since first_step (steps: the first and the last 49)
-                "batch_ids": first[3],
-                "batches": {str(b[0]): b[3] for b in bad if b[3]},
-            },
+            LossNonFiniteEvidence(
+                key=key,
+                steps=[b[0] for b in bad],
+                values=[b[2] for b in bad],
+                first_step=first[0],
+                count=count,  # non-finite losses since first_step (steps: the first and the last 49)
+                batch_ids=first[3],
+                batches={str(b[0]): b[3] for b in bad if b[3]},
+            ),
         )

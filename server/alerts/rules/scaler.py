@@ -6,6 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..evidence import (
+    NoScaleGrowthEvidence,
+    ScaleDropEvidence,
+    ScaleFloorEvidence,
+    ScalerCalibrationEvidence,
+    SkipStormEvidence,
+)
 from .base import (
     CLEAR,
     MAX_EVIDENCE_POINTS,
@@ -201,16 +208,16 @@ class ScalerCalibration(RuleType):
                 else ""
             )
             + f" ({reason})",
-            {
-                "key": "amp/scale",
-                "steps": [phase["start"], data.step],
-                "values": [start_scale, scale],
-                "skipped": skipped,  # every skipped step since `start` (amp/skipped's count)
-                "calibrating": phase["calibrating"],
-                "calibration_steps": steps,  # steps with amp/skipped since `start`
-                "reason": reason,
-                "layers": state["layers"],
-            },
+            ScalerCalibrationEvidence(
+                key="amp/scale",
+                steps=[phase["start"], data.step],
+                values=[start_scale, scale],
+                skipped=skipped,  # every skipped step since `start` (amp/skipped's count)
+                calibrating=phase["calibrating"],
+                calibration_steps=steps,  # steps with amp/skipped since `start`
+                reason=reason,
+                layers=state["layers"],
+            ),
         )
 
 
@@ -268,15 +275,15 @@ class ScaleDrop(RuleType):
             step,
             f"loss scale fell {fell} in {low[0] - peak_step} steps ({_power_of_two(peak)} at step "
             f"{peak_step} -> {_power_of_two(scale)} at step {low[0]})",
-            {
-                "key": "amp/scale",
-                "steps": [peak_step, step],
-                "values": [peak, scale],
-                "ratio": ratio,
-                "low_step": low[0],
-                "skip_steps": [s for s, _ in state["skips"]],
-                "layers": _common_layers(state["skips"]),
-            },
+            ScaleDropEvidence(
+                key="amp/scale",
+                steps=[int(peak_step), step],  # peaks hold [step, scale]: the step is an int
+                values=[peak, scale],
+                ratio=ratio,
+                low_step=low[0],
+                skip_steps=[s for s, _ in state["skips"]],
+                layers=_common_layers(state["skips"]),
+            ),
         )
 
 
@@ -364,14 +371,14 @@ class SkipStorm(RuleType):
             + f" (steps {spans['judged'][0][0]}-{spans['judged'][-1][1]}"
             + (f", scale now {_power_of_two(scales[-1])}" if scales else "")
             + ")",
-            {
-                "key": "amp/skipped",
-                "steps": steps,
-                "values": [1.0] * len(steps),
-                "count": count,  # the judged skips in the window (steps: the last 50 of them)
-                "scales": scales,
-                "layers": _common_layers([[s[0], s[1]] for s in skips]),
-            },
+            SkipStormEvidence(
+                key="amp/skipped",
+                steps=steps,
+                values=[1.0] * len(steps),
+                count=count,  # the judged skips in the window (steps: the last 50 of them)
+                scales=scales,
+                layers=_common_layers([[s[0], s[1]] for s in skips]),
+            ),
         )
 
 
@@ -422,15 +429,15 @@ class ScaleFloor(RuleType):
             data.step,
             f"loss scale {_power_of_two(scale)} is below the floor {self.floor:g}{below_one}"
             + (f": {overflowed}" if overflowed else ""),
-            {
-                "key": "amp/scale",
-                "steps": [data.step],
-                "values": [scale],
-                "floor": self.floor,
-                "overflowed": state.get("recent", "").count("x"),  # of the last `recent_steps` steps
-                "recent_steps": len(state.get("recent", "")),
-                "layers": _skip_layers(data),
-            },
+            ScaleFloorEvidence(
+                key="amp/scale",
+                steps=[data.step],
+                values=[scale],
+                floor=self.floor,
+                overflowed=state.get("recent", "").count("x"),  # of the last `recent_steps` steps
+                recent_steps=len(state.get("recent", "")),
+                layers=_skip_layers(data),
+            ),
         )
 
 
@@ -461,10 +468,10 @@ class NoScaleGrowth(RuleType):
             data.step,
             f"the loss scale has not grown for {steps} steps ({steps / self.growth_interval:.3g} growth "
             "intervals)",
-            {
-                "key": "amp/scale",
-                "steps": [state["since"], data.step],
-                "values": [scale],
-                "since_step": state["since"],
-            },
+            NoScaleGrowthEvidence(
+                key="amp/scale",
+                steps=[state["since"], data.step],
+                values=[scale],
+                since_step=state["since"],
+            ),
         )

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ..evidence import ClipSaturationEvidence, LrJumpEvidence, SpikeEvidence
 from .base import (
     CLEAR,
     LOSS_KEYS,
@@ -114,16 +115,16 @@ class _SustainedSpike(RuleType):
             return Finding(
                 step,
                 title(f"{len(hits)} of the last {len(recent)} steps"),
-                {
-                    "key": evidence["key"],
-                    "steps": [r[0] for r in hits],
-                    "values": [r[2] for r in hits],
-                    "onset_step": hits[0][0],
-                    "baseline_median": evidence["baseline_median"],
-                    "baseline_steps": [baseline[0][0], baseline[-1][0]],
-                    "ratio": evidence["ratio"],
-                    "z": evidence["z"],
-                },
+                SpikeEvidence(
+                    key=evidence["key"],
+                    steps=[r[0] for r in hits],
+                    values=[r[2] for r in hits],
+                    onset_step=hits[0][0],
+                    baseline_median=evidence["baseline_median"],
+                    baseline_steps=[baseline[0][0], baseline[-1][0]],
+                    ratio=evidence["ratio"],
+                    z=evidence["z"],
+                ),
             )
         return CLEAR if not hits else None
 
@@ -303,13 +304,13 @@ class LrJump(RuleType):
             data.step,
             f"the learning rate jumped {_times(lr / previous)} at step {data.step} ({previous:.3g} -> "
             f"{lr:.3g}; the run's highest before was {peak:.3g})",
-            {
-                "key": "lr",
-                "steps": [data.step - 1, data.step],
-                "values": [previous, lr],
-                "ratio": lr / previous,
-                "previous_peak": peak,
-            },
+            LrJumpEvidence(
+                key="lr",
+                steps=[data.step - 1, data.step],
+                values=[previous, lr],
+                ratio=lr / previous,
+                previous_peak=peak,
+            ),
         )
 
 
@@ -374,13 +375,13 @@ class ClipSaturation(RuleType):
             f"clipping cut the gradient on {share:.0%} of the last {len(recent)} steps: the pre-clip norm is "
             f"{median:.3g}x max_norm={max_norm:g} (median)"
             + (f", with {state['micro_batches']:g} micro-batches per step" if accumulating else ""),
-            {
-                "key": "grad/global_norm",
-                "steps": [recent[0][0], data.step],
-                "fraction_clipped": share,
-                "median_ratio": median,
-                "max_norm": max_norm,
-                "micro_batches": state["micro_batches"],
-            },
+            ClipSaturationEvidence(
+                key="grad/global_norm",
+                steps=[recent[0][0], data.step],
+                fraction_clipped=share,
+                median_ratio=median,
+                max_norm=max_norm,
+                micro_batches=state["micro_batches"],
+            ),
             cause="clip_saturation_accumulation" if accumulating else "",
         )
