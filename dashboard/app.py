@@ -4,17 +4,20 @@ browser gets its scripts (plotly.js's cartesian bundle for the full one, what th
 load fetched from the start, scripts and style sheets compressed).
 
 Pages (one dcc.Location, routed by a callback on its pathname), with the default prefix; each is a
-module of `pages` with its layout and callbacks:
+module of `pages` with its layout and its callbacks, declared beside it (`callbacks.PageCallbacks`)
+and added to every app built here:
     /dashboard/                         runs list (`pages.runs`)
     /dashboard/runs/{run_id}[?step=N]   run page (`pages.run`); ?step=N (alert links) marks step N
     /dashboard/compare?runs=id1,id2     one scalar key of several runs overlaid (`pages.compare`)
-    /dashboard/alerts                   alerts, rules and webhooks (`pages.alerts`)
+    /dashboard/alerts                   alerts, rules and webhooks (`pages.alerts`, with the cards
+                                        of `pages.alert_rules` and `pages.webhooks`)
     /dashboard/signin                   the token form, also shown instead of any page while the
                                         server asks for a token (`pages.signin`)
 
-Every page reads through one ApiClient; user-supplied names are only ever passed as component
-children, which Dash renders as text (and escaped before they reach plotly, which would otherwise
-read tags in them).
+Every page reads through one ApiClient, which the callbacks reach as `services().api` (the app's
+`callbacks.Services`, set on its Flask server here); user-supplied names are only ever passed as
+component children, which Dash renders as text (and escaped before they reach plotly, which would
+otherwise read tags in them).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import httpx
 from dash import Input, Output, dcc, html
 
 from .api_client import ApiClient, ApiError, RunNotFound
-from .pages import alerts, compare, run, runs, signin
+from .callbacks import PageCallbacks, Services, attach_services, services
+from .pages import alert_rules, alerts, compare, run, run_layers, runs, signin, webhooks
 from .views import error_banner
 
 __all__ = ["Background", "create_dash_app", "parse_route"]
@@ -135,14 +139,10 @@ def create_dash_app(
     app.index_string = INDEX.replace("{%preload%}", preloads)
     _serve_plotly_bundle(app.server)
     _compress_static_files(app.server)
-    background = Background()
-    run_href = partial(run.href, app)
+    attach_services(app, Services(app, api, Background(), partial(run.href, app)))
     signin.register(app, api, prefix)
-    runs.register(app, api, background, run_href)
-    run.register(app, api, background, run_href)
-    compare.register(app, api, run_href)
-    alerts.register(app, api, run_href)
-    _register_routing(app, api, background, prefix)
+    for declared in CALLBACKS:
+        declared.register(app)
     return app
 
 
@@ -209,40 +209,58 @@ class Background:
         return {name: future.result() for name, future in futures.items()}
 
 
-def _register_routing(app: dash.Dash, api: ApiClient, background: Background, prefix: str) -> None:
-    @app.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"))
-    def render_page(pathname: str | None, search: str | None) -> Any:
-        page, run_id = parse_route(pathname, prefix)
-        query = parse_qs((search or "").lstrip("?"))
-        if page == "signin":
-            error = query.get("error")
-            return signin.layout(
-                prefix,
-                (query.get("next") or [prefix])[0],
-                signin.error_message(error[0]) if error else None,
-                signed_in=signin.token_from_request() is not None,
-            )
+routing = PageCallbacks()
+
+
+@routing.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"))
+def render_page(pathname: str | None, search: str | None) -> Any:
+    """The page at the URL's path (and query), or the sign-in page while the server asks for a token."""
+    app, api = services().app, services().api
+    prefix = app.config.requests_pathname_prefix
+    page, run_id = parse_route(pathname, prefix)
+    query = parse_qs((search or "").lstrip("?"))
+    if page == "signin":
+        error = query.get("error")
+        return signin.layout(
+            prefix,
+            (query.get("next") or [prefix])[0],
+            signin.error_message(error[0]) if error else None,
+            signed_in=signin.token_from_request() is not None,
+        )
+    try:
+        api.whoami()  # a server with tokens: sign in first (one small request per page)
+    except ApiError as exc:
+        if exc.status_code == 401:
+            here = (pathname or prefix) + (search or "")
+            message = "Signed-in token no longer accepted." if signin.token_from_request() else None
+            return signin.layout(prefix, here, message, signed_in=False)
+    if page == "runs":
+        return runs.layout()
+    if page == "compare":
+        return compare.layout(compare.parse_run_ids(search))
+    if page == "alerts":
+        return alerts.layout(api, services().background)
+    if page == "run" and run_id:
         try:
-            api.whoami()  # a server with tokens: sign in first (one small request per page)
+            return run.layout(api, run_id, selected_step=run.parse_step(search))
+        except RunNotFound:
+            return _not_found_page(app, "Run not found", f"There is no run with id “{run_id}”.")
         except ApiError as exc:
-            if exc.status_code == 401:
-                here = (pathname or prefix) + (search or "")
-                message = "Signed-in token no longer accepted." if signin.token_from_request() else None
-                return signin.layout(prefix, here, message, signed_in=False)
-        if page == "runs":
-            return runs.layout()
-        if page == "compare":
-            return compare.layout(compare.parse_run_ids(search))
-        if page == "alerts":
-            return alerts.layout(api, background)
-        if page == "run" and run_id:
-            try:
-                return run.layout(api, run_id, selected_step=run.parse_step(search))
-            except RunNotFound:
-                return _not_found_page(app, "Run not found", f"There is no run with id “{run_id}”.")
-            except ApiError as exc:
-                return _api_error_page(app, exc)
-        return _not_found_page(app, "Page not found", f"There is no dashboard page at “{pathname}”.")
+            return _api_error_page(app, exc)
+    return _not_found_page(app, "Page not found", f"There is no dashboard page at “{pathname}”.")
+
+
+# What every app gets, in this order: the pages' callbacks, then the routing.
+CALLBACKS = (
+    runs.callbacks,
+    run_layers.callbacks,
+    run.callbacks,
+    compare.callbacks,
+    alerts.callbacks,
+    alert_rules.callbacks,
+    webhooks.callbacks,
+    routing,
+)
 
 
 def _serve_plotly_bundle(server: flask.Flask) -> None:

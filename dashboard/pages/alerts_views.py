@@ -6,6 +6,9 @@
                                                 texts back as the JSON the API takes
     rule_settings                               a rule form's name and cooldown fields as that JSON
     text_input                                  a one-line text field, as every form of the page has
+    card, form_row, text_field, project_field,  the building blocks of the page's three cards and
+    primary_button, ...                         their forms
+    clicked_id                                  which row button a callback was triggered by
     delivery_outcome                            a test delivery's state for people
 
 Every user- or server-supplied string is passed as a component's children or a title attribute, which
@@ -35,13 +38,21 @@ from ..views import (
 __all__ = [
     "WEBHOOK_FORMATS",
     "alerts_table",
+    "card",
+    "clicked_id",
     "delivery_outcome",
+    "field",
+    "form_row",
+    "heading",
     "param_inputs",
     "param_text",
     "parse_param",
+    "primary_button",
+    "project_field",
     "rule_params",
     "rule_settings",
     "rules_table",
+    "text_field",
     "text_input",
     "webhooks_table",
 ]
@@ -240,6 +251,17 @@ def _row_button(label: str, component_id: dict[str, Any], danger: bool = False) 
     )
 
 
+def clicked_id(context: Any, key: str) -> int | None:
+    """The integer `key` of the pattern-matched row button that was really clicked (`context`: dash's
+    ctx; redrawn tables add buttons with no clicks, which trigger too), else None."""
+    trigger = context.triggered_id
+    clicked = context.triggered[0].get("value") if context.triggered else None
+    if not isinstance(trigger, dict) or not clicked:
+        return None
+    value = trigger.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 # -- parameters ------------------------------------------------------------------------------------
 
 
@@ -378,3 +400,47 @@ def delivery_outcome(delivery: dict[str, Any] | None) -> dict[str, str]:
         when = f"; retrying at {format_time(retry)}" if retry else ""
         return {"state": "failed", "text": f"Attempt {attempts} failed: {what}{when}."}
     return {"state": "sending", "text": "Sending…"}
+
+
+# -- the page's building blocks: each card, form row and field is made by one of these -------------
+
+
+def card(name: str, top: list[Any], *rest: Any) -> html.Div:
+    """Card `{name}-card`: `top`, then `{name}-message` and `{name}-table` (filled by the callbacks,
+    "Loading {name}…" until then), then `rest` (the card's form)."""
+    loading = html.P(f"Loading {name}…", className="muted")
+    return html.Div(
+        [*top, html.Div(id=f"{name}-message"), html.Div(loading, id=f"{name}-table"), *rest],
+        className="card",
+        id=f"{name}-card",
+    )
+
+
+def heading(title: str, hint: str) -> list[Any]:
+    """A card's title and the hint below it."""
+    return [html.H2(title), html.P(hint, className="muted hint")]
+
+
+def form_row(*fields: Any) -> html.Div:
+    """Form fields side by side."""
+    return html.Div(list(fields), className="form-row")
+
+
+def field(label: str, control: Any) -> html.Label:
+    """`control` with its label above it."""
+    return html.Label([html.Span(label, className="field-label"), control], className="field")
+
+
+def text_field(label: str, component_id: str, class_name: str = "text-input", **props: Any) -> html.Label:
+    """A labelled text_input; `props` as text_input's (input_type, placeholder, list)."""
+    return field(label, text_input(component_id, class_name, **props))
+
+
+def project_field(component_id: str) -> html.Label:
+    """The project a new rule or webhook is for: typed, with the known projects suggested."""
+    return text_field("Project", component_id, list="known-projects", placeholder="project")
+
+
+def primary_button(label: str, component_id: str, disabled: bool = False) -> html.Button:
+    """A form's main button (Create rule, Add webhook, Save)."""
+    return html.Button(label, id=component_id, className="button primary", n_clicks=0, disabled=disabled)

@@ -11,11 +11,14 @@ from dash import Input, Output, State, dcc, html
 
 from .. import figures
 from ..api_client import ApiClient, ApiError, RunNotFound
+from ..callbacks import PageCallbacks, services
 from ..views import GRAPH_CONFIG, RunHref, error_banner, format_step, keep_view
 
-__all__ = ["MAX_COMPARE_RUNS", "href", "layout", "parse_run_ids", "register"]
+__all__ = ["MAX_COMPARE_RUNS", "callbacks", "href", "layout", "parse_run_ids"]
 
 MAX_COMPARE_RUNS = 8
+
+callbacks = PageCallbacks()
 
 
 def parse_run_ids(search: str | None) -> list[str]:
@@ -75,53 +78,54 @@ def layout(run_ids: list[str]) -> html.Div:
 # -- callbacks -------------------------------------------------------------------------------------
 
 
-def register(app: dash.Dash, api: ApiClient, run_href: RunHref) -> None:
-    """The compare page's callbacks; `run_href(run_id, step)` links each run's page."""
-
-    @app.callback(
-        Output("compare-runs", "children"),
-        Output("compare-key", "options"),
-        Output("compare-key", "value"),
-        Input("compare-ids", "data"),
-        State("compare-key", "value"),
-    )
-    def load_compare(run_ids: list[str], key: str | None) -> tuple[Any, ...]:
-        runs: list[dict[str, Any]] = []
-        missing: list[str] = []
-        keys: set[str] = set()
-        for run_id in run_ids or []:
-            try:
-                runs.append(api.get_run(run_id))
-                keys.update(api.keys(run_id))
-            except RunNotFound:
-                missing.append(run_id)
-            except ApiError as exc:
-                return error_banner(exc), [], None
-        options = sorted(keys)
-        if key not in keys:
-            key = "loss" if "loss" in keys else (options[0] if options else None)
-        return _compare_run_list(runs, missing, run_href), options, key
-
-    @app.callback(
-        Output("compare-graph", "figure"),
-        Input("compare-key", "value"),
-        Input("compare-log", "value"),
-        State("compare-ids", "data"),
-    )
-    def draw_compare(key: str | None, log_options: list[str] | None, run_ids: list[str]) -> Any:
-        if not key:
-            return figures.empty_figure("Compare", "pick runs with a common series")
+@callbacks.callback(
+    Output("compare-runs", "children"),
+    Output("compare-key", "options"),
+    Output("compare-key", "value"),
+    Input("compare-ids", "data"),
+    State("compare-key", "value"),
+)
+def load_compare(run_ids: list[str], key: str | None) -> tuple[Any, ...]:
+    """The runs compared (each linked to its page), the series they have, the series picked."""
+    api = services().api
+    runs: list[dict[str, Any]] = []
+    missing: list[str] = []
+    keys: set[str] = set()
+    for run_id in run_ids or []:
         try:
-            labelled = [
-                (str(series.get("name") or series.get("run_id")), series)
-                for series in _compared(api, run_ids or [], key)
-            ]
+            runs.append(api.get_run(run_id))
+            keys.update(api.keys(run_id))
+        except RunNotFound:
+            missing.append(run_id)
         except ApiError as exc:
-            return figures.empty_figure("Compare", str(exc))
-        figure = figures.compare_figure(
-            labelled, key, log_y="log" in (log_options or []), uirevision=",".join(run_ids or [])
-        )
-        return keep_view(figure)
+            return error_banner(exc), [], None
+    options = sorted(keys)
+    if key not in keys:
+        key = "loss" if "loss" in keys else (options[0] if options else None)
+    return _compare_run_list(runs, missing, services().run_href), options, key
+
+
+@callbacks.callback(
+    Output("compare-graph", "figure"),
+    Input("compare-key", "value"),
+    Input("compare-log", "value"),
+    State("compare-ids", "data"),
+)
+def draw_compare(key: str | None, log_options: list[str] | None, run_ids: list[str]) -> Any:
+    """The picked series of every run, overlaid."""
+    if not key:
+        return figures.empty_figure("Compare", "pick runs with a common series")
+    try:
+        labelled = [
+            (str(series.get("name") or series.get("run_id")), series)
+            for series in _compared(services().api, run_ids or [], key)
+        ]
+    except ApiError as exc:
+        return figures.empty_figure("Compare", str(exc))
+    figure = figures.compare_figure(
+        labelled, key, log_y="log" in (log_options or []), uirevision=",".join(run_ids or [])
+    )
+    return keep_view(figure)
 
 
 def _compared(api: ApiClient, run_ids: list[str], key: str) -> list[dict[str, Any]]:

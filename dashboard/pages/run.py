@@ -14,8 +14,8 @@ after the last ones shown, the alerts and the incidents (so the charts, on a pag
 do not wait for those calls). Heatmaps and histograms, heavier and slower to
 change, every LAYERS_REFRESH_MS, the same way (`run_layers`).
 
-Callbacks stay thin: fetch with the ApiClient (independent calls together, on the app's workers),
-draw with `figures`, lay out with `run_views`.
+Callbacks stay thin: fetch with the app's ApiClient (`services()`; independent calls together, on
+the app's workers), draw with `figures`, lay out with `run_views`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, quote
 
 import dash
@@ -34,16 +34,13 @@ from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from .. import figures, live, verdict
 from ..api_client import ApiClient, ApiError, RunNotFound
-from ..event_log import EventLog
-from ..views import GRAPH_CONFIG, RunHref, error_banner, keep_view, run_status
+from ..callbacks import PageCallbacks, services
+from ..views import GRAPH_CONFIG, error_banner, keep_view, run_status
 from . import run_layers
 from .run_layers import LAYER_HEATMAPS, heatmap_cursor_id
 from .run_views import AGENT_HEALTH_KEYS, EVENTS_TABLE_ROWS, events_table, run_details, run_header, world_size
 
-if TYPE_CHECKING:
-    from ..app import Background
-
-__all__ = ["href", "layout", "parse_step", "register", "run_layout"]
+__all__ = ["callbacks", "href", "layout", "parse_step", "run_layout"]
 
 RUN_REFRESH_MS = 2000
 LAYERS_REFRESH_MS = 10_000  # heatmaps and histograms of a live run: heavier, and they change slowly
@@ -81,6 +78,8 @@ HEADER_OUTPUTS = {
     "shown": Output("header-cursor", "data"),
 }
 
+callbacks = PageCallbacks()  # the per-layer part's are `run_layers.callbacks`
+
 
 def parse_step(search: str | None) -> int | None:
     """The step of a run page's query string ("?step=120", as alert links carry), or None."""
@@ -110,248 +109,245 @@ def layout(api: ApiClient, run_id: str, selected_step: int | None = None) -> htm
 # -- callbacks -------------------------------------------------------------------------------------
 
 
-def register(
-    app: dash.Dash,
-    api: ApiClient,
-    background: Background,
-    run_href: RunHref,
-    event_log: EventLog | None = None,
-) -> None:
-    """The run page's callbacks; `background` runs a refresh's independent API calls together,
-    `run_href(run_id, step)` links a run page at a step (the incidents' links), `event_log` keeps
-    the runs' events between refreshes (one of its own by default)."""
-    event_log = event_log if event_log is not None else EventLog()
-    run_layers.register(app, api, background)
-
-    @app.callback(
-        output=REFRESH_OUTPUTS,
-        inputs=[Input("refresh", "n_intervals")],
-        state=[
-            State("run-id", "data"),
-            State("selected-step", "data"),
-            State("live-cursor", "data"),
-            State("header-cursor", "data"),
-        ],
-        prevent_initial_call="initial_duplicate",  # called as the page opens; header-cursor is shared
-    )
-    def refresh_run(
-        n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any, header_cursor: Any = None
-    ) -> dict[str, Any]:
-        # The line charts only: the header and the timeline follow once the cursor has moved
-        # (refresh_header), so the charts do not wait for the calls only those need. A live run's
-        # charts get only the points after the last step shown, appended (see `live`); the first
-        # call, an ended run and anything appending cannot draw right redraw in full.
-        try:
-            run = api.get_run(run_id)
-            ended = run.get("status") != "running"
-            signature = [*live.run_signature(run), run_status(run)]
-            appendable = not ended and live.can_append(cursor, run_id)
-            if appendable and cursor.get("run") == signature:  # nothing new
-                quiet = {**UNCHANGED, "stop_polling": False, "stop_polling_layers": False}
-                if header_cursor is None:
-                    # The header's slot still shows an error banner, and the API answers again: the
-                    # cursor moved by a tick number alone makes the header's refresh draw it in full.
-                    return {**quiet, "cursor": {**cursor, "header_redraw": n_intervals}}
-                return quiet
-            starts = live_starts(cursor) if appendable else None
-            # A sharded run's ranks each measure their own shard: its global norm is theirs combined.
-            ranks = api.ranks(run_id) if world_size(run) > 1 else None
-            sharded = bool(ranks and ranks.get("gradients") == "sharded")
-            calls = series_calls(run_id, starts, sharded)
-            calls["events"] = lambda: event_log.read(api, run_id)  # only what is new, when it can
-            fetched = background.fetch_all(calls)
-            events, _event_count, continued = fetched["events"]
-            skips = [event for event in events if event.get("kind") == "skip"]
-            resumes = [event for event in events if event.get("kind") == "resume"]
-            # Continued: the events shown before, then those stored since, so the new skips are last.
-            new_skips = skips[cursor.get("skips", 0) :] if appendable and continued else None
-            appended = None
-            if starts is not None and new_skips is not None:
-                appended = append_new_points(cursor, fetched, skips, resumes, new_skips)
-            if starts is not None and appended is None:
-                fetched.update(background.fetch_all(series_calls(run_id, None, sharded)))
-        except RunNotFound:
-            event_log.forget(run_id)
-            header = error_banner(f"Run “{run_id}” no longer exists.")
-            return {
-                **UNCHANGED,
-                "header": header,
-                "stop_polling": True,
-                "stop_polling_layers": True,
-                "header_cursor": None,
-            }
-        except ApiError as exc:
-            # Keep what is drawn and keep polling: the server may be restarting. The banner replaces
-            # the header's slot, so the header's next refresh must draw it in full, not patch a part.
-            header = error_banner(exc)
-            return {
-                **UNCHANGED,
-                "header": header,
-                "stop_polling": False,
-                "stop_polling_layers": False,
-                "header_cursor": None,
-            }
-        updates = {
-            "header": dash.no_update,
-            "stop_polling": ended,
-            "stop_polling_layers": ended,
-            "header_cursor": dash.no_update,
-        }
-        if appended is not None:
-            charts, new_cursor = appended
-            return {**updates, **charts, "cursor": {**new_cursor, "run": signature}}
-        marker = figures.step_marker_shapes(selected_step)
-        drawn = {name: fetched[name] for name in SERIES_KEYS}
-        charts = _line_charts(drawn, skips, run_id, resumes)
+@callbacks.callback(
+    output=REFRESH_OUTPUTS,
+    inputs=[Input("refresh", "n_intervals")],
+    state=[
+        State("run-id", "data"),
+        State("selected-step", "data"),
+        State("live-cursor", "data"),
+        State("header-cursor", "data"),
+    ],
+    prevent_initial_call="initial_duplicate",  # called as the page opens; header-cursor is shared
+)
+def refresh_run(
+    n_intervals: int | None, run_id: str, selected_step: Any, cursor: Any, header_cursor: Any = None
+) -> dict[str, Any]:
+    # The line charts only: the header and the timeline follow once the cursor has moved
+    # (refresh_header), so the charts do not wait for the calls only those need. A live run's
+    # charts get only the points after the last step shown, appended (see `live`); the first
+    # call, an ended run and anything appending cannot draw right redraw in full.
+    api, background, event_log = services().api, services().background, services().event_log
+    try:
+        run = api.get_run(run_id)
+        ended = run.get("status") != "running"
+        signature = [*live.run_signature(run), run_status(run)]
+        appendable = not ended and live.can_append(cursor, run_id)
+        if appendable and cursor.get("run") == signature:  # nothing new
+            quiet = {**UNCHANGED, "stop_polling": False, "stop_polling_layers": False}
+            if header_cursor is None:
+                # The header's slot still shows an error banner, and the API answers again: the
+                # cursor moved by a tick number alone makes the header's refresh draw it in full.
+                return {**quiet, "cursor": {**cursor, "header_redraw": n_intervals}}
+            return quiet
+        starts = _live_starts(cursor) if appendable else None
+        # A sharded run's ranks each measure their own shard: its global norm is theirs combined.
+        ranks = api.ranks(run_id) if world_size(run) > 1 else None
+        sharded = bool(ranks and ranks.get("gradients") == "sharded")
+        calls = _series_calls(api, run_id, starts, sharded)
+        calls["events"] = lambda: event_log.read(api, run_id)  # only what is new, when it can
+        fetched = background.fetch_all(calls)
+        events, _event_count, continued = fetched["events"]
+        skips = [event for event in events if event.get("kind") == "skip"]
+        resumes = [event for event in events if event.get("kind") == "resume"]
+        # Continued: the events shown before, then those stored since, so the new skips are last.
+        new_skips = skips[cursor.get("skips", 0) :] if appendable and continued else None
+        appended = None
+        if starts is not None and new_skips is not None:
+            appended = append_new_points(cursor, fetched, skips, resumes, new_skips)
+        if starts is not None and appended is None:
+            fetched.update(background.fetch_all(_series_calls(api, run_id, None, sharded)))
+    except RunNotFound:
+        event_log.forget(run_id)
+        header = error_banner(f"Run “{run_id}” no longer exists.")
         return {
-            **updates,
-            **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
-            "cursor": {
-                **live.full_cursor(run_id, charts, drawn, len(skips)),
-                "resumes": len(resumes),
-                "run": signature,
-            },
+            **UNCHANGED,
+            "header": header,
+            "stop_polling": True,
+            "stop_polling_layers": True,
+            "header_cursor": None,
         }
-
-    @app.callback(
-        output=HEADER_OUTPUTS,
-        inputs=[Input("live-cursor", "data")],
-        state=[State("run-id", "data"), State("header-cursor", "data")],
-        prevent_initial_call=True,
-    )
-    def refresh_header(cursor: Any, run_id: str, header_cursor: Any) -> dict[str, Any]:
-        # After every refresh that moved the live cursor (news, or the first drawing): the header
-        # line with the agent's counters read after the last ones shown, the verdict and incidents,
-        # the timeline (the events the line charts' refresh has just read, alerts).
-        if not isinstance(cursor, dict):
-            raise dash.exceptions.PreventUpdate
-        same_run = isinstance(header_cursor, dict) and header_cursor.get("run_id") == run_id
-        before = header_cursor if same_run else {}
-        try:
-            run = api.get_run(run_id)
-            ranks = api.ranks(run_id) if world_size(run) > 1 else None
-            shown_health = _shown_health(before or None, run)
-            calls: dict[str, Callable[[], Any]] = {
-                "health/" + name: partial(api.series, run_id, key, start=shown_health[name][0])
-                for name, key in AGENT_HEALTH_KEYS.items()
-            }
-            calls["events"] = lambda: event_log.kept(run_id) or event_log.read(api, run_id)[:2]
-            calls["alerts"] = lambda: run_alerts(run_id)
-            calls["incidents"] = lambda: run_incidents(run_id)
-            fetched = background.fetch_all(calls)
-        except ApiError as exc:  # RunNotFound included: the line charts' refresh says so too
-            # Drawn in full on the next refresh that works.
-            return {"header": error_banner(exc), "timeline": dash.no_update, "shown": None}
-        events, event_count = fetched["events"]
-        health = _latest_health(shown_health, fetched)
-        alerts, alerts_error = fetched["alerts"]
-        # The verdict and incidents sit in the header's slot: right below the header, above the charts.
-        incidents, run_verdict, incidents_error = fetched["incidents"]
-        header = run_header(run, {name: value for name, (_, value) in health.items()}, ranks)
-        # What the verdict and the timeline show: when a live tick leaves it as it was, only the
-        # header line is sent (a patch of the slot's first child) and the timeline not at all.
-        shown = {
-            "verdict": _digest([run_verdict, incidents, str(incidents_error or "")]),
-            "timeline": _digest([event_count, events[-EVENTS_TABLE_ROWS:], alerts, str(alerts_error or "")]),
-        }
-        shown_before = before.get("shown")
-        drawn: dict[str, Any] = shown_before if isinstance(shown_before, dict) else {}
-        header_update: Any = [
-            header,
-            verdict.verdict_banner(run_verdict, incidents, incidents_error),
-            verdict.incidents_section(incidents, run_href),
-        ]
-        if drawn.get("verdict") == shown["verdict"]:
-            header_update = dash.Patch()
-            header_update[0] = header
-        timeline: Any = dash.no_update
-        if drawn.get("timeline") != shown["timeline"]:
-            # In step order (the events read since the last refresh come in the order they were stored).
-            timeline = events_table(sorted(events, key=_step_of), event_count, alerts, alerts_error)
+    except ApiError as exc:
+        # Keep what is drawn and keep polling: the server may be restarting. The banner replaces
+        # the header's slot, so the header's next refresh must draw it in full, not patch a part.
+        header = error_banner(exc)
         return {
-            "header": header_update,
-            "timeline": timeline,
-            "shown": {"run_id": run_id, "health": health, "shown": shown},
+            **UNCHANGED,
+            "header": header,
+            "stop_polling": False,
+            "stop_polling_layers": False,
+            "header_cursor": None,
         }
+    updates = {
+        "header": dash.no_update,
+        "stop_polling": ended,
+        "stop_polling_layers": ended,
+        "header_cursor": dash.no_update,
+    }
+    if appended is not None:
+        charts, new_cursor = appended
+        return {**updates, **charts, "cursor": {**new_cursor, "run": signature}}
+    marker = figures.step_marker_shapes(selected_step)
+    drawn = {name: fetched[name] for name in SERIES_KEYS}
+    charts = _line_charts(drawn, skips, run_id, resumes)
+    return {
+        **updates,
+        **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
+        "cursor": {
+            **live.full_cursor(run_id, charts, drawn, len(skips)),
+            "resumes": len(resumes),
+            "run": signature,
+        },
+    }
 
-    def live_starts(cursor: dict[str, Any]) -> dict[str, int]:
-        return live.fetch_starts(cursor, SERIES_KEYS, inclusive=SAFE_BAND_SERIES)
 
-    def series_calls(
-        run_id: str, starts: dict[str, int] | None, sharded: bool = False
-    ) -> dict[str, Callable[[], Any]]:
-        """The line charts' series: whole (downsampled by the server), or from `starts` on. With
-        sharded gradients the global norms are the ranks' combined (rank 0 alone has its shard's)."""
-        calls: dict[str, Callable[[], Any]] = {}
-        for name, key in SERIES_KEYS.items():
-            start = None if starts is None else starts[name]
-            fetch = api.combined_series if sharded and name in COMBINED_WHEN_SHARDED else api.series
-            calls[name] = partial(fetch, run_id, key, start=start)
-        return calls
+@callbacks.callback(
+    output=HEADER_OUTPUTS,
+    inputs=[Input("live-cursor", "data")],
+    state=[State("run-id", "data"), State("header-cursor", "data")],
+    prevent_initial_call=True,
+)
+def refresh_header(cursor: Any, run_id: str, header_cursor: Any) -> dict[str, Any]:
+    # After every refresh that moved the live cursor (news, or the first drawing): the header
+    # line with the agent's counters read after the last ones shown, the verdict and incidents,
+    # the timeline (the events the line charts' refresh has just read, alerts).
+    if not isinstance(cursor, dict):
+        raise dash.exceptions.PreventUpdate
+    same_run = isinstance(header_cursor, dict) and header_cursor.get("run_id") == run_id
+    before = header_cursor if same_run else {}
+    api, background, event_log = services().api, services().background, services().event_log
+    try:
+        run = api.get_run(run_id)
+        ranks = api.ranks(run_id) if world_size(run) > 1 else None
+        shown_health = _shown_health(before or None, run)
+        calls: dict[str, Callable[[], Any]] = {
+            "health/" + name: partial(api.series, run_id, key, start=shown_health[name][0])
+            for name, key in AGENT_HEALTH_KEYS.items()
+        }
+        calls["events"] = lambda: event_log.kept(run_id) or event_log.read(api, run_id)[:2]
+        calls["alerts"] = lambda: _run_alerts(api, run_id)
+        calls["incidents"] = lambda: _run_incidents(api, run_id)
+        fetched = background.fetch_all(calls)
+    except ApiError as exc:  # RunNotFound included: the line charts' refresh says so too
+        # Drawn in full on the next refresh that works.
+        return {"header": error_banner(exc), "timeline": dash.no_update, "shown": None}
+    events, event_count = fetched["events"]
+    health = _latest_health(shown_health, fetched)
+    alerts, alerts_error = fetched["alerts"]
+    # The verdict and incidents sit in the header's slot: right below the header, above the charts.
+    incidents, run_verdict, incidents_error = fetched["incidents"]
+    header = run_header(run, {name: value for name, (_, value) in health.items()}, ranks)
+    # What the verdict and the timeline show: when a live tick leaves it as it was, only the
+    # header line is sent (a patch of the slot's first child) and the timeline not at all.
+    shown = {
+        "verdict": _digest([run_verdict, incidents, str(incidents_error or "")]),
+        "timeline": _digest([event_count, events[-EVENTS_TABLE_ROWS:], alerts, str(alerts_error or "")]),
+    }
+    shown_before = before.get("shown")
+    drawn: dict[str, Any] = shown_before if isinstance(shown_before, dict) else {}
+    header_update: Any = [
+        header,
+        verdict.verdict_banner(run_verdict, incidents, incidents_error),
+        verdict.incidents_section(incidents, services().run_href),
+    ]
+    if drawn.get("verdict") == shown["verdict"]:
+        header_update = dash.Patch()
+        header_update[0] = header
+    timeline: Any = dash.no_update
+    if drawn.get("timeline") != shown["timeline"]:
+        # In step order (the events read since the last refresh come in the order they were stored).
+        timeline = events_table(sorted(events, key=_step_of), event_count, alerts, alerts_error)
+    return {
+        "header": header_update,
+        "timeline": timeline,
+        "shown": {"run_id": run_id, "health": health, "shown": shown},
+    }
 
-    def run_alerts(run_id: str) -> tuple[list[dict[str, Any]], ApiError | None]:
-        # The run page still works against a server without the alerts API (or with it failing).
-        try:
-            return api.alerts(run_id=run_id, limit=EVENTS_TABLE_ROWS)[0], None
-        except ApiError as exc:
-            return [], exc
 
-    def run_incidents(run_id: str) -> tuple[list[dict[str, Any]], str | None, ApiError | None]:
-        # Likewise without the incidents API (a 404 from an older server): "verdict unavailable".
-        try:
-            return (*api.run_incidents(run_id), None)
-        except ApiError as exc:
-            return [], None, exc
+@callbacks.callback(
+    Output("selected-step", "data"),
+    Output("hist-layer", "value", allow_duplicate=True),
+    Input({"type": "event-step", "step": ALL, "row": ALL}, "n_clicks"),
+    *(Input(graph_id, "clickData") for graph_id in LAYER_HEATMAPS),
+    Input("hist-time-graph", "clickData"),
+    *(State(heatmap_cursor_id(graph_id), "data") for graph_id in LAYER_HEATMAPS),
+    prevent_initial_call=True,
+)
+def select_step(*inputs: Any) -> tuple[Any, Any]:
+    trigger = ctx.triggered_id
+    value = ctx.triggered[0].get("value") if ctx.triggered else None
+    if isinstance(trigger, dict) and trigger.get("type") == "event-step":
+        # Re-drawn tables add buttons with no clicks: only a real click selects.
+        return (trigger["step"], dash.no_update) if value else (dash.no_update, dash.no_update)
+    point = (value or {}).get("points", [{}])[0] if isinstance(value, dict) else {}
+    step = point.get("x")
+    if isinstance(step, float) and math.isfinite(step):
+        step = round(step)  # a heatmap column's centre
+    if not isinstance(step, int) or isinstance(step, bool):
+        return dash.no_update, dash.no_update
+    if trigger in LAYER_HEATMAPS:
+        # A heatmap's y is the layer's index; its names are in what the heatmap's cursor drew.
+        drawn = dict(zip(LAYER_HEATMAPS, inputs[-len(LAYER_HEATMAPS) :], strict=True))[trigger]
+        layers = drawn.get("layers") if isinstance(drawn, dict) else None
+        row = point.get("y")
+        if isinstance(layers, list) and isinstance(row, (int, float)) and 0 <= round(row) < len(layers):
+            return step, layers[round(row)]
+    return step, dash.no_update
 
-    @app.callback(
-        Output("selected-step", "data"),
-        Output("hist-layer", "value", allow_duplicate=True),
-        Input({"type": "event-step", "step": ALL, "row": ALL}, "n_clicks"),
-        *(Input(graph_id, "clickData") for graph_id in LAYER_HEATMAPS),
-        Input("hist-time-graph", "clickData"),
-        *(State(heatmap_cursor_id(graph_id), "data") for graph_id in LAYER_HEATMAPS),
-        prevent_initial_call=True,
-    )
-    def select_step(*inputs: Any) -> tuple[Any, Any]:
-        trigger = ctx.triggered_id
-        value = ctx.triggered[0].get("value") if ctx.triggered else None
-        if isinstance(trigger, dict) and trigger.get("type") == "event-step":
-            # Re-drawn tables add buttons with no clicks: only a real click selects.
-            return (trigger["step"], dash.no_update) if value else (dash.no_update, dash.no_update)
-        point = (value or {}).get("points", [{}])[0] if isinstance(value, dict) else {}
-        step = point.get("x")
-        if isinstance(step, float) and math.isfinite(step):
-            step = round(step)  # a heatmap column's centre
-        if not isinstance(step, int) or isinstance(step, bool):
-            return dash.no_update, dash.no_update
-        if trigger in LAYER_HEATMAPS:
-            # A heatmap's y is the layer's index; its names are in what the heatmap's cursor drew.
-            drawn = dict(zip(LAYER_HEATMAPS, inputs[-len(LAYER_HEATMAPS) :], strict=True))[trigger]
-            layers = drawn.get("layers") if isinstance(drawn, dict) else None
-            row = point.get("y")
-            if isinstance(layers, list) and isinstance(row, (int, float)) and 0 <= round(row) < len(layers):
-                return step, layers[round(row)]
-        return step, dash.no_update
 
-    @app.callback(
-        *(Output(graph_id, "figure", allow_duplicate=True) for graph_id in STEP_GRAPHS),
-        Output("opened-step", "data"),
-        Input("selected-step", "data"),
-        State("opened-step", "data"),
-        prevent_initial_call=True,
-    )
-    def mark_step(step: Any, opened: Any) -> tuple[Any, ...]:
-        # Dash calls this once as the page's layout is inserted, with the step the page opened at
-        # (`opened-step` still holds it): its charts are drawn with that step's marker (or none)
-        # already, and a patch now would only draw each of them once more, placeholders included.
-        if ctx.triggered_id is None or (isinstance(opened, dict) and opened.get("step") == step):
-            return (*(dash.no_update for _ in STEP_GRAPHS), None)
-        patches = []
-        for _ in STEP_GRAPHS:
-            patch = dash.Patch()
-            patch["layout"]["shapes"] = figures.step_marker_shapes(step)
-            patches.append(patch)
-        return (*patches, None if opened is not None else dash.no_update)
+@callbacks.callback(
+    *(Output(graph_id, "figure", allow_duplicate=True) for graph_id in STEP_GRAPHS),
+    Output("opened-step", "data"),
+    Input("selected-step", "data"),
+    State("opened-step", "data"),
+    prevent_initial_call=True,
+)
+def mark_step(step: Any, opened: Any) -> tuple[Any, ...]:
+    # Dash calls this once as the page's layout is inserted, with the step the page opened at
+    # (`opened-step` still holds it): its charts are drawn with that step's marker (or none)
+    # already, and a patch now would only draw each of them once more, placeholders included.
+    if ctx.triggered_id is None or (isinstance(opened, dict) and opened.get("step") == step):
+        return (*(dash.no_update for _ in STEP_GRAPHS), None)
+    patches = []
+    for _ in STEP_GRAPHS:
+        patch = dash.Patch()
+        patch["layout"]["shapes"] = figures.step_marker_shapes(step)
+        patches.append(patch)
+    return (*patches, None if opened is not None else dash.no_update)
+
+
+def _live_starts(cursor: dict[str, Any]) -> dict[str, int]:
+    """Per SERIES_KEYS name, the first step after those the live cursor's charts show."""
+    return live.fetch_starts(cursor, SERIES_KEYS, inclusive=SAFE_BAND_SERIES)
+
+
+def _series_calls(
+    api: ApiClient, run_id: str, starts: dict[str, int] | None, sharded: bool = False
+) -> dict[str, Callable[[], Any]]:
+    """The line charts' series: whole (downsampled by the server), or from `starts` on. With
+    sharded gradients the global norms are the ranks' combined (rank 0 alone has its shard's)."""
+    calls: dict[str, Callable[[], Any]] = {}
+    for name, key in SERIES_KEYS.items():
+        start = None if starts is None else starts[name]
+        fetch = api.combined_series if sharded and name in COMBINED_WHEN_SHARDED else api.series
+        calls[name] = partial(fetch, run_id, key, start=start)
+    return calls
+
+
+def _run_alerts(api: ApiClient, run_id: str) -> tuple[list[dict[str, Any]], ApiError | None]:
+    # The run page still works against a server without the alerts API (or with it failing).
+    try:
+        return api.alerts(run_id=run_id, limit=EVENTS_TABLE_ROWS)[0], None
+    except ApiError as exc:
+        return [], exc
+
+
+def _run_incidents(api: ApiClient, run_id: str) -> tuple[list[dict[str, Any]], str | None, ApiError | None]:
+    # Likewise without the incidents API (a 404 from an older server): "verdict unavailable".
+    try:
+        return (*api.run_incidents(run_id), None)
+    except ApiError as exc:
+        return [], None, exc
 
 
 def append_new_points(

@@ -23,20 +23,19 @@ import dash
 from dash import Input, Output, State, ctx
 
 from .. import figures, live
-from ..api_client import ApiClient, ApiError
+from ..api_client import ApiError
+from ..callbacks import PageCallbacks, services
 from ..views import keep_view
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..app import Background
-
 __all__ = [
     "HEATMAP_CURSOR_SUFFIX",
     "LAYER_HEATMAPS",
+    "callbacks",
     "heatmap_cursor_id",
     "picker_options",
-    "register",
     "step_picker_options",
 ]
 
@@ -57,133 +56,193 @@ SCALE_KEY = "amp/scale"
 MAX_PICKED_OPTIONS = 40  # the layer picker's options at a time (see picker_options)
 MAX_STEP_OPTIONS = 20  # the step picker's (see step_picker_options)
 
+callbacks = PageCallbacks()
+
 
 def heatmap_cursor_id(graph_id: str) -> str:
     """The dcc.Store that records what heatmap `graph_id` shows (the run page's layout has one each)."""
     return graph_id + HEATMAP_CURSOR_SUFFIX
 
 
-def register(app: dash.Dash, api: ApiClient, background: Background | None = None) -> None:
-    """The heatmaps', layer picker's and histogram's callbacks; `background` (when given) reads the
-    histograms and the loss scale together."""
-    for graph_id, spec in LAYER_HEATMAPS.items():
-        _register_heatmap(app, api, graph_id, spec)
+# -- callbacks -------------------------------------------------------------------------------------
 
-    @app.callback(
-        Output("hist-layer", "options"),
-        Output("hist-layer", "value"),
-        Output("layer-names", "data"),
+
+def refresh_heatmap(
+    graph_id: str, _n_intervals: int | None, run_id: str, selected_step: Any, run_cursor: Any, cursor: Any
+) -> tuple[Any, Any]:
+    """Heatmap `graph_id` of LAYER_HEATMAPS (a callback each, below) and what it shows: drawn in full,
+    or, on a live tick with news, the steps after the last one drawn appended as columns."""
+    key, title, label, log_scale, value_range = LAYER_HEATMAPS[graph_id]
+    run_cursor = run_cursor if isinstance(run_cursor, dict) else {}
+    signature, resumes = run_cursor.get("run"), run_cursor.get("resumes", 0)
+    appendable = (
+        isinstance(cursor, dict)
+        and cursor.get("run_id") == run_id
+        and cursor.get("resumes") == resumes
+        and cursor.get("appended", 0) < live.MAX_APPENDED_COLUMNS
+        and isinstance(cursor.get("last"), int)
+        and isinstance(cursor.get("colour_range"), list)
+    )
+    if appendable and cursor.get("signature") == signature:
+        return dash.no_update, dash.no_update  # nothing new since it was drawn: nothing asked
+    api = services().api
+    try:
+        if appendable:
+            new = api.vectors(run_id, key, start=cursor["last"] + 1)
+            patch = None if new.get("downsampled") else _append(cursor, new, label, log_scale)
+            if patch is not None:
+                return patch, _advanced(cursor, new, signature)
+        vectors = api.vectors(run_id, key)
+    except ApiError as exc:
+        message = figures.empty_figure(title, str(exc), uirevision=run_id)
+        return keep_view(message), None
+    figure = figures.layer_heatmap_figure(
+        vectors, title, label, log_scale=log_scale, value_range=value_range, uirevision=run_id
+    )
+    marker = figures.step_marker_shapes(selected_step)
+    if marker and figure["data"]:
+        figure["layout"]["shapes"] = marker
+    drawn = {
+        "run_id": run_id,
+        "signature": signature,
+        "resumes": resumes,
+        "last": live.last_step(vectors),
+        "layers": figures.layer_names_of(vectors),
+        "uids": [trace.get("uid") for trace in figure["data"]],
+        "colour_range": figure["layout"].get("meta", {}).get("colour_range"),
+        "appended": 0,
+    }
+    return keep_view(figure), drawn
+
+
+for _graph_id in LAYER_HEATMAPS:
+    callbacks.callback(
+        Output(_graph_id, "figure"),
+        Output(heatmap_cursor_id(_graph_id), "data"),
         Input("layers-refresh", "n_intervals"),
         State("run-id", "data"),
-        State("hist-layer", "options"),
-        prevent_initial_call=True,
-    )
-    def fill_layer_picker(_n_intervals: int | None, run_id: str, shown: Any) -> tuple[Any, Any, Any]:
-        # The layout fills the picker; a live run that had no layers then gets them here, once.
-        if shown:
-            raise dash.exceptions.PreventUpdate
-        try:
-            vectors = api.vectors(run_id, LAYER_HEATMAPS["grad-norm-heatmap"][0], max_steps=1, end=0)
-        except ApiError:
-            raise dash.exceptions.PreventUpdate from None
-        layers = figures.layer_names_of(vectors)
-        if not layers:
-            raise dash.exceptions.PreventUpdate
-        return picker_options(layers, None, layers[0]), layers[0], layers
+        State("selected-step", "data"),
+        State("live-cursor", "data"),
+        State(heatmap_cursor_id(_graph_id), "data"),
+    )(partial(refresh_heatmap, _graph_id))
 
-    @app.callback(
-        Output("hist-layer", "options", allow_duplicate=True),
-        Input("hist-layer", "search_value"),
+
+@callbacks.callback(
+    Output("hist-layer", "options"),
+    Output("hist-layer", "value"),
+    Output("layer-names", "data"),
+    Input("layers-refresh", "n_intervals"),
+    State("run-id", "data"),
+    State("hist-layer", "options"),
+    prevent_initial_call=True,
+)
+def fill_layer_picker(_n_intervals: int | None, run_id: str, shown: Any) -> tuple[Any, Any, Any]:
+    # The layout fills the picker; a live run that had no layers then gets them here, once.
+    if shown:
+        raise dash.exceptions.PreventUpdate
+    try:
+        vectors = services().api.vectors(run_id, LAYER_HEATMAPS["grad-norm-heatmap"][0], max_steps=1, end=0)
+    except ApiError:
+        raise dash.exceptions.PreventUpdate from None
+    layers = figures.layer_names_of(vectors)
+    if not layers:
+        raise dash.exceptions.PreventUpdate
+    return picker_options(layers, None, layers[0]), layers[0], layers
+
+
+@callbacks.callback(
+    Output("hist-layer", "options", allow_duplicate=True),
+    Input("hist-layer", "search_value"),
+    Input("hist-layer", "value"),
+    State("layer-names", "data"),
+    prevent_initial_call=True,
+)
+def search_layers(search: str | None, chosen: Any, layers: Any) -> Any:
+    if not isinstance(layers, list):
+        raise dash.exceptions.PreventUpdate
+    return picker_options(layers, search, chosen)
+
+
+@callbacks.callback(
+    Output("hist-step", "options", allow_duplicate=True),
+    Input("hist-step", "search_value"),
+    State("hist-step", "value"),
+    State("hist-steps", "data"),
+    prevent_initial_call=True,
+)
+def search_steps(search: str | None, chosen: Any, steps: Any) -> Any:
+    if not isinstance(steps, list):
+        raise dash.exceptions.PreventUpdate
+    return step_picker_options(steps, search, chosen)
+
+
+@callbacks.callback(
+    output={
+        "step_options": Output("hist-step", "options"),
+        "steps": Output("hist-steps", "data"),
+        "step": Output("hist-step", "value"),
+        "at_step": Output("hist-graph", "figure"),
+        "over_steps": Output("hist-time-graph", "figure"),
+        "drawn": Output("hist-cursor", "data"),
+    },
+    inputs=[
         Input("hist-layer", "value"),
-        State("layer-names", "data"),
-        prevent_initial_call=True,
-    )
-    def search_layers(search: str | None, chosen: Any, layers: Any) -> Any:
-        if not isinstance(layers, list):
-            raise dash.exceptions.PreventUpdate
-        return picker_options(layers, search, chosen)
-
-    @app.callback(
-        Output("hist-step", "options", allow_duplicate=True),
-        Input("hist-step", "search_value"),
-        State("hist-step", "value"),
-        State("hist-steps", "data"),
-        prevent_initial_call=True,
-    )
-    def search_steps(search: str | None, chosen: Any, steps: Any) -> Any:
-        if not isinstance(steps, list):
-            raise dash.exceptions.PreventUpdate
-        return step_picker_options(steps, search, chosen)
-
-    @app.callback(
-        output={
-            "step_options": Output("hist-step", "options"),
-            "steps": Output("hist-steps", "data"),
-            "step": Output("hist-step", "value"),
-            "at_step": Output("hist-graph", "figure"),
-            "over_steps": Output("hist-time-graph", "figure"),
-            "drawn": Output("hist-cursor", "data"),
-        },
-        inputs=[
-            Input("hist-layer", "value"),
-            Input("hist-step", "value"),
-            Input("selected-step", "data"),
-            Input("layers-refresh", "n_intervals"),
-        ],
-        state=[
-            State("run-id", "data"),
-            State("live-cursor", "data"),
-            State("hist-cursor", "data"),
-        ],
-    )
-    def show_histogram(
-        layer: str | None,
-        step: Any,
-        selected_step: Any,
-        _n_intervals: int | None,
-        run_id: str,
-        cursor: Any,
-        drawn: Any,
-    ) -> dict[str, Any]:
-        signature = cursor.get("run") if isinstance(cursor, dict) else None
-        if ctx.triggered_id == "layers-refresh" and drawn == [run_id, layer, signature]:
-            raise dash.exceptions.PreventUpdate  # a live tick, and the run has no news
-        if not layer:
-            return _no_histogram("no per-layer histograms recorded (yet)", run_id)
-        try:
-            # The loss scale for fp16's limits, read here rather than waiting for the line charts'
-            # (so the histogram loads alongside them).
-            calls: dict[str, Callable[[], Any]] = {
-                "histograms": partial(api.histograms, run_id, layer),
-                "scale": partial(api.series, run_id, SCALE_KEY),
-            }
-            if background is not None:
-                fetched = background.fetch_all(calls)
-            else:
-                fetched = {name: call() for name, call in calls.items()}
-            histograms, scale_series = fetched["histograms"], fetched["scale"]
-            steps = figures.histogram_steps(histograms)
-            if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
-                step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival
-            elif step not in steps:
-                step = steps[-1] if steps else None
-            # The exact scale at that step (the stored series may be downsampled).
-            at_step = api.series(run_id, SCALE_KEY, start=step, end=step + 1) if step is not None else None
-        except ApiError as exc:
-            return _no_histogram(str(exc), run_id)
-        scale = latest(at_step) if latest(at_step) is not None else _value_at(scale_series, step)
-        bar = figures.histogram_figure(histograms, step, scale, uirevision=f"{run_id}/{layer}")
-        over_time = figures.histogram_time_figure(histograms, scale_series, uirevision=f"{run_id}/{layer}")
-        over_time.update_layout(shapes=figures.step_marker_shapes(selected_step))
-        # Both as updates that keep the user's zoom: a live run redraws them as the scale moves.
-        return {
-            "step_options": step_picker_options(steps, None, step),
-            "steps": steps,
-            "step": step,
-            "at_step": keep_view(bar),
-            "over_steps": keep_view(over_time),
-            "drawn": [run_id, layer, signature],
+        Input("hist-step", "value"),
+        Input("selected-step", "data"),
+        Input("layers-refresh", "n_intervals"),
+    ],
+    state=[
+        State("run-id", "data"),
+        State("live-cursor", "data"),
+        State("hist-cursor", "data"),
+    ],
+)
+def show_histogram(
+    layer: str | None,
+    step: Any,
+    selected_step: Any,
+    _n_intervals: int | None,
+    run_id: str,
+    cursor: Any,
+    drawn: Any,
+) -> dict[str, Any]:
+    signature = cursor.get("run") if isinstance(cursor, dict) else None
+    if ctx.triggered_id == "layers-refresh" and drawn == [run_id, layer, signature]:
+        raise dash.exceptions.PreventUpdate  # a live tick, and the run has no news
+    if not layer:
+        return _no_histogram("no per-layer histograms recorded (yet)", run_id)
+    api = services().api
+    try:
+        # The loss scale for fp16's limits, read here rather than waiting for the line charts'
+        # (so the histogram loads alongside them).
+        calls: dict[str, Callable[[], Any]] = {
+            "histograms": partial(api.histograms, run_id, layer),
+            "scale": partial(api.series, run_id, SCALE_KEY),
         }
+        fetched = services().background.fetch_all(calls)
+        histograms, scale_series = fetched["histograms"], fetched["scale"]
+        steps = figures.histogram_steps(histograms)
+        if isinstance(selected_step, int) and (ctx.triggered_id == "selected-step" or step is None):
+            step = _nearest_step(steps, selected_step)  # a clicked step, or ?step=N on arrival
+        elif step not in steps:
+            step = steps[-1] if steps else None
+        # The exact scale at that step (the stored series may be downsampled).
+        at_step = api.series(run_id, SCALE_KEY, start=step, end=step + 1) if step is not None else None
+    except ApiError as exc:
+        return _no_histogram(str(exc), run_id)
+    scale = latest(at_step) if latest(at_step) is not None else _value_at(scale_series, step)
+    bar = figures.histogram_figure(histograms, step, scale, uirevision=f"{run_id}/{layer}")
+    over_time = figures.histogram_time_figure(histograms, scale_series, uirevision=f"{run_id}/{layer}")
+    over_time.update_layout(shapes=figures.step_marker_shapes(selected_step))
+    # Both as updates that keep the user's zoom: a live run redraws them as the scale moves.
+    return {
+        "step_options": step_picker_options(steps, None, step),
+        "steps": steps,
+        "step": step,
+        "at_step": keep_view(bar),
+        "over_steps": keep_view(over_time),
+        "drawn": [run_id, layer, signature],
+    }
 
 
 def picker_options(layers: list[str], search: str | None, chosen: Any) -> list[dict[str, str]]:
@@ -218,62 +277,6 @@ def step_picker_options(steps: list[int], search: str | None, chosen: Any) -> li
         first = max(0, min(at - MAX_STEP_OPTIONS // 2, len(latest_first) - MAX_STEP_OPTIONS))
         shown = latest_first[first : first + MAX_STEP_OPTIONS]
     return [{"label": f"step {step:,}", "value": step} for step in shown]
-
-
-def _register_heatmap(app: dash.Dash, api: ApiClient, graph_id: str, spec: tuple[Any, ...]) -> None:
-    key, title, label, log_scale, value_range = spec
-
-    @app.callback(
-        Output(graph_id, "figure"),
-        Output(heatmap_cursor_id(graph_id), "data"),
-        Input("layers-refresh", "n_intervals"),
-        State("run-id", "data"),
-        State("selected-step", "data"),
-        State("live-cursor", "data"),
-        State(heatmap_cursor_id(graph_id), "data"),
-    )
-    def refresh_heatmap(
-        _n_intervals: int | None, run_id: str, selected_step: Any, run_cursor: Any, cursor: Any
-    ) -> tuple[Any, Any]:
-        run_cursor = run_cursor if isinstance(run_cursor, dict) else {}
-        signature, resumes = run_cursor.get("run"), run_cursor.get("resumes", 0)
-        appendable = (
-            isinstance(cursor, dict)
-            and cursor.get("run_id") == run_id
-            and cursor.get("resumes") == resumes
-            and cursor.get("appended", 0) < live.MAX_APPENDED_COLUMNS
-            and isinstance(cursor.get("last"), int)
-            and isinstance(cursor.get("colour_range"), list)
-        )
-        if appendable and cursor.get("signature") == signature:
-            return dash.no_update, dash.no_update  # nothing new since it was drawn: nothing asked
-        try:
-            if appendable:
-                new = api.vectors(run_id, key, start=cursor["last"] + 1)
-                patch = None if new.get("downsampled") else _append(cursor, new, label, log_scale)
-                if patch is not None:
-                    return patch, _advanced(cursor, new, signature)
-            vectors = api.vectors(run_id, key)
-        except ApiError as exc:
-            message = figures.empty_figure(title, str(exc), uirevision=run_id)
-            return keep_view(message), None
-        figure = figures.layer_heatmap_figure(
-            vectors, title, label, log_scale=log_scale, value_range=value_range, uirevision=run_id
-        )
-        marker = figures.step_marker_shapes(selected_step)
-        if marker and figure["data"]:
-            figure["layout"]["shapes"] = marker
-        drawn = {
-            "run_id": run_id,
-            "signature": signature,
-            "resumes": resumes,
-            "last": live.last_step(vectors),
-            "layers": figures.layer_names_of(vectors),
-            "uids": [trace.get("uid") for trace in figure["data"]],
-            "colour_range": figure["layout"].get("meta", {}).get("colour_range"),
-            "appended": 0,
-        }
-        return keep_view(figure), drawn
 
 
 def _append(cursor: dict[str, Any], new: dict[str, Any], label: str, log_scale: bool) -> Any:

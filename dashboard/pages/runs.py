@@ -13,20 +13,19 @@ and the table drawn again.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 import dash
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from ..api_client import ApiClient, ApiError
-from ..views import RunHref, error_banner, format_step, format_time, run_status, scale_text, status_badge
+from ..callbacks import PageCallbacks, services
+from ..views import error_banner, format_step, format_time, run_status, scale_text, status_badge
 from . import compare
 from .alerts import ALERT_FILTERS
 
-if TYPE_CHECKING:
-    from ..app import Background
-
-__all__ = ["layout", "register"]
+__all__ = ["callbacks", "layout"]
 
 RUNS_LIST_REFRESH_MS = 5000
 RUNS_LIST_FULL_REFRESH_S = 60.0
@@ -42,131 +41,139 @@ RUNS_SORTS = {
     "skips": "Most skips",
 }
 
+callbacks = PageCallbacks()
+
 
 # -- callbacks -------------------------------------------------------------------------------------
 
 
-def register(app: dash.Dash, api: ApiClient, background: Background, run_href: RunHref) -> None:
-    """The runs list's callbacks; `background` reads the open alerts while the runs are read,
-    `run_href(run_id, step)` links each run's page."""
-
-    @app.callback(
-        Output("runs-table", "children"),
-        Output("runs-pager", "children"),
-        Output("runs-total", "data"),
-        Output("runs-seen", "data"),
-        Input("runs-refresh", "n_intervals"),
-        Input("runs-search", "value"),
-        Input("runs-sort", "value"),
-        Input("runs-page", "data"),
-        Input("runs-status", "value"),
-        Input("runs-tag", "value"),
-        State("selected-runs", "data"),
-        State("runs-seen", "data"),
+@callbacks.callback(
+    Output("runs-table", "children"),
+    Output("runs-pager", "children"),
+    Output("runs-total", "data"),
+    Output("runs-seen", "data"),
+    Input("runs-refresh", "n_intervals"),
+    Input("runs-search", "value"),
+    Input("runs-sort", "value"),
+    Input("runs-page", "data"),
+    Input("runs-status", "value"),
+    Input("runs-tag", "value"),
+    State("selected-runs", "data"),
+    State("runs-seen", "data"),
+)
+def refresh_runs(
+    _n_intervals: int | None,
+    search: str | None,
+    sort: str | None,
+    page: int | None,
+    statuses: list[str] | None,
+    tag: str | None,
+    selected: Any,
+    seen: Any = None,
+) -> tuple[Any, ...]:
+    """The page of runs asked for (searched, filtered, sorted) and its pager; on a refresh tick
+    only when something shown changed."""
+    search = (search or "").strip().lower()
+    sort = sort if sort in RUNS_SORTS else "newest"
+    page = page if isinstance(page, int) and page >= 0 else 0
+    # Status and tag filter on the server; search and the other orders within what it sends.
+    wanted_statuses = [s for s in statuses or [] if s in RUN_STATUSES]
+    wanted_tags = [t for t in (tag or "").replace(",", " ").split() if t]
+    api = services().api
+    try:
+        if not search and sort == "newest":  # the API's own order: page on the server
+            runs, count = api.list_runs(
+                limit=RUNS_PAGE_SIZE,
+                offset=page * RUNS_PAGE_SIZE,
+                statuses=wanted_statuses,
+                tags=wanted_tags,
+            )
+            matching, searched_all = count, True
+        else:
+            fetched, count = api.list_runs(
+                limit=RUNS_SEARCH_LIMIT, statuses=wanted_statuses, tags=wanted_tags
+            )
+            found = _sort_runs(_filter_runs(fetched, search), sort)
+            matching, searched_all = len(found), count <= len(fetched)
+            runs = found[page * RUNS_PAGE_SIZE : (page + 1) * RUNS_PAGE_SIZE]
+    except ApiError as exc:
+        return error_banner(exc), None, 0, None
+    changes = [count, [[run.get("id"), run.get("updated_at"), run.get("status")] for run in runs]]
+    if (
+        ctx.triggered_id == "runs-refresh"
+        and isinstance(seen, dict)
+        and seen.get("changes") == changes
+        and time.time() - float(seen.get("read_at") or 0) < RUNS_LIST_FULL_REFRESH_S
+    ):
+        raise dash.exceptions.PreventUpdate  # the runs shown are as they were: nothing more read
+    open_alerts = services().background.submit(partial(_open_alerts_by_run, api))
+    chosen = set(selected or [])
+    pager = _pager_text(page, len(runs), matching, count, searched_all)
+    table = _runs_table(
+        runs, services().run_href, chosen, searching=bool(search), open_alerts=open_alerts.result()
     )
-    def refresh_runs(
-        _n_intervals: int | None,
-        search: str | None,
-        sort: str | None,
-        page: int | None,
-        statuses: list[str] | None,
-        tag: str | None,
-        selected: Any,
-        seen: Any = None,
-    ) -> tuple[Any, ...]:
-        search = (search or "").strip().lower()
-        sort = sort if sort in RUNS_SORTS else "newest"
-        page = page if isinstance(page, int) and page >= 0 else 0
-        # Status and tag filter on the server; search and the other orders within what it sends.
-        wanted_statuses = [s for s in statuses or [] if s in RUN_STATUSES]
-        wanted_tags = [t for t in (tag or "").replace(",", " ").split() if t]
-        try:
-            if not search and sort == "newest":  # the API's own order: page on the server
-                runs, count = api.list_runs(
-                    limit=RUNS_PAGE_SIZE,
-                    offset=page * RUNS_PAGE_SIZE,
-                    statuses=wanted_statuses,
-                    tags=wanted_tags,
-                )
-                matching, searched_all = count, True
-            else:
-                fetched, count = api.list_runs(
-                    limit=RUNS_SEARCH_LIMIT, statuses=wanted_statuses, tags=wanted_tags
-                )
-                found = _sort_runs(_filter_runs(fetched, search), sort)
-                matching, searched_all = len(found), count <= len(fetched)
-                runs = found[page * RUNS_PAGE_SIZE : (page + 1) * RUNS_PAGE_SIZE]
-        except ApiError as exc:
-            return error_banner(exc), None, 0, None
-        changes = [count, [[run.get("id"), run.get("updated_at"), run.get("status")] for run in runs]]
-        if (
-            ctx.triggered_id == "runs-refresh"
-            and isinstance(seen, dict)
-            and seen.get("changes") == changes
-            and time.time() - float(seen.get("read_at") or 0) < RUNS_LIST_FULL_REFRESH_S
-        ):
-            raise dash.exceptions.PreventUpdate  # the runs shown are as they were: nothing more read
-        open_alerts = background.submit(open_alerts_by_run)
-        chosen = set(selected or [])
-        pager = _pager_text(page, len(runs), matching, count, searched_all)
-        table = _runs_table(runs, run_href, chosen, searching=bool(search), open_alerts=open_alerts.result())
-        return table, pager, matching, {"changes": changes, "read_at": time.time()}
+    return table, pager, matching, {"changes": changes, "read_at": time.time()}
 
-    def open_alerts_by_run() -> dict[str, list[dict[str, Any]]] | None:
-        """Open (firing, unacknowledged) alerts by run id; None when the API cannot say."""
-        try:
-            found, _ = api.alerts(limit=MAX_OPEN_ALERTS, **ALERT_FILTERS["open"])
-        except ApiError:
-            return None
-        by_run: dict[str, list[dict[str, Any]]] = {}
-        for alert in found:
-            by_run.setdefault(str(alert.get("run_id")), []).append(alert)
-        return by_run
 
-    @app.callback(
-        Output("runs-page", "data"),
-        Input("runs-prev", "n_clicks"),
-        Input("runs-next", "n_clicks"),
-        Input("runs-search", "value"),
-        Input("runs-sort", "value"),
-        Input("runs-status", "value"),
-        Input("runs-tag", "value"),
-        State("runs-page", "data"),
-        State("runs-total", "data"),
-        prevent_initial_call=True,
-    )
-    def turn_page(
-        _prev: Any,
-        _next: Any,
-        _search: Any,
-        _sort: Any,
-        _status: Any,
-        _tag: Any,
-        page: int | None,
-        total: int | None,
-    ) -> int:
-        page = page or 0
-        last_page = max(0, ((total or 0) - 1) // RUNS_PAGE_SIZE)
-        if ctx.triggered_id == "runs-prev":
-            return max(0, page - 1)
-        if ctx.triggered_id == "runs-next":
-            return min(last_page, page + 1)
-        return 0  # a new search or sort starts on the first page
+@callbacks.callback(
+    Output("runs-page", "data"),
+    Input("runs-prev", "n_clicks"),
+    Input("runs-next", "n_clicks"),
+    Input("runs-search", "value"),
+    Input("runs-sort", "value"),
+    Input("runs-status", "value"),
+    Input("runs-tag", "value"),
+    State("runs-page", "data"),
+    State("runs-total", "data"),
+    prevent_initial_call=True,
+)
+def turn_page(
+    _prev: Any,
+    _next: Any,
+    _search: Any,
+    _sort: Any,
+    _status: Any,
+    _tag: Any,
+    page: int | None,
+    total: int | None,
+) -> int:
+    """The page of the list shown: Newer, Older, or the first after a new search, sort or filter."""
+    page = page or 0
+    last_page = max(0, ((total or 0) - 1) // RUNS_PAGE_SIZE)
+    if ctx.triggered_id == "runs-prev":
+        return max(0, page - 1)
+    if ctx.triggered_id == "runs-next":
+        return min(last_page, page + 1)
+    return 0  # a new search or sort starts on the first page
 
-    @app.callback(
-        Output("selected-runs", "data"),
-        Output("compare-bar", "children"),
-        Input({"type": "run-select", "run": ALL}, "value"),
-        State({"type": "run-select", "run": ALL}, "id"),
-        State("selected-runs", "data"),
-    )
-    def select_runs(values: list[Any], ids: list[dict[str, str]], selected: Any) -> tuple[Any, ...]:
-        # Runs on other pages (or hidden by the search) stay selected; those shown take their box.
-        shown = {component_id["run"] for component_id in ids}
-        checked = [component_id["run"] for component_id, value in zip(ids, values, strict=True) if value]
-        kept = [run_id for run_id in (selected or []) if run_id not in shown]
-        chosen = list(dict.fromkeys(kept + checked))[: compare.MAX_COMPARE_RUNS]
-        return chosen, _compare_bar(app, chosen)
+
+@callbacks.callback(
+    Output("selected-runs", "data"),
+    Output("compare-bar", "children"),
+    Input({"type": "run-select", "run": ALL}, "value"),
+    State({"type": "run-select", "run": ALL}, "id"),
+    State("selected-runs", "data"),
+)
+def select_runs(values: list[Any], ids: list[dict[str, str]], selected: Any) -> tuple[Any, ...]:
+    """The runs ticked to compare (at most MAX_COMPARE_RUNS) and the compare bar's link."""
+    # Runs on other pages (or hidden by the search) stay selected; those shown take their box.
+    shown = {component_id["run"] for component_id in ids}
+    checked = [component_id["run"] for component_id, value in zip(ids, values, strict=True) if value]
+    kept = [run_id for run_id in (selected or []) if run_id not in shown]
+    chosen = list(dict.fromkeys(kept + checked))[: compare.MAX_COMPARE_RUNS]
+    return chosen, _compare_bar(services().app, chosen)
+
+
+def _open_alerts_by_run(api: ApiClient) -> dict[str, list[dict[str, Any]]] | None:
+    """Open (firing, unacknowledged) alerts by run id; None when the API cannot say."""
+    try:
+        found, _ = api.alerts(limit=MAX_OPEN_ALERTS, **ALERT_FILTERS["open"])
+    except ApiError:
+        return None
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for alert in found:
+        by_run.setdefault(str(alert.get("run_id")), []).append(alert)
+    return by_run
 
 
 # -- views (pure: data in, components out) -----------------------------------------------------------
