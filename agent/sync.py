@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ._dead_letters import SERVER_ERROR_TRIES
+from ._delivery import Kind, classify
 from ._spool import Record, dead_letter_path, is_dead_letter_file, iter_spool_files, read_batch_json, scan
 from ._transport import Backoff, HttpTransport, TransportError
 
 SENT_SUFFIX = ".sent"
 FAILED_IN_A_ROW = 3  # batches failing with server errors one after the other: the sync stops
-_UNAVAILABLE = frozenset({408, 429, 502, 503, 504})
 
 
 @dataclass
@@ -196,7 +196,8 @@ def _retrying(attempt: Callable[[], None], policy: _Policy, report: SyncReport, 
             if not exc.retryable:
                 report.refused.append(str(exc))
                 return _REFUSED
-            if status is not None and status >= 500 and status not in _UNAVAILABLE:
+            # A server error that is not the server being away (classify: the one status policy).
+            if status is not None and classify(status).kind is Kind.SERVER_ERROR:
                 server_errors += 1
                 if server_errors >= policy.server_error_tries:
                     report.failed.append(f"{what}: {exc}")
