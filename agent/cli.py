@@ -188,9 +188,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 2
     cfg = DemoConfig(steps=args.steps, step_delay=args.step_delay)
     print(f"gradwatch dashboard: {server.url}/dashboard/", flush=True)
-    with gradwatch.init(project="demo", name="tiny-lm-fp16", server=server.url, config=vars(cfg)) as run:
-        print(f"run page:            {run.url}", flush=True)
-        train(run, cfg, log=lambda line: print(line, flush=True))
+    try:
+        with gradwatch.init(project="demo", name="tiny-lm-fp16", server=server.url, config=vars(cfg)) as run:
+            print(f"run page:            {run.url}", flush=True)
+            train(run, cfg, log=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:  # Ctrl-C while training: a stop, not a traceback (the run shows it)
+        print("\ngradwatch demo: interrupted; what was logged is stored", file=sys.stderr, flush=True)
+        server.stop()
+        return 130
     print(f"run {run.id} finished: {run.stats.sent_points} points sent, {run.stats.dropped_points} dropped")
     if args.exit:
         server.stop()

@@ -151,6 +151,9 @@ def serve_forever(settings: Settings, host: str, port: int, insecure: bool = Fal
         app, host=host, port=port, log_level="info", lifespan="on", **connections.uvicorn_options()
     )
     redact_tokens_in_logs()
+    url = local_url(host, port)
+    # What a user opens: uvicorn's own line names only the address it binds.
+    print(f"gradwatch: the dashboard is at {url}/dashboard/ (the API at {url}/api/v1)", flush=True)
     try:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C/SIGINT after its graceful shutdown

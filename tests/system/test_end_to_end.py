@@ -82,6 +82,66 @@ def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
         server.stop()
 
 
+def _read_until(process: subprocess.Popen, needle: str, timeout: float = 120.0) -> str:
+    """Lines of process.stdout until one holds `needle` (the text so far), or fail after `timeout`."""
+    import selectors
+    import time
+
+    seen = ""
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    with selector:
+        while needle not in seen:
+            assert time.monotonic() < deadline and process.poll() is None, seen[-2000:]
+            if selector.select(timeout=1.0):
+                seen += process.stdout.readline()
+    return seen
+
+
+def test_gradwatch_server_prints_the_dashboards_url(tmp_path):
+    port = free_port()
+    env = os.environ | {"GRADWATCH_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gradwatch.cli", "server", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _read_until(process, f"the dashboard is at http://127.0.0.1:{port}/dashboard/")
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+        process.stdout.close()
+
+
+def test_ctrl_c_during_the_demos_training_stops_without_a_traceback(tmp_path):
+    import signal
+
+    port = free_port()
+    env = os.environ | {"GRADWATCH_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gradwatch.cli", "demo", "--steps", "100000", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _read_until(process, "run page:")
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        process.stdout.close()
+    assert process.returncode == 130, output
+    assert "Traceback" not in output and "interrupted; what was logged is stored" in output
+
+
 def test_tags_given_to_init_reach_the_server_and_filter_runs(api_server):
     with gradwatch.init(project="tagged", name="t", server=api_server.url, tags=["baseline", "fp16"]) as run:
         run.log({"loss": 1.0}, step=0)
