@@ -236,6 +236,21 @@ def layout() -> html.Div:
     )
 
 
+@callbacks.callback(
+    Output("runs-prev", "style"),
+    Output("runs-next", "style"),
+    Input("runs-total", "data"),
+    Input("runs-page", "data"),
+)
+def pager_buttons(total: int | None, page: int | None) -> tuple[dict[str, str], dict[str, str]]:
+    """ "← Newer" only past the first page, "Older →" only before the last (none with one page)."""
+    page = page if isinstance(page, int) and page >= 0 else 0
+    pages = -(-(total or 0) // RUNS_PAGE_SIZE)
+    shown: dict[str, str] = {}
+    hidden = {"visibility": "hidden"}
+    return (shown if page > 0 else hidden), (shown if page + 1 < pages else hidden)
+
+
 def _filter_runs(runs: list[dict[str, Any]], search: str) -> list[dict[str, Any]]:
     """Runs whose name, project or id contains `search` (already lower-cased)."""
     if not search:

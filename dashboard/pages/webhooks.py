@@ -44,8 +44,9 @@ def webhooks_card(changes_allowed: bool = True) -> html.Div:
         "webhooks",
         heading(
             "Webhooks",
-            "A project's alerts are POSTed to its webhooks when they fire and when they "
-            "resolve; with a secret, each request is signed (HMAC-SHA256).",
+            "A project's incidents are POSTed to its webhooks when they open and when their cause "
+            "changes (and when they resolve, for a webhook made with send_resolved through the API); "
+            "with a secret, each request is signed (HMAC-SHA256).",
         ),
         html.H3("New webhook"),
         form_row(

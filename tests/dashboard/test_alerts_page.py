@@ -370,3 +370,14 @@ def test_test_delivery_is_followed_until_the_receiver_answered():
     )
     assert response["webhook-tests"]["data"]["5"]["text"] == "Delivered: HTTP 200."
     assert response["webhook-test-poll"]["disabled"] is True
+
+
+def test_the_webhooks_card_says_when_webhooks_are_sent_as_the_server_does():
+    # Resolutions are sent only for webhooks made with send_resolved (the API's default is false).
+    import json
+
+    from gradwatch.dashboard.pages.webhooks import webhooks_card
+
+    text = json.dumps(webhooks_card().to_plotly_json(), default=lambda o: o.to_plotly_json())
+    assert "when they open and when their cause changes" in text and "send_resolved" in text
+    assert "when they fire and when they resolve" not in text

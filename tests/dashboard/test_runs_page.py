@@ -212,3 +212,14 @@ def test_a_runs_list_tick_reads_the_list_again_only_when_a_run_changed(dash_clie
     changed = refresh_runs(dash_client, seen=seen, tick=2)
     assert '"href": "/dashboard/runs/r1"' in json.dumps(changed["runs-table"])  # read and drawn again
     assert any(r.url.path == "/api/v1/alerts" for r in fake_api.requests)
+
+
+def test_the_pager_shows_only_the_buttons_that_lead_somewhere():
+    from gradwatch.dashboard.pages.runs import RUNS_PAGE_SIZE, pager_buttons
+
+    hidden = {"visibility": "hidden"}
+    assert pager_buttons(3, 0) == (hidden, hidden)  # one page: neither "Newer" nor "Older"
+    assert pager_buttons(0, 0) == (hidden, hidden)
+    assert pager_buttons(RUNS_PAGE_SIZE + 1, 0) == (hidden, {})
+    assert pager_buttons(RUNS_PAGE_SIZE + 1, 1) == ({}, hidden)
+    assert pager_buttons(3 * RUNS_PAGE_SIZE, 1) == ({}, {})
