@@ -47,6 +47,9 @@ def verdict_banner(
     """
     if verdict not in VERDICTS:
         return _banner("unavailable", "UNKNOWN", f"verdict unavailable{_reason(error)}")
+    if verdict == "healthy" and incidents and all(item.get("status") != "open" for item in incidents):
+        # Healthy now, not throughout: a green HEALTHY beside a red resolved incident read as a contradiction.
+        return _banner("recovered", "RECOVERED", "recovered from " + _summary(incidents, resolved_only=True))
     return _banner(verdict, verdict.upper(), _summary(incidents))
 
 
@@ -69,16 +72,17 @@ def _banner(verdict: str, label: str, summary: str) -> html.Div:
     )
 
 
-def _summary(incidents: list[dict[str, Any]]) -> str:
-    """One line: how many incidents are open (else resolved) and the most severe, newest one's cause."""
+def _summary(incidents: list[dict[str, Any]], resolved_only: bool = False) -> str:
+    """One line: how many incidents are open (else resolved) and the most severe, newest one's cause;
+    resolved_only: "N incident(s): ..." (after "recovered from")."""
     if not incidents:
         return "No incidents"
     open_ones = [item for item in incidents if item.get("status") == "open"]
     shown = open_ones or incidents
     # Most severe first; the API's order (newest first) within a severity.
     lead = min(shown, key=lambda item: _SEVERITY_ORDER.get(str(item.get("severity")), 2))
-    state = "open" if open_ones else "resolved"
-    text = f"{_count(len(shown), f'{state} incident')}: {_headline(lead)}"
+    state = "open " if open_ones else "" if resolved_only else "resolved "
+    text = f"{_count(len(shown), f'{state}incident')}: {_headline(lead)}"
     extras = [_steps_text(lead)] if _steps_text(lead) else []
     if len(shown) > 1:
         extras.append(f"+{len(shown) - 1} more")

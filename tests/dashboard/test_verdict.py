@@ -110,9 +110,11 @@ def test_a_warning_with_one_open_incident_at_one_step():
     )
 
 
-def test_only_resolved_incidents_are_summarised_as_resolved():
+def test_a_healthy_run_with_only_resolved_incidents_says_it_recovered_from_them():
     banner = verdict.verdict_banner("healthy", [incident(status="resolved", cause=None, title="scale drop")])
-    assert banner.children[1].children == "1 resolved incident: scale drop (steps 1,200–1,260)"
+    assert banner.children[0].children == "RECOVERED"
+    assert banner.children[1].children == "recovered from 1 incident: scale drop (steps 1,200–1,260)"
+    assert "verdict-recovered" in banner.className
 
 
 @pytest.mark.parametrize("answer", [None, "", "fine", 3])
