@@ -117,13 +117,21 @@ def test_gradwatch_server_prints_the_dashboards_url(tmp_path):
         process.stdout.close()
 
 
+_WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'gradwatch'; runpy.run_module('gradwatch.cli', run_name='__main__')"
+)
+
+
 def test_ctrl_c_during_the_demos_training_stops_without_a_traceback(tmp_path):
     import signal
 
     port = free_port()
     env = os.environ | {"GRADWATCH_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.cli", "demo", "--steps", "100000", "--port", str(port)],
+        # Ctrl-C handled as from a terminal: a pytest-xdist worker ignores SIGINT, and Python keeps an
+        # inherited "ignore" (CI's demo trained on through the signal), so the handler is set first.
+        [sys.executable, "-c", _WITH_CTRL_C, "demo", "--steps", "100000", "--port", str(port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
