@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
-import platform
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 import warnings
@@ -23,6 +18,10 @@ from ._batches import BatchLog, normalize_ids
 from ._buffer import StepBuffer
 from ._distributed import ProcessIdentity, process_identity
 from ._errors import FeatureSwitch, GradwatchWarning, crash_details
+from ._run_exit import _finish_live_runs, _live_runs, _track
+from ._run_finish import report_finish
+from ._run_metadata import _environment_metadata
+from ._run_sink import _RunSink
 from ._sender import DEFAULT_STALL_TIMEOUT, Sender
 from ._spool import DEFAULT_MAX_BYTES, Spool, default_spool_dir, offline_dir, spool_file_name
 from ._transport import Backoff, HttpTransport, Transport
@@ -30,6 +29,17 @@ from ._wire import json_safe, key_problem
 
 if TYPE_CHECKING:
     from ._watch import Watcher
+
+# _finish_live_runs too: it lives in _run_exit, and the tests call it as _run's (what SIGTERM does)
+__all__ = [
+    "DEFAULT_SERVER",
+    "FLUSH_AT_VALUES",
+    "MODES",
+    "RUN_ID_PATTERN",
+    "Run",
+    "_finish_live_runs",
+    "server_and_token",
+]
 
 logger = logging.getLogger("gradwatch")
 
@@ -52,38 +62,6 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule for ru
 # whole second: a million points in one packet, sent after it was all resolved). The sender merges
 # such flushes into batches of up to max_batch_points.
 FLUSH_AT_VALUES = 10_000
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, check=False
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _environment_metadata(identity: ProcessIdentity) -> dict[str, Any]:
-    """The run document's metadata. Only the first rank to reach the server creates the run, so the
-    per-rank part (host, pid, rank) of a distributed run is also sent as its "rank" event."""
-    meta: dict[str, Any] = {
-        "hostname": identity.host,
-        "pid": os.getpid(),
-        "python": platform.python_version(),
-        "argv": sys.argv[:20],
-        "git_commit": _git_commit(),
-        "world_size": identity.world_size,
-        "rank": identity.rank,
-        "local_rank": identity.local_rank,
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        meta["torch"] = torch.__version__
-        meta["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            meta["device"] = torch.cuda.get_device_name()
-    return meta
 
 
 class Run:
@@ -287,57 +265,7 @@ class Run:
         self.features.guarded("flush")(self._flush)(status)
         sender = self._sender
         everything_sent = sender.close(timeout, stall_timeout)
-        stats, path = sender.stats, sender.spool.path
-        if self.mode == "offline":
-            logger.info(
-                "gradwatch: run %s: %d points written to %s; upload them with `gradwatch sync %s`",
-                self.id,
-                stats.spooled,
-                path,
-                path,
-            )
-        elif not everything_sent:
-            where = (
-                (
-                    f"{stats.spooled} points wait in {path} (sent when this run resumes, or with "
-                    f"`gradwatch sync {path}`)"
-                )
-                if stats.spooled
-                else ""
-            )
-            lost = f"{stats.queued} points held in memory are lost" if stats.queued else ""
-            failing = sender.failing_reason
-            if sender.close_reason == "timeout":
-                why = f"finish(timeout={timeout:g}) ran out " + (
-                    f"while the server was failing ({failing})"
-                    if failing
-                    else "while the server was still taking data"
-                )
-            elif sender.close_reason == "stalled":
-                why = f"the server took nothing for {stall_timeout:g} s ({failing or 'no answer'})"
-            else:
-                why = "the server did not take everything" + (f" ({failing})" if failing else "")
-            left = "; ".join(x for x in (where, lost) if x) or "a last request was still in flight"
-            logger.warning("gradwatch: run %s: %s: %s", self.id, why, left)
-        if stats.dead_lettered_batches and sender.dead_letter_file is not None:
-            dead = sender.dead_letter_file
-            logger.warning(
-                "gradwatch: run %s: %d batches (%d points) the server would not take are in %s "
-                "(last refusal: %s); `gradwatch sync %s` retries them",
-                self.id,
-                stats.dead_lettered_batches,
-                stats.dead_lettered,
-                dead,
-                sender.last_refusal,
-                dead,
-            )
-        if stats.dropped:
-            logger.warning(
-                "gradwatch: run %s: %d points were dropped%s",
-                self.id,
-                stats.dropped,
-                f" (last error: {stats.last_error})" if stats.last_error else "",
-            )
+        report_finish(self.id, self.mode, sender, everything_sent, timeout, stall_timeout)
 
     @property
     def stats(self) -> Any:
@@ -594,145 +522,3 @@ class Run:
         self._record_device_memory()
         packet = self.buffer.take([*(w.derive for w in self._watchers), self._batches.derive], status)
         self._sender.submit(packet)
-
-
-class _RunSink:
-    """The StepSink (see _sink) a Run hands its Watcher: the Run keeps its step counter, buffer and
-    flush schedule, and the Watcher reaches them only through these operations."""
-
-    __slots__ = ("_run",)
-
-    def __init__(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def step(self) -> int:
-        return self._run._step
-
-    @property
-    def rank(self) -> int:
-        return self._run.rank
-
-    @property
-    def identity(self) -> ProcessIdentity:
-        return self._run.identity
-
-    @property
-    def features(self) -> FeatureSwitch:
-        return self._run.features
-
-    # The buffer is looked up at each call: a forked child's run gets a new one.
-    def add_scalar(self, key: str, step: int, value: Any) -> None:
-        self._run.buffer.add_scalar(key, step, value)
-
-    def add_tensor(self, key: str, step: int, tensor: Any) -> None:
-        self._run.buffer.add_tensor(key, step, tensor)
-
-    def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
-        self._run.buffer.add_event(step, kind, data)
-
-    def advance_step(self) -> int:
-        run = self._run
-        run._step += 1
-        return run._step
-
-    def step_recorded(self) -> None:
-        self._run._maybe_flush()
-
-    def report_rank_at_finish(self) -> None:
-        self._run.reports_rank = True
-
-
-# -- process life: exit, SIGTERM, fork ---------------------------------------------------------------
-
-EXIT_FLUSH_TIMEOUT = 5.0  # seconds each unfinished run gets at exit or SIGTERM; the rest is spooled
-_live_runs: set[Run] = set()  # runs not finished yet (strong references: their threads are alive)
-_hooks_lock = threading.Lock()
-_exit_hooks_installed = False
-_previous_sigterm: Any = None
-_child_hook_pid: int | None = None  # the multiprocessing child that registered its exit hook
-
-
-def _track(run: Run) -> None:
-    """Remember an unfinished run and install the process hooks once (SIGTERM: from the main thread)."""
-    global _exit_hooks_installed, _previous_sigterm, _child_hook_pid
-    _live_runs.add(run)
-    with _hooks_lock:
-        if not _exit_hooks_installed:
-            _exit_hooks_installed = True
-            atexit.register(_finish_live_runs, None)
-            if hasattr(os, "register_at_fork"):  # POSIX only
-                os.register_at_fork(after_in_child=_after_fork_in_child)
-        mp = sys.modules.get("multiprocessing")
-        if _child_hook_pid != os.getpid() and mp is not None and mp.parent_process() is not None:
-            # A multiprocessing child (mp.spawn, Accelerate's notebook_launcher, a DataLoader-style
-            # worker) ends with os._exit: atexit never runs there, but multiprocessing's own exit
-            # hook runs its finalizers, even when the child's target raised.
-            import multiprocessing.util
-
-            _child_hook_pid = os.getpid()
-            multiprocessing.util.Finalize(None, _finish_in_multiprocessing_child, exitpriority=100)
-        if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous is not None:  # None: a handler set outside Python, which we could not call on
-                _previous_sigterm = previous
-                signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def _finish_in_multiprocessing_child() -> None:
-    """multiprocessing's exit hook in a child: it runs in the `finally` around the child's target, so
-    an exception that ends the target is still in flight here (SystemExit(0): a normal end)."""
-    exc = sys.exc_info()[1]
-    if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
-        _finish_live_runs("finished")
-    else:
-        _finish_live_runs("crashed", crash_details(exc))
-
-
-def _finish_live_runs(status: str | None, crash: dict[str, Any] | None = None) -> None:
-    """Finish every unfinished run; at exit, "crashed" when an uncaught exception ends the program
-    (its type and message go in a `crash` event: the run's status reason on the server)."""
-    if status is None:
-        uncaught = getattr(sys, "last_value", None)
-        status = "crashed" if uncaught is not None else "finished"
-        if isinstance(uncaught, SystemExit) and uncaught.code in (0, None):
-            status = "finished"
-        elif isinstance(uncaught, BaseException):
-            crash = crash_details(uncaught)
-    for run in list(_live_runs):
-        try:
-            if status == "crashed" and crash:
-                run._record_crash(crash)
-            run.finish(timeout=EXIT_FLUSH_TIMEOUT, status=status)
-        except Exception:  # at exit, one run's failure must not stop the others
-            logger.warning("gradwatch: could not finish run %s at exit", run.id, exc_info=True)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """Flush every run, then do what the previous SIGTERM handler would have done."""
-    _finish_live_runs("crashed", {"signal": "SIGTERM"})
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:  # the default action: terminate by this signal
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-class _AllFeatures(dict[str, str]):
-    """A FeatureSwitch.disabled that contains every feature: a forked child's run observes nothing."""
-
-    def __contains__(self, feature: object) -> bool:
-        return True
-
-
-def _after_fork_in_child() -> None:
-    # A forked child (e.g. a DataLoader worker) has none of the sender's threads and may hold copies
-    # of its locks in a locked state; it also shares the parent's seq namespace, so anything it sent
-    # could take the seq of a parent batch. Its runs therefore become inert.
-    for run in list(_live_runs):
-        run._sender.forget_after_fork()
-        run.features.disabled = _AllFeatures(forked="this process is a fork of the one that started the run")
-        run.buffer = StepBuffer()
-        run._finished = True
-    _live_runs.clear()

@@ -1,7 +1,8 @@
 """Request and response bodies of the JSON API (pydantic), apart from the ORM tables.
 
 Non-finite floats: requests may carry JSON's NaN/Infinity literals or the strings "NaN", "Infinity",
-"-Infinity"; responses always use the strings, so any JSON parser reads them.
+"-Infinity"; responses always use the strings, so any JSON parser reads them. The field types and
+limits are in schema_fields, the alerting API's bodies in alert_schemas; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,48 +24,114 @@ from pydantic import (
     model_validator,
 )
 
-MAX_DOCUMENT_DEPTH = 32
+from .alert_schemas import (
+    AlertList,
+    AlertOut,
+    AlertRuleIn,
+    AlertRuleList,
+    AlertRuleOut,
+    AlertRulePatch,
+    DeliveryList,
+    DeliveryOut,
+    IncidentFinding,
+    IncidentList,
+    IncidentOut,
+    RuleParamOut,
+    RuleTypeList,
+    RuleTypeOut,
+    RunHealth,
+    WebhookFormat,
+    WebhookIn,
+    WebhookList,
+    WebhookOut,
+)
+from .schema_fields import (
+    MAX_DOCUMENT_DEPTH,
+    MAX_EVENTS_PER_BATCH,
+    MAX_POINTS_PER_SERIES,
+    MAX_SERIES_PER_BATCH,
+    MAX_STEP,
+    MAX_TAGS,
+    Document,
+    JsonFloat,
+    MetricKey,
+    Name,
+    ResumeMode,
+    RunId,
+    RunStatus,
+    Step,
+    Tag,
+    Text,
+)
 
-
-def _plain_text(value: str) -> str:
-    """Names and keys are stored as text: no NUL characters (PostgreSQL refuses them) and no lone
-    UTF-16 surrogates (not encodable as UTF-8)."""
-    if "\x00" in value:
-        raise ValueError("must not contain NUL characters (\\u0000)")
-    return _unicode(value)
-
-
-def _unicode(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"is not valid Unicode text (a lone surrogate at position {exc.start} of {value[:40]!r})"
-        ) from None
-    return value
-
-
-def _shallow(document: dict[str, Any]) -> dict[str, Any]:
-    """A free-form JSON document nested at most MAX_DOCUMENT_DEPTH levels, with plain-text keys and
-    string values that are valid Unicode (a lone surrogate stored once would fail every answer
-    that carries it: a run's config in the project's run list, an event's data in the run's events)."""
-    stack: list[tuple[Any, int]] = [(document, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DOCUMENT_DEPTH:
-            raise ValueError(f"is nested deeper than {MAX_DOCUMENT_DEPTH} levels")
-        if isinstance(node, str):
-            _unicode(node)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                _plain_text(str(key))
-                stack.append((value, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((value, depth + 1) for value in node)
-    return document
-
-
-Document = Annotated[dict[str, Any], AfterValidator(_shallow)]
+__all__ = [
+    "MAX_DOCUMENT_DEPTH",
+    "MAX_EVENTS_PER_BATCH",
+    "MAX_LAYERS",
+    "MAX_POINTS_PER_SERIES",
+    "MAX_SERIES_PER_BATCH",
+    "MAX_STEP",
+    "MAX_TAGS",
+    "WIRE_FEATURES",
+    "AlertList",
+    "AlertOut",
+    "AlertRuleIn",
+    "AlertRuleList",
+    "AlertRuleOut",
+    "AlertRulePatch",
+    "BatchAck",
+    "BatchIn",
+    "CombinedHistogramsOut",
+    "CombinedSeriesOut",
+    "CombinedVectorsOut",
+    "CompareOut",
+    "CompareSeries",
+    "DeliveryList",
+    "DeliveryOut",
+    "DisagreementList",
+    "DisagreementOut",
+    "Document",
+    "EventIn",
+    "EventList",
+    "EventOut",
+    "HistogramIn",
+    "HistogramsOut",
+    "IncidentFinding",
+    "IncidentList",
+    "IncidentOut",
+    "JsonFloat",
+    "KeyList",
+    "LayerName",
+    "MetricKey",
+    "Name",
+    "RankList",
+    "RankOut",
+    "ResumeMode",
+    "RuleParamOut",
+    "RuleTypeList",
+    "RuleTypeOut",
+    "RunCreated",
+    "RunHealth",
+    "RunId",
+    "RunIn",
+    "RunList",
+    "RunOut",
+    "RunPatch",
+    "RunStatus",
+    "RunSummary",
+    "ScalarSeriesIn",
+    "SeriesOut",
+    "Step",
+    "Tag",
+    "Text",
+    "VectorSeriesIn",
+    "VectorsOut",
+    "WebhookFormat",
+    "WebhookIn",
+    "WebhookList",
+    "WebhookOut",
+    "json_float",
+]
 
 
 def _unpacked(code: Any, name: str, dtype: str) -> np.ndarray:
@@ -87,27 +153,6 @@ def _no_booleans(values: Any) -> Any:
     if isinstance(values, list) and bool in set(map(type, values)):  # at C speed: batches are large
         raise ValueError('values must be numbers (or "NaN", "Infinity", "-Infinity"), not true/false')
     return values
-
-
-Text = AfterValidator(_plain_text)
-
-RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Client- or server-chosen id")]
-Name = Annotated[str, Field(min_length=1, max_length=200), Text]
-MetricKey = Annotated[str, Field(min_length=1, max_length=250), Text]
-MAX_STEP = 2**62
-Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
-RunStatus = Literal["running", "finished", "crashed"]
-ResumeMode = Literal["allow", "must", "never"]
-Tag = Annotated[
-    str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text
-]
-MAX_TAGS = 50
-JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
-
-# Per batch: an agent flushes about once a second, so these are generous.
-MAX_SERIES_PER_BATCH = 10_000
-MAX_POINTS_PER_SERIES = 1_000_000
-MAX_EVENTS_PER_BATCH = 100_000
 
 
 class RunIn(BaseModel):
@@ -508,210 +553,3 @@ class DisagreementOut(BaseModel):
 class DisagreementList(BaseModel):
     data: list[DisagreementOut]
     count: int = Field(description="disagreeing steps in the range, before limit")
-
-
-# -- alerts, webhooks, deliveries -----------------------------------------------------------------
-
-WebhookFormat = Literal["json", "slack", "discord"]
-
-
-class AlertRuleIn(BaseModel):
-    """A rule to create. type: one of GET /api/v1/alert-rules/types; params default per type."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    project: Name
-    run_id: RunId | None = Field(default=None, description="limit the rule to one run of the project")
-    type: Annotated[str, Field(min_length=1, max_length=64)]
-    name: Name | None = None
-    params: Document = Field(default_factory=dict)
-    enabled: bool = True
-    cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = Field(
-        default=None,
-        description="a re-trigger within this many steps of the alert's step reopens it without a new "
-        "notification (default per type: 100, heartbeat 0)",
-    )
-
-
-class AlertRulePatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Name | None = None
-    params: dict[str, Any] | None = Field(
-        default=None, description="replaces the parameters (others default)"
-    )
-    enabled: bool | None = None
-    cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = None
-
-
-class AlertRuleOut(BaseModel):
-    id: int
-    project: str
-    run_id: str | None
-    type: str
-    name: str
-    params: dict[str, Any]
-    enabled: bool
-    cooldown_steps: int
-    severity: str
-    description: str
-
-
-class AlertRuleList(BaseModel):
-    data: list[AlertRuleOut]
-    count: int
-
-
-class RuleParamOut(BaseModel):
-    default: float | int | str
-    minimum: float | None
-    maximum: float | None
-    doc: str
-
-
-class RuleTypeOut(BaseModel):
-    type: str
-    severity: str
-    description: str
-    params: dict[str, RuleParamOut]
-    default_rule: bool = Field(description="installed for every new project")
-
-
-class RuleTypeList(BaseModel):
-    data: list[RuleTypeOut]
-
-
-class AlertOut(BaseModel):
-    id: int
-    project: str
-    run_id: str
-    run_name: str
-    rule_id: int | None
-    type: str
-    severity: str
-    status: Literal["firing", "resolved"]
-    step: int | None = Field(description="the step where the condition first held")
-    last_step: int | None
-    resolved_step: int | None
-    occurrences: int = Field(description="steps the condition held while open (de-duplicated)")
-    title: str
-    hint: str = Field(description="what probably happened and what to try")
-    evidence: dict[str, Any] = Field(description="steps, values, layers… and link")
-    link: str = Field(description="the run page at the alert's step")
-    created_at: str | None
-    resolved_at: str | None
-    acknowledged_at: str | None = Field(
-        default=None, description="when someone acknowledged it, if anyone did"
-    )
-    incident_id: int | None = Field(default=None, description="the incident this alert is part of")
-
-
-class AlertList(BaseModel):
-    data: list[AlertOut]
-    count: int
-
-
-class IncidentFinding(BaseModel):
-    rule: str
-    title: str
-    step: int
-    last_step: int | None = None
-    severity: str
-    status: str | None = None
-    alert_id: int | None = None
-    evidence: dict[str, Any]
-
-
-class IncidentOut(BaseModel):
-    """Findings of one cause in one run, grouped and notified once (see gradwatch.server.alerts.incidents)."""
-
-    id: int
-    project: str
-    run_id: str
-    run_name: str
-    status: Literal["open", "resolved"]
-    severity: str
-    family: str = Field(description="precision | divergence | data | stalled | liveness")
-    cause_key: str
-    title: str = Field(description="a short headline")
-    cause: str = Field(description="the most likely cause, in one sentence")
-    next_steps: list[str] = Field(description="what to do, with numbers")
-    rules: list[str] = Field(description="the rule types that fired in this incident")
-    layers: list[str] = Field(
-        default_factory=list, description="the layers the diagnosis names, most likely first"
-    )
-    findings: list[IncidentFinding]
-    first_step: int
-    last_step: int
-    resolved_step: int | None
-    link: str = Field(description="the run page at the incident's first step")
-    created_at: str | None
-    updated_at: str | None
-    resolved_at: str | None
-    notified_at: str | None = Field(
-        description="when its one notification was sent (null: not yet, or never)"
-    )
-
-
-class IncidentList(BaseModel):
-    data: list[IncidentOut]
-    count: int
-
-
-class RunHealth(BaseModel):
-    """A run's verdict and its incidents, newest first."""
-
-    verdict: Literal["healthy", "warning", "critical"]
-    data: list[IncidentOut]
-    count: int
-
-
-class WebhookIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: Annotated[str, Field(min_length=1, max_length=2000)]
-    format: WebhookFormat = "json"
-    project: Name
-    secret: Annotated[str, Field(min_length=1, max_length=500)] | None = Field(
-        default=None, description="signs each request: X-Gradwatch-Signature (HMAC-SHA256)"
-    )
-    enabled: bool = True
-    send_resolved: bool = Field(
-        default=False,
-        description="also POST when an incident resolves (default: one notification per incident)",
-    )
-
-
-class WebhookOut(BaseModel):
-    id: int
-    project: str
-    url: str
-    format: str
-    signed: bool = Field(description="true when the webhook has a secret (never returned)")
-    enabled: bool
-    send_resolved: bool = False
-    created_at: str
-
-
-class WebhookList(BaseModel):
-    data: list[WebhookOut]
-    count: int
-
-
-class DeliveryOut(BaseModel):
-    id: int
-    webhook_id: int
-    alert_id: int | None
-    event: str
-    status: Literal["pending", "sending", "delivered", "failed"]
-    attempts: int
-    next_attempt_at: str | None
-    response_status: int | None
-    last_error: str | None
-    created_at: str
-    delivered_at: str | None
-
-
-class DeliveryList(BaseModel):
-    data: list[DeliveryOut]
-    count: int

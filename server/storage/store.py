@@ -3,7 +3,9 @@ rollback and translate otherwise).
 
 Routers call Store methods with validated schemas and get frozen dataclasses back; no SQLAlchemy
 object leaves the storage package. The read models of the ranks (store.ranks) and of live streams
-(store.live) open their own sessions the same way.
+(store.live) open their own sessions the same way. The series queries are SeriesReads'
+(series_reads), run in the Store's transactions; the run's records are in run_records, the UPDATE of
+a run's row after each batch in run_updates.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from sqlalchemy import Engine, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
 
 from ..database import Transactions
 from ..errors import Conflict, InvalidRequest, NotFound
@@ -39,54 +40,15 @@ from ..models import (
     VectorRollup,
 )
 from ..schemas import BatchIn, RunIn, ScalarSeriesIn
-from . import bulk, chunked_points, liveness, queries, resumes, rollups
-from .codecs import dump_json, pack, unpack
+from . import bulk, chunked_points, queries, resumes, rollups
+from .codecs import dump_json, pack
 from .live import LiveReads
 from .ranks import RankReads
+from .run_records import _SORT_COLUMNS, RunFilter, RunRecord
+from .run_updates import _status_sql, _update_run
+from .series_reads import HistogramsResult, SeriesReads, SeriesResult, VectorsResult
 
 SCALE_KEY = "amp/scale"
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    id: str
-    project: str
-    name: str
-    status: str
-    created_at: float
-    updated_at: float
-    last_step: int | None
-    tags: list[str]
-    config: dict[str, Any]
-    metadata: dict[str, Any]
-    skips: int
-    scale: float | None
-    status_reason: str | None = None
-    # create_run only: the run was there already (not created by this call), and, when the call
-    # resumed it, how it stood before (the resumed agent's `resume` event carries this along).
-    existed: bool = False
-    previous_status: str | None = None
-    previous_status_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class RunFilter:
-    project: str | None = None
-    tags: tuple[str, ...] = ()
-    statuses: tuple[str, ...] = ()
-    created_after: float | None = None  # seconds since the epoch
-    created_before: float | None = None
-    name_contains: str | None = None
-    sort: str = "created"  # a key of _SORT_COLUMNS
-    ascending: bool = False
-
-
-_SORT_COLUMNS = {
-    "created": Run.created_at,
-    "updated": Run.updated_at,
-    "name": func.lower(Run.name),
-    "last_step": Run.last_step,
-}
 
 
 @dataclass(frozen=True)
@@ -95,30 +57,6 @@ class IngestResult:
     points: int
     events: int
     superseded_from: int | None = None  # a later process resumed at this step: the batch was cut there
-
-
-@dataclass(frozen=True)
-class SeriesResult:
-    steps: list[int]
-    values: list[float]
-    downsampled: bool
-
-
-@dataclass(frozen=True)
-class VectorsResult:
-    layers: list[str]
-    steps: list[int]
-    values: list[list[float]]
-    downsampled: bool
-
-
-@dataclass(frozen=True)
-class HistogramsResult:
-    exponents: list[int]
-    steps: list[int]
-    counts: list[list[int]]
-    zeros: list[int]
-    non_finite: list[int]
 
 
 def _batch_points(batch: BatchIn, series_ids: dict[str, int]) -> dict[int, chunked_points.Points]:
@@ -136,91 +74,6 @@ def _batch_points(batch: BatchIn, series_ids: dict[str, int]) -> dict[int, chunk
             values = np.concatenate([p.values_array() for p in parts])
         points[sid] = chunked_points.Points.of(steps, values)
     return points
-
-
-# A crash the agent reported (not the server's NO_HEARTBEAT mark), as SQL on the row being updated.
-_REPORTED_CRASH = "status = 'crashed' AND COALESCE(status_reason, '') <> ?"
-
-
-def _status_sql(batch: BatchIn, resumed: bool) -> tuple[str, list[Any]]:
-    """The run's status and status_reason after `batch`: the SET clause's part of ingest's UPDATE runs
-    (? placeholders) and its parameters.
-
-    Computed from the row as it is when the UPDATE runs, so replicas and the liveness sweep may
-    interleave freely. A crash the agent reported stays: in a distributed run one rank's crash is not
-    overwritten by another rank finishing, and the first crash's reason is kept. A run the server
-    marked crashed for silence (NO_HEARTBEAT) was not dead: any data sets it running again, and it can
-    end finished. A resume starts a new attempt: how the previous one ended no longer counts.
-    (Plain SQL: built as SQLAlchemy CASE expressions, compiled and synchronised with the session,
-    this UPDATE cost about a millisecond of every batch.)"""
-    reason = liveness.crash_reason(batch) if batch.status == "crashed" else None
-    if resumed:
-        return "status = ?, status_reason = ?", [batch.status or "running", reason]
-    if batch.status == "finished":
-        return (
-            (
-                f"status = CASE WHEN {_REPORTED_CRASH} THEN 'crashed' ELSE 'finished' END,"
-                f" status_reason = CASE WHEN {_REPORTED_CRASH} THEN status_reason ELSE NULL END"
-            ),
-            [liveness.NO_HEARTBEAT, liveness.NO_HEARTBEAT],
-        )
-    if batch.status == "crashed":
-        return (
-            f"status = 'crashed', status_reason = CASE WHEN {_REPORTED_CRASH} THEN status_reason ELSE ? END",
-            [liveness.NO_HEARTBEAT, reason],
-        )
-    if batch.status is not None:
-        return "status = ?, status_reason = NULL", [batch.status]
-    silent = "status = 'crashed' AND status_reason = ?"
-    return (
-        (
-            f"status = CASE WHEN {silent} THEN 'running' ELSE status END,"
-            f" status_reason = CASE WHEN {silent} THEN NULL ELSE status_reason END"
-        ),
-        [liveness.NO_HEARTBEAT, liveness.NO_HEARTBEAT],
-    )
-
-
-def _update_run(
-    session: Session,
-    run: Run,
-    now: float,
-    layers: list[str] | None,
-    last_step: tuple[str, int | None] | None,
-    status: tuple[str, list[Any]] | None,
-) -> None:
-    """UPDATE the run's row after a batch (updated_at = now; layers_json when `layers`; last_step as
-    ("set", step) or ("raise", step): at least that step; status as _status_sql gives it), as plain
-    SQL, and give the session's Run object the stored values (RETURNING) as the ORM's UPDATE did."""
-    sets: list[str] = ["updated_at = ?"]
-    params: list[Any] = [now]
-    if layers is not None:
-        sets.append("layers_json = ?")
-        params.append(json.dumps(layers))
-    if last_step is not None:
-        how, step = last_step
-        if how == "set":
-            sets.append("last_step = ?")
-        else:  # SQLite spells the two-argument maximum max(); PostgreSQL spells it greatest().
-            maximum = "max" if session.get_bind().dialect.name == "sqlite" else "greatest"
-            sets.append(f"last_step = {maximum}(COALESCE(last_step, -1), ?)")
-        params.append(step)
-    if status is not None:
-        sets.append(status[0])
-        params += status[1]
-    if session.new or session.dirty or session.deleted:
-        session.flush()  # what the ORM's UPDATE would have flushed first
-    stored = bulk.execute(
-        session,
-        f"UPDATE runs SET {', '.join(sets)} WHERE id = ? RETURNING status, status_reason, last_step,"
-        " updated_at, layers_json",
-        [*params, run.id],
-    )
-    if stored:
-        for name, stored_value in zip(
-            ("status", "status_reason", "last_step", "updated_at", "layers_json"), stored[0], strict=True
-        ):
-            set_committed_value(run, name, stored_value)
 
 
 @dataclass(frozen=True)
@@ -242,6 +95,7 @@ class Store:
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         self.ranks = RankReads(engine)  # the ranks of distributed runs, combined at query time
         self.live = LiveReads(engine)  # what is new for a live stream's subscriber
+        self._reads = SeriesReads(self._transaction)  # series, per-layer vectors, histograms
         # Ingest appends each batch's points as chunks and merges a series' small ones every few batches.
         self._loose_chunks = chunked_points.LooseChunks()
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
@@ -624,145 +478,28 @@ class Store:
             raise InvalidRequest(f"key {clashes[0]!r} is already used by this run for another kind of data")
         return {key: series_id for key, series_id, _ in rows}
 
-    # -- queries ----------------------------------------------------------------------------------
+    # -- queries (SeriesReads) ----------------------------------------------------------------------
 
     def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
-        with self._transaction() as session:
-            queries.require_run(session, run_id)
-            return list(
-                session.scalars(
-                    select(Series.key)
-                    .where(Series.run_id == run_id, Series.kind == kind)
-                    .order_by(Series.key)
-                )
-            )
+        return self._reads.keys(run_id, kind)
 
     def vectors(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_steps: int
     ) -> VectorsResult:
-        """Per-layer rows of one key with start <= step < end. With more than max_steps rows, steps
-        are grouped into at most max_steps equal buckets keeping, per layer, the first non-finite
-        value or else the largest (read from the rollups: cost independent of the run's length)."""
-        with self._transaction() as session:
-            run = queries.require_run(session, run_id)
-            layers = json.loads(run.layers_json)
-            series_id = queries.series_id(session, run_id, key)
-            extent = (
-                None if series_id is None else self._extent(session, VectorPoint, series_id, rank, start, end)
-            )
-            if series_id is None or extent is None:
-                return VectorsResult(layers, [], [], downsampled=False)
-            first, last = extent
-            if last - first + 1 > max_steps:
-                level, bucket_width = rollups.plan(first, last, max_steps)
-                summaries = rollups.vector_summaries(
-                    session, series_id, rank, first, last + 1, level, bucket_width
-                )
-                if sum(s.count for s in summaries) > max_steps:
-                    steps, matrix = rollups.downsample_vectors(summaries, bucket_width)
-                    return VectorsResult(layers, steps, matrix.tolist(), downsampled=True)
-            rows = session.execute(
-                select(VectorPoint.step, VectorPoint.data)
-                .where(
-                    VectorPoint.series_id == series_id,
-                    VectorPoint.rank == rank,
-                    VectorPoint.step >= first,
-                    VectorPoint.step <= last,
-                )
-                .order_by(VectorPoint.step)
-            ).all()
-        return VectorsResult(
-            layers, [row.step for row in rows], [unpack(row.data, "d") for row in rows], False
-        )
+        """Per-layer rows of one key with start <= step < end (SeriesReads.vectors)."""
+        return self._reads.vectors(run_id, key, rank, start, end, max_steps)
 
     def histograms(
         self, run_id: str, key: str, layer: str, rank: int, start: int | None, end: int | None, max_steps: int
     ) -> HistogramsResult:
-        """One layer's log2 histograms over steps (evenly thinned to at most max_steps snapshots).
-        Only the chosen snapshots are read, and of each only the layer's slice of the counts."""
-        with self._transaction() as session:
-            run = queries.require_run(session, run_id)
-            layers = json.loads(run.layers_json)
-            if layer not in layers:
-                raise NotFound(f"layer {layer!r} is not one of the run's {len(layers)} layers")
-            index = layers.index(layer)
-            series_id = queries.series_id(session, run_id, key)
-            in_series = (HistogramPoint.series_id == series_id, HistogramPoint.rank == rank)
-            steps = session.scalars(
-                queries.step_range(
-                    select(HistogramPoint.step).where(*in_series), HistogramPoint.step, start, end
-                ).order_by(HistogramPoint.step)
-            ).all()
-            if len(steps) > max_steps:
-                steps = [steps[i * len(steps) // max_steps] for i in range(max_steps)]
-            width = HistogramPoint.exponent_max - HistogramPoint.exponent_min + 3  # bins, zeros, NaN/Inf
-            points = (
-                session.execute(
-                    select(
-                        HistogramPoint.step,
-                        HistogramPoint.exponent_min,
-                        HistogramPoint.exponent_max,
-                        func.substr(HistogramPoint.counts, index * width * 8 + 1, width * 8).label("row"),
-                    )
-                    .where(*in_series, HistogramPoint.step.in_(steps))
-                    .order_by(HistogramPoint.step)
-                ).all()
-                if steps
-                else []
-            )
-        exponent_min = points[0].exponent_min if points else 0
-        exponent_max = points[0].exponent_max if points else -1
-        counts, zeros, non_finite = [], [], []
-        for point in points:
-            row = unpack(bytes(point.row), "q")
-            counts.append(row[:-2])
-            zeros.append(row[-2])
-            non_finite.append(row[-1])
-        return HistogramsResult(
-            list(range(exponent_min, exponent_max + 1)), [p.step for p in points], counts, zeros, non_finite
-        )
+        """One layer's log2 histograms over steps (SeriesReads.histograms)."""
+        return self._reads.histograms(run_id, key, layer, rank, start, end, max_steps)
 
     def series(
         self, run_id: str, key: str, rank: int, start: int | None, end: int | None, max_points: int
     ) -> SeriesResult:
-        """Points of one key with start <= step < end. Beyond max_points, max_points // 2 equal step
-        buckets keep their lowest and highest point (a non-finite point counts as the lowest), so a
-        one-step spike survives any zoom; read from the rollups, so a 10M-point series costs about
-        as much as a 10k-point one."""
-        with self._transaction() as session:
-            queries.require_run(session, run_id)
-            series_id = queries.series_id(session, run_id, key)
-            extent = (
-                None if series_id is None else chunked_points.extent(session, series_id, rank, start, end)
-            )
-            if series_id is None or extent is None:
-                return SeriesResult([], [], downsampled=False)
-            first, last = extent
-            if last - first + 1 > max_points:
-                level, bucket_width = rollups.plan(first, last, max_points // 2)
-                summaries = rollups.point_summaries(
-                    session, series_id, rank, first, last + 1, level, bucket_width
-                )
-                steps, values, total = rollups.downsample(summaries, bucket_width)
-                if total > max_points:
-                    return SeriesResult(steps, values, downsampled=True)
-            points = chunked_points.read(session, series_id, [rank], first, last + 1).get(rank)
-        if points is None:
-            return SeriesResult([], [], False)
-        return SeriesResult(points.steps.tolist(), points.values.tolist(), False)
-
-    @staticmethod
-    def _extent(
-        session: Session, model: Any, series_id: int, rank: int, start: int | None, end: int | None
-    ) -> tuple[int, int] | None:
-        """First and last stored step of a series in [start, end): two index seeks, no scan."""
-        query = queries.step_range(
-            select(model.step).where(model.series_id == series_id, model.rank == rank), model.step, start, end
-        )
-        first = session.scalar(query.order_by(model.step).limit(1))
-        if first is None:
-            return None
-        return first, session.scalar(query.order_by(model.step.desc()).limit(1))
+        """Points of one key with start <= step < end (SeriesReads.series)."""
+        return self._reads.series(run_id, key, rank, start, end, max_points)
 
     # -- helpers ----------------------------------------------------------------------------------
 

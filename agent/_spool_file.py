@@ -1,0 +1,224 @@
+"""The spool file on disk, apart from the Spool that writes it: where spool and dead-letter files live
+(GRADWATCH_HOME, GRADWATCH_SPOOL_DIR, RUN-rankR.jsonl, RUN-rankR.dead.jsonl), how each record line is
+encoded (see _spool for the format), and how a file is read back (scan, read_batch_json,
+iter_spool_files). Separate from _spool because `gradwatch sync` and a resumed run read these files
+without a Spool, and the format is one contract that both the writer and the readers follow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._wire import batch_points, dumps
+
+DEAD_LETTER_SUFFIX = ".dead.jsonl"
+
+_BATCH_HEADER = re.compile(
+    rb'\{"type": "batch", "run_id": "([A-Za-z0-9_.\-]{1,64})", "rank": (\d+), "seq": (\d+), '
+    rb'"points": (\d+), "batch": '
+)
+
+
+def gradwatch_home() -> Path:
+    """GRADWATCH_HOME, default ~/.gradwatch."""
+    return Path(os.environ.get("GRADWATCH_HOME") or Path.home() / ".gradwatch")
+
+
+def default_spool_dir() -> Path:
+    """Where an online run spools what the server has not taken: GRADWATCH_SPOOL_DIR, else
+    GRADWATCH_HOME/spool."""
+    return Path(os.environ.get("GRADWATCH_SPOOL_DIR") or gradwatch_home() / "spool")
+
+
+def offline_dir() -> Path:
+    """Where an offline run writes its spool: GRADWATCH_HOME/offline."""
+    return gradwatch_home() / "offline"
+
+
+def spool_file_name(run_id: str, rank: int) -> str:
+    return f"{run_id}-rank{rank}.jsonl"
+
+
+def dead_letter_path(spool_path: Path) -> Path:
+    """The dead-letter file beside a spool file: RUN-rankR.jsonl -> RUN-rankR.dead.jsonl."""
+    name = spool_path.name
+    return spool_path.with_name(name.removesuffix(".jsonl") + DEAD_LETTER_SUFFIX)
+
+
+def is_dead_letter_file(path: Path) -> bool:
+    return path.name.endswith(DEAD_LETTER_SUFFIX)
+
+
+# -- records --------------------------------------------------------------------------------------
+
+
+def _line(payload: bytes) -> bytes:
+    return b"%08x %s\n" % (zlib.crc32(payload), payload)
+
+
+def run_record(run_document: dict[str, Any]) -> bytes:
+    """The line that introduces a process's batches: its run document."""
+    return _line(json.dumps({"type": "run", "run": run_document}, allow_nan=False).encode())
+
+
+def batch_record(run_id: str, batch: dict[str, Any], points: int) -> bytes:
+    """The line of one sealed batch; the header fields let a reader index it without parsing it."""
+    return encoded_batch_record(run_id, int(batch["rank"]), int(batch["seq"]), points, dumps(batch).encode())
+
+
+def encoded_batch_record(run_id: str, rank: int, seq: int, points: int, body: bytes) -> bytes:
+    """batch_record for a batch already encoded as JSON (one read back from a spool file)."""
+    header = json.dumps(run_id)
+    payload = (
+        f'{{"type": "batch", "run_id": {header}, "rank": {int(rank)}, "seq": {int(seq)}, '
+        f'"points": {int(points)}, "batch": '
+    ).encode()
+    return _line(payload + body + b"}")
+
+
+def retire_record(run_id: str, rank: int, seq: int, why: str) -> bytes:
+    """The line that withdraws an earlier batch line of the file (split, or moved to dead letters)."""
+    document = {"type": "retire", "run_id": run_id, "rank": int(rank), "seq": int(seq), "why": why}
+    return _line(json.dumps(document).encode())
+
+
+def dead_letter_record(run_id: str, rank: int, seq: int, reason: str) -> bytes:
+    """The line before a dead-lettered batch: why the server would not take it."""
+    document = {"type": "dead_letter", "run_id": run_id, "rank": int(rank), "seq": int(seq), "reason": reason}
+    return _line(json.dumps(document).encode())
+
+
+@dataclass(frozen=True)
+class Record:
+    """One valid line of a spool file: where it is and what it says (batch bodies are not parsed)."""
+
+    offset: int
+    length: int
+    type: str
+    run_id: str | None = None
+    rank: int = 0
+    seq: int = -1
+    points: int = 0
+    run: dict[str, Any] | None = None
+    reason: str | None = None  # a dead_letter record's
+
+
+def _payload(line: bytes) -> bytes | None:
+    """The JSON of a line if its checksum matches, else None (torn or corrupt)."""
+    if len(line) < 11 or line[8:9] != b" " or not line.endswith(b"\n"):
+        return None
+    payload = line[9:-1]
+    try:
+        return payload if int(line[:8], 16) == zlib.crc32(payload) else None
+    except ValueError:
+        return None
+
+
+def _describe(offset: int, line: bytes) -> Record | None:
+    payload = _payload(line)
+    if payload is None:
+        return None
+    header = _BATCH_HEADER.match(payload)
+    if header is not None:
+        run_id, rank, seq, points = header.groups()
+        return Record(offset, len(line), "batch", run_id.decode(), int(rank), int(seq), int(points))
+    try:
+        document = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    if document.get("type") == "run" and isinstance(document.get("run"), dict):
+        return Record(offset, len(line), "run", document["run"].get("id"), run=document["run"])
+    if document.get("type") in ("retire", "dead_letter") and isinstance(document.get("seq"), int):
+        reason = document.get("reason")
+        return Record(
+            offset,
+            len(line),
+            document["type"],
+            document.get("run_id"),
+            int(document.get("rank") or 0),
+            document["seq"],
+            reason=reason if isinstance(reason, str) else None,
+        )
+    if document.get("type") == "batch" and isinstance(document.get("batch"), dict):
+        batch = document["batch"]
+        return Record(
+            offset,
+            len(line),
+            "batch",
+            document.get("run_id"),
+            int(batch.get("rank", 0)),
+            int(batch["seq"]),
+            batch_points(batch),
+        )
+    return None
+
+
+@dataclass
+class ScanResult:
+    """The valid records of a spool file, and how many lines were torn or corrupt."""
+
+    records: list[Record]
+    bad_lines: int
+
+    def retired(self) -> set[tuple[str | None, int, int]]:
+        """(run_id, rank, seq) of the batches a retire record withdrew: not to be sent."""
+        return {(r.run_id, r.rank, r.seq) for r in self.records if r.type == "retire"}
+
+
+def scan(path: Path) -> ScanResult:
+    """Read a spool file's records (streaming: one line in memory at a time)."""
+    records: list[Record] = []
+    bad = 0
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            record = _describe(offset, line)
+            if record is None:
+                bad += 1
+            else:
+                records.append(record)
+            offset += len(line)
+    return ScanResult(records, bad)
+
+
+def read_batch_json(path: Path, record: Record) -> bytes | None:
+    """The wire JSON of one batch record, exactly as written; None if the bytes changed since."""
+    with open(path, "rb") as f:
+        f.seek(record.offset)
+        line = f.read(record.length)
+    payload = _payload(line)
+    if payload is None:
+        return None
+    header = _BATCH_HEADER.match(payload)
+    if header is not None and int(header.group(3)) == record.seq and payload.endswith(b"}"):
+        return payload[header.end() : -1]
+    try:
+        document = json.loads(payload)
+        batch = document["batch"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return dumps(batch).encode() if batch.get("seq") == record.seq else None
+
+
+def iter_spool_files(path: Path, dead_letters: bool = True) -> Iterator[Path]:
+    """A spool file itself (and, with `dead_letters`, its dead-letter file when there is one), or every
+    *.jsonl under a folder (dead-letter files only with `dead_letters`), in name order."""
+    if path.is_dir():
+        yield from sorted(
+            p for p in path.rglob("*.jsonl") if p.is_file() and (dead_letters or not is_dead_letter_file(p))
+        )
+    else:
+        if path.exists():  # an online spool whose batches all went is gone; its dead letters stay
+            yield path
+        dead = dead_letter_path(path)
+        if dead_letters and not is_dead_letter_file(path) and dead.is_file():
+            yield dead
