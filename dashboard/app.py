@@ -38,6 +38,7 @@ import flask
 import httpx
 from dash import Input, Output, dcc, html
 
+from . import doorbell
 from .api_client import ApiClient, ApiError, RunNotFound
 from .callbacks import PageCallbacks, Services, attach_services, services
 from .pages import alert_rules, alerts, compare, run, run_layers, runs, signin, webhooks
@@ -97,6 +98,7 @@ def create_dash_app(
     *,
     token: str | None = None,
     http_client: httpx.Client | None = None,
+    live_doorbell: bool = False,
 ) -> dash.Dash:
     """The dashboard as a Dash app whose Flask server (`app.server`) routes relative to "/".
 
@@ -109,6 +111,9 @@ def create_dash_app(
         shows everything; the Alerts page's changes (rules, acknowledging, webhooks) need admin scope,
         and what the server refuses is shown next to the form.
     http_client: an httpx.Client for API calls (tests pass one with a MockTransport); the caller owns it.
+    live_doorbell: whether the server this app is mounted in streams each run's news to its page at
+        {prefix}live/{run_id} (gradwatch.server.serve does): a live run page then refreshes when told
+        to, instead of polling every 2 s (and polls again whenever the stream is not open).
     """
     prefix = requests_pathname_prefix
     if not prefix.startswith("/") or not prefix.endswith("/"):
@@ -139,7 +144,8 @@ def create_dash_app(
     app.index_string = INDEX.replace("{%preload%}", preloads)
     _serve_plotly_bundle(app.server)
     _compress_static_files(app.server)
-    attach_services(app, Services(app, api, Background(), partial(run.href, app)))
+    doorbell = f"{prefix}live/" if live_doorbell else None
+    attach_services(app, Services(app, api, Background(), partial(run.href, app), live_doorbell=doorbell))
     signin.register(app, api, prefix)
     for declared in CALLBACKS:
         declared.register(app)
@@ -235,7 +241,7 @@ def render_page(pathname: str | None, search: str | None) -> Any:
             message = "Signed-in token no longer accepted." if signin.token_from_request() else None
             return signin.layout(prefix, here, message, signed_in=False)
     if page == "runs":
-        return runs.layout()
+        return runs.layout(services().live_doorbell)
     if page == "compare":
         return compare.layout(compare.parse_run_ids(search))
     if page == "alerts":
@@ -252,6 +258,7 @@ def render_page(pathname: str | None, search: str | None) -> Any:
 
 # What every app gets, in this order: the pages' callbacks, then the routing.
 CALLBACKS = (
+    doorbell.callbacks,
     runs.callbacks,
     run_layers.callbacks,
     run.callbacks,

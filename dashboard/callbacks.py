@@ -40,6 +40,8 @@ class PageCallbacks:
 
     def __init__(self) -> None:
         self._declared: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        # Callbacks that run in the browser: dash.clientside_callback's arguments.
+        self._clientside: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
     def callback(self, *args: Any, **kwargs: Any) -> Callable[[CallbackFunction], CallbackFunction]:
         """Declare the decorated function a callback, with dash.callback's arguments (outputs,
@@ -51,10 +53,17 @@ class PageCallbacks:
 
         return declare
 
+    def clientside_callback(self, function: Any, *args: Any, **kwargs: Any) -> None:
+        """Declare a callback that runs in the browser (a dash.ClientsideFunction of the assets'
+        scripts), with dash.clientside_callback's arguments."""
+        self._clientside.append((function, args, kwargs))
+
     def register(self, app: dash.Dash) -> None:
         """Add every callback declared here to `app`."""
         for function, args, kwargs in self._declared:
             app.callback(*args, **kwargs)(function)
+        for clientside, args, kwargs in self._clientside:
+            app.clientside_callback(clientside, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class Services:
     background: workers that run a callback's independent API calls together.
     run_href: run_href(run_id, step) → a run page's URL, with that step marked when given.
     event_log: the runs' events kept between the run page's refreshes.
+    live_doorbell: the URL path under which the server streams a run's news to its page
+        ("/dashboard/live/"; the run id follows), None where the dashboard runs without that server
+        (its pages then poll).
     """
 
     app: dash.Dash
@@ -73,6 +85,7 @@ class Services:
     background: Background
     run_href: RunHref
     event_log: EventLog = field(default_factory=EventLog)
+    live_doorbell: str | None = None
 
 
 def attach_services(app: dash.Dash, app_services: Services) -> None:

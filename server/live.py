@@ -33,7 +33,7 @@ from sqlalchemy import Engine, func, select, text
 
 from .schemas import BatchIn
 
-__all__ = ["CHANNEL", "LiveHub", "PostgresRelay"]
+__all__ = ["CHANNEL", "LiveHub", "PostgresRelay", "RunsWatch"]
 
 logger = logging.getLogger("gradwatch.live")
 
@@ -75,6 +75,7 @@ class LiveHub:
             relay = PostgresRelay(engine, self.notify_threadsafe, self.notify_all_threadsafe)
         self.relay = relay
         self._subscribers: dict[str, set[asyncio.Event]] = {}
+        self._watches: set[RunsWatch] = set()  # subscribers to every run's news (the runs list)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._limiter: anyio.CapacityLimiter | None = None
 
@@ -130,11 +131,15 @@ class LiveHub:
         """Wake the run's subscribers (on the event loop)."""
         for wake in self._subscribers.get(run_id, ()):
             wake.set()
+        for watch in self._watches:
+            watch.moved(run_id)
 
     def notify_all(self) -> None:
         for wakes in self._subscribers.values():
             for wake in wakes:
                 wake.set()
+        for watch in self._watches:
+            watch.moved(None)
 
     # -- subscribers ------------------------------------------------------------------------------
 
@@ -152,6 +157,17 @@ class LiveHub:
                 wakes.discard(wake)
                 if not wakes:
                     del self._subscribers[run_id]
+
+    @contextmanager
+    def watch_runs(self) -> Iterator[RunsWatch]:
+        """A RunsWatch told of every run's news, registered until the block ends."""
+        self._bind()
+        watch = RunsWatch()
+        self._watches.add(watch)
+        try:
+            yield watch
+        finally:
+            self._watches.discard(watch)
 
     def subscriber_count(self, run_id: str | None = None) -> int:
         """Open subscriptions (of one run); safe to call from any thread."""
@@ -173,6 +189,31 @@ class LiveHub:
             await wake.wait()
             await anyio.sleep(max(0.0, last_read + self.min_read_interval_s - loop.time()))
         wake.clear()
+
+
+class RunsWatch:
+    """What a subscriber to every run (the runs list's doorbell) has not been told yet: the ids of the
+    runs that moved, or None among them when any may have (a listener that reconnected)."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self._moved: set[str | None] = set()
+
+    def moved(self, run_id: str | None) -> None:
+        if len(self._moved) < MAX_WATCHED_MOVES:
+            self._moved.add(run_id)
+        else:
+            self._moved = {None}  # too many to look up: any may have moved
+        self.wake.set()
+
+    def take(self) -> set[str | None]:
+        """The runs that moved since the last take (on the event loop)."""
+        moved, self._moved = self._moved, set()
+        self.wake.clear()
+        return moved
+
+
+MAX_WATCHED_MOVES = 1_000
 
 
 # -- PostgreSQL: wake-ups across server processes ----------------------------------------------------

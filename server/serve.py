@@ -14,7 +14,7 @@ import time
 from urllib.parse import unquote_plus
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, WebSocket
 from fastapi.responses import RedirectResponse
 
 from .._errors import GradwatchError
@@ -31,12 +31,27 @@ def create_full_app(settings: Settings, api_base_url: str) -> FastAPI:
     from a2wsgi import WSGIMiddleware
 
     from gradwatch.dashboard import create_dash_app
+    from gradwatch.dashboard.pages import signin
+
+    from .routers import live
 
     app = create_app(settings)
     # The dashboard's connection pool to the API; closed with the server.
     http_client = httpx.Client(timeout=30.0)
     app.state.on_shutdown.append(http_client.close)
-    dash_app = create_dash_app(api_base_url, requests_pathname_prefix="/dashboard/", http_client=http_client)
+    dash_app = create_dash_app(
+        api_base_url, requests_pathname_prefix="/dashboard/", http_client=http_client, live_doorbell=True
+    )
+
+    # The live pages' doorbells (see dashboard/assets/live_doorbell.js): under the dashboard's path,
+    # where the browser sends the signed-in person's cookie (HttpOnly: page scripts cannot read it).
+    @app.websocket("/dashboard/live/{run_id}")
+    async def _run_doorbell(websocket: WebSocket, run_id: str) -> None:
+        await live.doorbell(websocket, run_id, websocket.cookies.get(signin.COOKIE) or None)
+
+    @app.websocket("/dashboard/live")
+    async def _runs_doorbell(websocket: WebSocket) -> None:
+        await live.runs_doorbell(websocket, websocket.cookies.get(signin.COOKIE) or None)
 
     @app.get("/", include_in_schema=False)
     @app.get("/dashboard", include_in_schema=False)

@@ -5,7 +5,8 @@ layer's histogram at a step and over steps; events and alerts; config and metada
 ?step=N (alert links) marks step N from the start; clicking a step (a table row, a heatmap cell, the
 histogram over steps) marks it on every chart and shows that step's histogram.
 
-A live run page polls every RUN_REFRESH_MS: one request for the run; only when its signature moved
+A live run page refreshes whenever the server's doorbell rings (`doorbell`; every RUN_REFRESH_MS when
+the stream is not open): one request for the run; only when its signature moved
 (new data, a new status: `live.run_signature`) the points after the last step shown (appended to the
 charts, see `live`; redrawn in full only when appending could not draw the same) and the events
 stored since (`event_log`: new skips are appended to the scale chart). Once that has moved the live
@@ -32,7 +33,7 @@ import dash
 import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
-from .. import figures, live, verdict
+from .. import doorbell, figures, live, verdict
 from ..api_client import ApiClient, ApiError, RunNotFound
 from ..callbacks import PageCallbacks, services
 from ..views import GRAPH_CONFIG, error_banner, keep_view, run_status
@@ -103,7 +104,9 @@ def layout(api: ApiClient, run_id: str, selected_step: int | None = None) -> htm
         )
     except ApiError:
         layers = []  # the layers refresh fills the picker later
-    return run_layout(run, layers, selected_step)
+    streams = services().live_doorbell
+    stream = streams + quote(run_id, safe="") if streams else None
+    return run_layout(run, layers, selected_step, stream=stream)
 
 
 # -- callbacks -------------------------------------------------------------------------------------
@@ -417,11 +420,15 @@ def _latest_health(shown: dict[str, list[Any]], fetched: dict[str, Any]) -> dict
 
 
 def run_layout(
-    run: dict[str, Any], layers: list[str] | None = None, selected_step: int | None = None
+    run: dict[str, Any],
+    layers: list[str] | None = None,
+    selected_step: int | None = None,
+    stream: str | None = None,
 ) -> html.Div:
     """The run page's layout; `layers` (model order) fill the histogram's layer picker up front, so
     the histogram loads alongside the heatmaps instead of after them. `selected_step` (from an
-    alert's link, ?step=N) is marked on the charts from the start."""
+    alert's link, ?step=N) is marked on the charts from the start. `stream`: the URL path of the
+    run's doorbell (a live run page then refreshes when it rings), None to poll."""
     run_id = str(run.get("id"))
     layers = layers or []
     running = run.get("status") == "running"
@@ -447,6 +454,7 @@ def run_layout(
             *(dcc.Store(id=heatmap_cursor_id(graph_id), data=None) for graph_id in LAYER_HEATMAPS),
             dcc.Store(id="hist-cursor", data=None),  # what the histogram shows
             html.Div(run_header(run, {}), id="run-header"),
+            *_doorbell(stream, running),  # and the line saying how the page stays live
             run_details(run),
             html.Div(
                 [
@@ -531,6 +539,18 @@ def run_layout(
             dcc.Interval(id="layers-refresh", interval=LAYERS_REFRESH_MS, disabled=not running),
         ]
     )
+
+
+def _doorbell(url: str | None, running: bool) -> list[Any]:
+    """A live run page refreshes when its stream rings (see `doorbell`), else polls."""
+    if not running:
+        return []
+    polling = f"polling every {RUN_REFRESH_MS // 1000} s"
+    bells = (
+        doorbell.Bell("live-bell", every=250, normal=RUN_REFRESH_MS),
+        doorbell.Bell("layers-bell", every=LAYERS_REFRESH_MS, normal=LAYERS_REFRESH_MS),
+    )
+    return doorbell.components(url, bells, polling)
 
 
 def _line_charts(

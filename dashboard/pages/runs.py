@@ -4,7 +4,8 @@ open alerts, scale, skips); tick runs to compare them.
 The server pages the list in its own order (newest first) and filters by status and tag; a search or
 another order is applied to the newest RUNS_SEARCH_LIMIT runs it sends.
 
-Every RUNS_LIST_REFRESH_MS the list reads its page of runs; only when a run shown changed (new data,
+Every RUNS_LIST_REFRESH_MS (or, when the server's doorbell is open, whenever a run moved: see
+`doorbell`) the list reads its page of runs; only when a run shown changed (new data,
 a new status: its update time moves), the count changed, or RUNS_LIST_FULL_REFRESH_S passed (a run
 turning silent or crashing for want of a heartbeat moves no update time) are the open alerts read
 and the table drawn again.
@@ -19,6 +20,7 @@ from typing import Any
 import dash
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
+from .. import doorbell
 from ..api_client import ApiClient, ApiError
 from ..callbacks import PageCallbacks, services
 from ..views import error_banner, format_step, format_time, run_status, scale_text, status_badge
@@ -179,11 +181,16 @@ def _open_alerts_by_run(api: ApiClient) -> dict[str, list[dict[str, Any]]] | Non
 # -- views (pure: data in, components out) -----------------------------------------------------------
 
 
-def layout() -> html.Div:
-    """The runs list: search, filters, sort, the compare bar, the table and its pager."""
+def layout(streams: str | None = None) -> html.Div:
+    """The runs list: search, filters, sort, the compare bar, the table and its pager. `streams`: the
+    URL path of the server's doorbells (Services.live_doorbell); the list then refreshes when its
+    doorbell rings, else it polls."""
+    bell = doorbell.Bell("runs-bell", every=1_000, normal=RUNS_LIST_REFRESH_MS)
+    polling = f"polling every {RUNS_LIST_REFRESH_MS // 1000} s"
     return html.Div(
         [
             html.H1("Runs"),
+            *doorbell.components(streams.rstrip("/") if streams else None, (bell,), polling),
             html.Div(
                 [
                     dcc.Input(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -13,10 +14,10 @@ from fastapi import APIRouter, WebSocket
 from starlette.datastructures import QueryParams
 from starlette.websockets import WebSocketDisconnect
 
-from ..auth import Tokens, bearer
+from ..auth import Principal, Tokens, bearer
 from ..deps import authorize_run
 from ..errors import Forbidden, NotFound, Unauthenticated
-from ..live import LiveHub
+from ..live import LiveHub, RunsWatch
 from ..schemas import json_float
 from ..storage import LiveCursor, LiveUpdate, Store
 from ..tenant_limits import TenantLimits, stream_place, tenant_of
@@ -69,12 +70,10 @@ async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     await websocket.close(code, encoded.decode(errors="ignore"))
 
 
-def _authorize(websocket: WebSocket, run_id: str) -> None:
-    """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token (header, or
-    ?token= since browsers cannot set headers on a WebSocket) may read the run."""
+def _authorize(websocket: WebSocket, run_id: str, token: str | None) -> None:
+    """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token may read the run."""
     tokens: Tokens = websocket.app.state.tokens
     store: Store = websocket.app.state.store
-    token = websocket.query_params.get("token") or bearer(websocket.headers.get("authorization"))
     authorize_run(store, tokens.authenticate(token), run_id, "read")
 
 
@@ -143,12 +142,119 @@ async def live(websocket: WebSocket, run_id: str) -> None:
     most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS) is refused at the
     handshake, HTTP 403 after a hold of up to 2 s.
     """
+    # The token: ?token= (browsers cannot set headers on a WebSocket), or the header (a malformed one
+    # is refused with 4401 once the stream has its place).
+    query_token = websocket.query_params.get("token")
+    await serve_stream(
+        websocket,
+        run_id,
+        tenant_of(websocket.scope["headers"], query_token, websocket.scope.get("client")),
+        lambda: query_token or bearer(websocket.headers.get("authorization")),
+        lambda: _query(websocket.query_params),
+    )
+
+
+async def doorbell(websocket: WebSocket, run_id: str, token: str | None) -> None:
+    """The dashboard's stream of a run (the run page's doorbell): its status messages and events, no
+    points (the page reads those itself when rung), with the token of the signed-in person's cookie.
+    The server mounts it at /dashboard/live/{run_id}, where the browser sends that cookie; the web
+    security middleware refuses a handshake from another site's page, as for every WebSocket."""
+    tenant = tenant_of([], token, websocket.scope.get("client"))
+    await serve_stream(websocket, run_id, tenant, lambda: token, lambda: (frozenset(), None, None))
+
+
+RUNS_DOORBELL_MIN_S = 1.0  # the runs list's doorbell rings at most this often
+
+
+async def runs_doorbell(websocket: WebSocket, token: str | None) -> None:
+    """The dashboard's stream of the runs list (its doorbell): {"type": "runs"} first, then whenever a
+    run that the token may read moved (a batch stored: new data, a status), at most once a second;
+    nothing else. The token is the signed-in person's cookie's (the server mounts this at
+    /dashboard/live); a token without read scope is closed with 4403, none where one is needed 4401."""
+    tenant = tenant_of([], token, websocket.scope.get("client"))
+    tokens: Tokens = websocket.app.state.tokens
+    limits: TenantLimits | None = websocket.app.state.tenant_limits if tokens.required() else None
+    async with stream_place(limits, tenant) as refused:
+        if refused is not None:
+            await websocket.close(CLOSE_TRY_AGAIN_LATER)
+            return
+        await websocket.accept()
+        try:
+            principal = await anyio.to_thread.run_sync(_reader, tokens, token)
+        except Unauthenticated as exc:
+            await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
+            return
+        except Forbidden as exc:
+            await _close(websocket, CLOSE_FORBIDDEN, str(exc))
+            return
+        hub: LiveHub = websocket.app.state.live
+        store: Store = websocket.app.state.store
+        with hub.watch_runs() as watch:
+            try:
+                await websocket.send_text(_dumps({"type": "runs"}))
+            except WebSocketDisconnect:
+                return
+            receiver = asyncio.create_task(_until_disconnect(websocket))
+            pusher = asyncio.create_task(_ring_for_runs(websocket, hub, store, watch, principal))
+            access = asyncio.create_task(_keep_reader(tokens, token))
+            try:
+                await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (receiver, pusher, access):
+                    task.cancel()
+                await asyncio.gather(receiver, pusher, access, return_exceptions=True)
+            lost = None if access.cancelled() else access.exception()
+            if isinstance(lost, Unauthenticated):
+                await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
+            elif isinstance(lost, Forbidden):
+                await _close(websocket, CLOSE_FORBIDDEN, str(lost))
+
+
+def _reader(tokens: Tokens, token: str | None) -> Principal:
+    """The token's principal, when it may read runs (Unauthenticated, Forbidden otherwise)."""
+    principal = tokens.authenticate(token)
+    if not principal.open and "read" not in principal.scopes:
+        raise Forbidden("the runs list needs a token with read scope")
+    return principal
+
+
+async def _keep_reader(tokens: Tokens, token: str | None) -> None:
+    while True:  # as _keep_authorized: a revoked token's doorbell closes
+        await anyio.sleep(ACCESS_RECHECK_S)
+        await anyio.to_thread.run_sync(_reader, tokens, token)
+
+
+async def _ring_for_runs(
+    websocket: WebSocket, hub: LiveHub, store: Store, watch: RunsWatch, principal: Principal
+) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await watch.wake.wait()
+        moved = watch.take()
+        if not principal.open and None not in moved:
+            # Only news of the token's own projects: another project's activity is not its business.
+            ids = {run_id for run_id in moved if run_id is not None}
+            projects = await hub.read(partial(store.live.projects_of, ids))
+            if not any(principal.sees(project) for project in projects):
+                continue
+        await websocket.send_text(_dumps({"type": "runs"}))
+        rang = loop.time()
+        await anyio.sleep(max(0.0, rang + RUNS_DOORBELL_MIN_S - loop.time()))
+
+
+async def serve_stream(
+    websocket: WebSocket,
+    run_id: str,
+    tenant: str,
+    token_of: Callable[[], str | None],
+    query: Callable[[], tuple[frozenset[str] | None, int | None, int | None]],
+) -> None:
+    """Serve one stream (the protocol of live()) to `tenant` (tenant_limits.tenant_of), as the token
+    that token_of() returns may (or the Unauthenticated it raises): what query() returns (keys, rank,
+    since), or the _BadQuery it raises, once the stream has its place."""
     # A stream takes its place among its tenant's before anything else is done (no thread, no database):
     # 2,000 streams opened at once by one token would otherwise queue 2,000 authorizations for the
     # worker threads every other request needs. A tenant at its most is held a while, then refused.
-    tenant = tenant_of(
-        websocket.scope["headers"], websocket.query_params.get("token"), websocket.scope.get("client")
-    )
     tokens: Tokens = websocket.app.state.tokens
     limits: TenantLimits | None = websocket.app.state.tenant_limits if tokens.required() else None
     async with stream_place(limits, tenant) as refused:
@@ -157,8 +263,9 @@ async def live(websocket: WebSocket, run_id: str) -> None:
             return
         await websocket.accept()  # first: a close code and reason reach the client only on an open socket
         try:
-            keys, rank, since = _query(websocket.query_params)
-            await anyio.to_thread.run_sync(_authorize, websocket, run_id)
+            keys, rank, since = query()
+            token = token_of()
+            await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
         except _BadQuery as exc:
             await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
             return
@@ -171,11 +278,16 @@ async def live(websocket: WebSocket, run_id: str) -> None:
         except NotFound as exc:
             await _close(websocket, CLOSE_NOT_FOUND, str(exc))
             return
-        await _stream(websocket, run_id, keys, rank, since)
+        await _stream(websocket, run_id, token, keys, rank, since)
 
 
 async def _stream(
-    websocket: WebSocket, run_id: str, keys: frozenset[str] | None, rank: int | None, since: int | None
+    websocket: WebSocket,
+    run_id: str,
+    token: str | None,
+    keys: frozenset[str] | None,
+    rank: int | None,
+    since: int | None,
 ) -> None:
     hub: LiveHub = websocket.app.state.live
     store: Store = websocket.app.state.store
@@ -197,7 +309,7 @@ async def _stream(
         wake.set()  # read at once: the backlog after `since`, and whatever was stored since the cursor
         receiver = asyncio.create_task(_until_disconnect(websocket))
         pusher = asyncio.create_task(_push(websocket, hub, store, cursor, wake))
-        access = asyncio.create_task(_keep_authorized(websocket, run_id))
+        access = asyncio.create_task(_keep_authorized(websocket, run_id, token))
         try:
             await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -219,12 +331,12 @@ async def _stream(
 ACCESS_RECHECK_S = 2.0  # a revoked token's open stream closes within this long
 
 
-async def _keep_authorized(websocket: WebSocket, run_id: str) -> None:
+async def _keep_authorized(websocket: WebSocket, run_id: str, token: str | None) -> None:
     """Check the stream's token again every ACCESS_RECHECK_S: revoking a token closes its open streams
     (raises Unauthenticated / Forbidden / NotFound like the first check)."""
     while True:
         await anyio.sleep(ACCESS_RECHECK_S)
-        await anyio.to_thread.run_sync(_authorize, websocket, run_id)
+        await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
 
 
 async def _until_disconnect(websocket: WebSocket) -> None:

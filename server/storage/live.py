@@ -41,6 +41,17 @@ class LiveReads:
         with Session(self.engine) as session:
             return _open_cursor(session, run_id, keys, rank, since)
 
+    def projects_of(self, run_ids: set[str]) -> set[str]:
+        """The projects of those of `run_ids` that exist (the runs list's doorbell: whose news it
+        may pass on)."""
+        ids = sorted(run_ids)
+        projects: set[str] = set()
+        with Session(self.engine) as session:
+            for lo in range(0, len(ids), _PAIRS_PER_STATEMENT):
+                chunk = ids[lo : lo + _PAIRS_PER_STATEMENT]
+                projects.update(session.scalars(select(Run.project).where(Run.id.in_(chunk)).distinct()))
+        return projects
+
     def read_new(
         self, cursor: LiveCursor, max_points: int = MAX_POINTS_PER_READ, max_events: int = MAX_EVENTS_PER_READ
     ) -> LiveUpdate:

@@ -1,6 +1,7 @@
 """The dashboard in real headless Chromium, with real data from a real server and training loop."""
 
 import re
+import time
 
 import pytest
 from training import train
@@ -79,6 +80,89 @@ def test_run_page_of_a_live_run_appends_new_points_and_keeps_the_zoom(full_serve
     # The new points came as an append (a Patch that extends the trace), not as a whole new series.
     updates = [_body(response) for response in responses]
     assert any('"Extend"' in body and "loss-graph" in body for body in updates)
+    run.finish()
+    assert page.problems == []
+
+
+def _live_run_page(full_server, page, name: str):
+    """A running run with 5 loss points, its page open with the points drawn; and the page's
+    callback requests as they are made (their times)."""
+    run = gradwatch.init(project="browser", name=name, server=full_server.url, flush_interval=0.05)
+    for step in range(5):
+        run.log({"loss": 1.0 / (step + 1)}, step=step)
+    run._flush(None)
+    requests: list[float] = []
+    page.on(
+        "request", lambda r: requests.append(time.monotonic()) if "_dash-update-component" in r.url else None
+    )
+    page.goto(f"{full_server.url}/dashboard/runs/{run.id}")
+    _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.length >= 5)")
+    return run, requests
+
+
+def _log_and_see(run, page, step: int) -> None:
+    run.log({"loss": 0.01}, step=step)
+    run._flush(None)
+    _graph_has(page, "loss-graph", f"data.some(t => t.x && t.x.includes({step}))")
+
+
+def test_a_live_run_page_refreshes_when_the_server_rings_and_asks_nothing_while_the_run_is_idle(
+    full_server, browser_page
+):
+    page = browser_page
+    sockets: list = []
+    page.on("websocket", lambda socket: sockets.append(socket))
+    run, requests = _live_run_page(full_server, page, "doorbell")
+    page.get_by_text("Live: streamed by the server.").wait_for(timeout=20_000)
+    assert [socket.url.split("/dashboard/")[1] for socket in sockets] == [f"live/{run.id}"]
+    _log_and_see(run, page, 5)  # the first ring after the page opened: its refreshes settle
+    page.wait_for_timeout(1_000)  # (not time.sleep: Playwright reports a page's requests while it waits)
+    idle_from = time.monotonic()
+    page.wait_for_timeout(5_000)  # polling every 2 s would ask twice
+    assert [at for at in requests if at >= idle_from] == []
+    _log_and_see(run, page, 6)  # rung: the page refreshes at once, without a poll
+    run.finish()
+    page.locator("#live-mode").wait_for(state="hidden", timeout=20_000)  # the run ended: nothing to stream
+    for _ in range(100):  # (its close may have come already: no event to wait for then)
+        if sockets[0].is_closed():
+            break
+        page.wait_for_timeout(200)
+    assert sockets[0].is_closed()
+    assert page.problems == []
+
+
+def test_a_live_run_page_polls_when_the_stream_is_blocked(full_server, browser_page):
+    page = browser_page
+    # A proxy that does not pass WebSockets: every handshake fails.
+    page.route_web_socket("**/dashboard/live/**", lambda socket: socket.close(code=1006))
+    run, requests = _live_run_page(full_server, page, "no doorbell")
+    page.get_by_text("Live: polling every 2 s.").wait_for(timeout=20_000)
+    idle_from = time.monotonic()
+    page.wait_for_timeout(5_000)
+    assert len([at for at in requests if at >= idle_from]) >= 2  # polls every 2 s
+    _log_and_see(run, page, 5)
+    run.finish()
+    assert page.problems == []
+
+
+def test_the_runs_list_shows_a_new_run_when_the_server_rings_and_asks_nothing_while_idle(
+    full_server, browser_page
+):
+    page = browser_page
+    requests: list[float] = []
+    page.on(
+        "request", lambda r: requests.append(time.monotonic()) if "_dash-update-component" in r.url else None
+    )
+    page.goto(f"{full_server.url}/dashboard/")
+    page.get_by_text("Live: streamed by the server.").wait_for(timeout=20_000)
+    page.wait_for_timeout(2_000)
+    idle_from = time.monotonic()
+    page.wait_for_timeout(6_000)  # polling every 5 s would ask at least once
+    assert [at for at in requests if at >= idle_from] == []
+    run = gradwatch.init(project="browser", name="rung in", server=full_server.url, flush_interval=0.05)
+    run.log({"loss": 1.0}, step=0)
+    run._flush(None)
+    page.get_by_text("rung in", exact=True).wait_for(timeout=20_000)
     run.finish()
     assert page.problems == []
 

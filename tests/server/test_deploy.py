@@ -137,7 +137,7 @@ def test_the_image_build_context_holds_what_the_dockerfile_copies():
 
 def test_the_proxy_forwards_websocket_upgrades_for_live_streams():
     text = NGINX_CONF.read_text()
-    live = text[text.index("location ~ ^/api/v1/runs/[^/]+/live$") :]
+    live = text[text.index("location ~ ^(/api/v1/runs/[^/]+/live|/dashboard/live/[^/]+)$") :]
     live = live[: live.index("}") + 1]
     assert "proxy_http_version 1.1;" in live
     assert "proxy_set_header Upgrade $http_upgrade;" in live
@@ -164,7 +164,7 @@ def replicas(postgres_url) -> Iterator[list]:
     from gradwatch.server.settings import Settings
 
     servers = [
-        BackgroundServer(Settings(database_url=postgres_url), "127.0.0.1", free_port(), with_dashboard=False)
+        BackgroundServer(Settings(database_url=postgres_url), "127.0.0.1", free_port())  # API and dashboard
         for _ in SERVERS
     ]
     for server in servers:
@@ -236,6 +236,11 @@ def test_two_replicas_behind_the_proxy_serve_http_and_live_websockets(proxy, rep
                 if message["type"] == "points":
                     received.extend(message["steps"])
             assert sorted(received) == [0, 1, 2, 3]
+        with connect(
+            f"ws://{proxy}/dashboard/live/behind-proxy", open_timeout=10
+        ) as doorbell:  # the run page's
+            status = json.loads(doorbell.recv(timeout=10))
+            assert status == {"type": "status", "status": "running", "last_step": 3}
         series = api.get("/api/v1/runs/behind-proxy/series", params={"key": "loss"}).json()
         assert series["steps"] == [0, 1, 2, 3]
 

@@ -575,3 +575,117 @@ def test_revoking_a_token_closes_its_open_streams(database_url, api_server):
             while True:
                 ws.recv(timeout=RECEIVE_S)  # within ACCESS_RECHECK_S (2 s), not RECEIVE_S
     assert closed.value.rcvd.code == 4401 and "revoked" in closed.value.rcvd.reason
+
+
+def test_the_dashboards_doorbell_tells_the_signed_in_reader_status_and_events_but_no_points(database_url):
+    """/dashboard/live/{run} (the run page's doorbell) authenticates with the dashboard's sign-in cookie,
+    as /api/v1/runs/{run}/live does with a token; it sends status changes and events, never points; a
+    page of another site cannot open it."""
+    from websockets.exceptions import InvalidStatus
+
+    from gradwatch.dashboard.pages.signin import COOKIE
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    server = BackgroundServer(Settings(database_url=database_url), "127.0.0.1", free_port()).start()
+    engine = make_engine(database_url)
+    try:
+        tokens = Tokens(engine)
+        write = tokens.create("alpha", "ingest")[1]
+        read = tokens.create("alpha", "read")[1]
+        other = tokens.create("beta", "read")[1]
+        url = server.url
+        bearer = {"Authorization": f"Bearer {write}"}
+        created = httpx.post(f"{url}/api/v1/runs", json={"id": "run-1", "project": "alpha"}, headers=bearer)
+        assert created.status_code == 201, created.text
+        doorbell = f"ws://{url.removeprefix('http://')}/dashboard/live/run-1"
+
+        def ring(cookie: str | None = None, **headers: str) -> ClientConnection:
+            if cookie is not None:
+                headers["Cookie"] = f"{COOKIE}={cookie}"
+            return connect(doorbell, proxy=None, open_timeout=10, close_timeout=2, additional_headers=headers)
+
+        for cookie, code in ((None, 4401), ("gw_nonsense", 4401), (other, 4404)):
+            with ring(cookie) as ws, pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=RECEIVE_S)
+            assert closed.value.rcvd.code == code, (cookie, closed.value)
+        with pytest.raises(InvalidStatus) as refused:
+            ring(read, Origin="http://elsewhere.example").close()
+        assert refused.value.response.status_code == 403
+
+        with ring(read) as ws:
+            watching = Viewer(ws)
+            assert watching.receive() == {"type": "status", "status": "running", "last_step": None}
+            batch = _scalars(0, [0, 1, 2], events=[{"step": 2, "kind": "skip", "data": {"scale": 1024.0}}])
+            response = httpx.post(f"{url}/api/v1/runs/run-1/batches", json=batch, headers=bearer, timeout=30)
+            assert response.status_code == 200, response.text
+            watching.wait_for(events=1)
+            while not watching.statuses or watching.statuses[-1]["last_step"] != 2:
+                watching.receive()
+            assert [event["kind"] for event in watching.events] == ["skip"]
+            assert watching.point_count() == 0  # the page reads the points itself when rung
+    finally:
+        engine.dispose()
+        server.stop()
+
+
+def test_the_runs_lists_doorbell_rings_for_the_readers_projects_only(database_url):
+    """/dashboard/live (the runs list's doorbell): {"type": "runs"} once open, then when a run of the
+    signed-in token's project moves; another project's activity rings nothing; a token that may not
+    read is refused."""
+    from gradwatch.dashboard.pages.signin import COOKIE
+    from gradwatch.server.auth import Tokens
+    from gradwatch.server.database import make_engine
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    server = BackgroundServer(Settings(database_url=database_url), "127.0.0.1", free_port()).start()
+    engine = make_engine(database_url)
+    try:
+        tokens = Tokens(engine)
+        writes = {project: tokens.create(project, "ingest")[1] for project in ("alpha", "beta")}
+        read = tokens.create("alpha", "read")[1]
+        url = server.url
+        for project in ("alpha", "beta"):
+            created = httpx.post(
+                f"{url}/api/v1/runs",
+                json={"id": f"{project}-run", "project": project},
+                headers={"Authorization": f"Bearer {writes[project]}"},
+            )
+            assert created.status_code == 201, created.text
+
+        def doorbell(cookie: str) -> ClientConnection:
+            return connect(
+                f"ws://{url.removeprefix('http://')}/dashboard/live",
+                proxy=None,
+                open_timeout=10,
+                close_timeout=2,
+                additional_headers={"Cookie": f"{COOKIE}={cookie}"},
+            )
+
+        with doorbell(writes["alpha"]) as ws, pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=RECEIVE_S)
+        assert closed.value.rcvd.code == 4403  # an ingest token does not read the runs list
+
+        def post(project: str, seq: int) -> None:
+            response = httpx.post(
+                f"{url}/api/v1/runs/{project}-run/batches",
+                json=_scalars(seq, [seq]),
+                headers={"Authorization": f"Bearer {writes[project]}"},
+                timeout=30,
+            )
+            assert response.status_code == 200, response.text
+
+        with doorbell(read) as ws:
+            assert json.loads(ws.recv(timeout=RECEIVE_S)) == {"type": "runs"}  # open: the list reads now
+            for seq in range(3):
+                post("beta", seq)
+            with pytest.raises(TimeoutError):
+                ws.recv(timeout=2.5)  # beta's runs are not alpha's reader's business
+            post("alpha", 0)
+            assert json.loads(ws.recv(timeout=RECEIVE_S)) == {"type": "runs"}
+    finally:
+        engine.dispose()
+        server.stop()
