@@ -128,7 +128,7 @@ def _same_layout(copies: Sequence[Any], params: Sequence[Any]) -> bool:
 class UpdateStats(NamedTuple):
     """What one optimizer step did to the weights, per layer (tensors on the device, no sync)."""
 
-    ratios: Any  # float32 [layers]: ||W_after - W_before|| / ||W_before|| (update/ratio)
+    ratios: Any  # float32 [layers]: ||W_after - W_before|| / ||W_before|| (update/ratio), see update_ratios
     unchanged_counts: Any  # int64 [layers, 2]: [unchanged, non-zero gradient] (update/rounded_away_frac)
 
 
@@ -180,7 +180,7 @@ def update_stats(
                 if zeros is None:
                     whole_counted.append(torch.count_nonzero(g).to(device, non_blocking=True))
         delta_norms = _update_norms(params, before.copies)
-        ratios = delta_norms / before.norms
+        ratios = update_ratios(delta_norms, before.norms)
         if element_wise:
             counts.index_copy_(0, _index(tuple(element_wise), device), torch.stack(element_rows))
         if whole_layer:
@@ -192,6 +192,30 @@ def update_stats(
             unchanged = torch.where(delta_norms.index_select(0, index) == 0, stepped, 0)
             counts.index_copy_(0, index, torch.stack((unchanged, stepped), dim=1))
         return UpdateStats(ratios, counts)
+
+
+def update_ratios(update_norms: Any, weight_norms: Any) -> Any:
+    """||dW|| / ||W_before|| per layer (float32 [layers]), from the float32 norms of the update and
+    of the weights before it, with one meaning per non-finite value:
+
+    - +inf: the weights were zero before the step (their float32 norm is 0: every |w| below ~1e-22),
+      so the ratio is undefined, whatever the update (a LoRA B matrix, a zero-initialised head or
+      bias). Normal, not an alarm;
+    - NaN: the weights before the step or the update were not finite. An alarm.
+
+    Plain division would give +inf for both an update that overflowed and ||dW|| / 0, and NaN for
+    0 / 0. A finite ratio too large for float32 (a huge update of weights near zero) is the largest
+    float32, so that +inf keeps its one meaning.
+    """
+    import torch
+
+    zero_weights = weight_norms == 0
+    finite = torch.isfinite(update_norms) & torch.isfinite(weight_norms)
+    ratios = (update_norms / torch.where(zero_weights, 1.0, weight_norms)).clamp_(
+        max=torch.finfo(torch.float32).max
+    )
+    ratios = torch.where(zero_weights, math.inf, ratios)
+    return torch.where(finite, ratios, math.nan)
 
 
 # Elements per row of the fused distance in _update_norms: short enough that its float32 sums stay as

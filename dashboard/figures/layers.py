@@ -15,6 +15,11 @@ steps are appended to it as columns: `layer_heatmap_columns`, `live.append_colum
 "colour-scale" (an invisible point that carries the colour bar: an image has none),
 "non-finite-NaN" / "-Infinity" / "--Infinity" (red markers over such cells, which are also red in
 the image) and "non-finite-steps" (a red column over a step where every layer is non-finite).
+
+Non-finite values are alarms, except +inf where the quantity gives it a meaning of its own
+(`infinity_means`): update/ratio is +inf where the weights were zero before the step (the ratio is
+undefined there; see the agent's update_ratios). Such cells are blank, like missing ones, and hover
+says what they mean.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def layer_heatmap_figure(
     *,
     log_scale: bool = True,
     value_range: tuple[float, float] | None = None,
+    infinity_means: str | None = None,
     uirevision: str = "gradwatch",
 ) -> dict[str, Any]:
     """A per-layer quantity as a heatmap figure (a plain dict): layers on y (model order, first at
@@ -104,6 +110,8 @@ def layer_heatmap_figure(
     log_scale: colour by log10 of the value (norms and update ratios span decades); the colour bar
         is labelled in powers of ten. Zeros and negatives are then blank cells.
     value_range: fixed colour range (in value units), e.g. (0, 1) for fractions; None: from the data.
+    infinity_means: what +inf stands for in this quantity when it is not an alarm (hover text, e.g.
+        "undefined: the weight was zero"): such cells are blank; None: +inf is an alarm like NaN.
     Hover: the layer's name, the step and the value. NaN/±Inf cells are red, with red square markers
     (hover "<layer> NaN at step N"); a step where every layer is non-finite is one red column.
     Layer names are escaped; more layers than fit get thinned tick labels (every name stays in hover).
@@ -121,10 +129,11 @@ def layer_heatmap_figure(
     # Hover shows a column's centre as its step: when that is not the step drawn there, the text
     # says which it is (not for downsampled answers, whose steps stand for buckets anyway).
     exact = centred or bool(vectors and vectors.get("downsampled"))
-    bad_cells, bad_steps = non_finite_cells(matrix)
+    alarms = alarm_cells(matrix, infinity_means)
+    bad_cells, bad_steps = non_finite_cells(matrix, alarms)
     # One column per grid step; image rows are layers (first at the top, y = 0).
-    palette_index = _palette_indices(colour[columns], matrix, columns, low, high).T
-    texts = _cell_texts(matrix, columns, None if exact else steps)
+    palette_index = _palette_indices(colour[columns], alarms[columns], low, high).T
+    texts = _cell_texts(matrix, columns, None if exact else steps, infinity_means)
     traces: list[dict[str, Any]] = [
         {
             "type": "image",
@@ -142,7 +151,12 @@ def layer_heatmap_figure(
             "name": value_label,
         },
         *layer_heatmap_columns(
-            None, value_label, log_scale=log_scale, colour_range=(low, high), layers=layers
+            None,
+            value_label,
+            log_scale=log_scale,
+            colour_range=(low, high),
+            layers=layers,
+            infinity_means=infinity_means,
         ),
         _colour_bar(value_label, low, high, log_scale),
     ]
@@ -222,11 +236,13 @@ def layer_heatmap_columns(
     log_scale: bool,
     colour_range: tuple[float, float],
     layers: list[str] | None = None,
+    infinity_means: str | None = None,
 ) -> list[dict[str, Any]]:
     """The traces that new steps add to a heatmap drawn by layer_heatmap_figure: its "live-cells"
     trace holding them (x: the steps, z and hovertext: one row per layer), then the non-finite
-    markers among them. `colour_range`: the drawn heatmap's (its meta), so the colours match.
-    vectors None: the empty "live-cells" trace of `layers` that a new heatmap starts with."""
+    markers among them. `colour_range`: the drawn heatmap's (its meta), so the colours match;
+    `infinity_means`: as the heatmap's. vectors None: the empty "live-cells" trace of `layers` that
+    a new heatmap starts with."""
     matrix = layer_matrix(vectors)
     names = matrix.layers if matrix is not None else list(layers or [])
     low, high = colour_range
@@ -242,7 +258,8 @@ def layer_heatmap_columns(
         "zsmooth": False,
         "colorscale": COLOUR_SCALE,
         "showscale": False,
-        "hoverongaps": False,
+        # Blank cells hover too, as the image's do: a blank +inf cell says what it means there.
+        "hoverongaps": True,
         "name": value_label,
         "hoverinfo": "x+y+text+name",  # as the image's
     }
@@ -254,8 +271,8 @@ def layer_heatmap_columns(
     live["z"] = [
         [None if math.isnan(value) else round(value, 4) for value in row] for row in colour.T.tolist()
     ]
-    live["hovertext"] = _cell_texts(matrix, everything, None)
-    bad_cells, bad_steps = non_finite_cells(matrix)
+    live["hovertext"] = _cell_texts(matrix, everything, None, infinity_means)
+    bad_cells, bad_steps = non_finite_cells(matrix, alarm_cells(matrix, infinity_means))
     return [live, *non_finite_traces(bad_cells, bad_steps, len(names), 8)]
 
 
@@ -309,14 +326,23 @@ def colour_values(values: np.ndarray, *, log_scale: bool) -> np.ndarray:
         return np.where(np.isfinite(values), values, np.nan)
 
 
-def non_finite_cells(matrix: LayerMatrix) -> tuple[list[tuple[int, int, str]], list[int]]:
-    """(the non-finite cells as (step, layer index, "NaN"/"Infinity"/"-Infinity"); the steps where
-    every layer is non-finite, which are drawn as one red column each rather than cell by cell)."""
-    bad = ~np.isfinite(matrix.values) & ~matrix.missing
+def alarm_cells(matrix: LayerMatrix, infinity_means: str | None = None) -> np.ndarray:
+    """True where a cell (step × layer, as `matrix.values`) is an alarm: a value that is not finite,
+    but for +inf when the quantity says what +inf means (`infinity_means`, layer_heatmap_figure)."""
+    alarms: np.ndarray = ~np.isfinite(matrix.values) & ~matrix.missing
+    if infinity_means is not None:
+        alarms &= matrix.values != math.inf
+    return alarms
+
+
+def non_finite_cells(matrix: LayerMatrix, bad: np.ndarray) -> tuple[list[tuple[int, int, str]], list[int]]:
+    """(the cells of `matrix` that are True in `bad` (its alarm_cells) as (step, layer index,
+    "NaN"/"Infinity"/"-Infinity"); the steps where every layer is one, which are drawn as one red
+    column each rather than cell by cell)."""
     if not bad.any():
         return [], []
     width = len(matrix.layers)
-    whole_steps = bad.all(axis=1) if width > 1 else np.zeros(len(matrix.steps), bool)
+    whole_steps = np.all(bad, axis=1) if width > 1 else np.zeros(len(matrix.steps), bool)
     cells = []
     for row, column in zip(*np.nonzero(bad & ~whole_steps[:, None]), strict=True):
         value = matrix.values[row, column]
@@ -476,37 +502,43 @@ def _palette() -> np.ndarray:
     return palette
 
 
-def _palette_indices(
-    colour: np.ndarray, matrix: LayerMatrix, columns: list[int], low: float, high: float
-) -> np.ndarray:
-    """Columns × layers of palette indices: the colour scale, red for non-finite, blank for none."""
+def _palette_indices(colour: np.ndarray, alarms: np.ndarray, low: float, high: float) -> np.ndarray:
+    """Columns × layers of palette indices: the colour scale, red for alarms (alarm_cells), blank for
+    no colour (no value, no log, a +inf that is not an alarm)."""
     with np.errstate(invalid="ignore"):
         scaled = np.clip(np.round((colour - low) / (high - low) * (_LEVELS - 1)), 0, _LEVELS - 1)
     indices = np.where(np.isnan(colour), _BLANK, scaled).astype(np.uint8)
-    values, missing = matrix.values[columns], matrix.missing[columns]
-    indices[~np.isfinite(values) & ~missing] = _RED
+    indices[alarms] = _RED
     return indices
 
 
-def _cell_texts(matrix: LayerMatrix, columns: list[int], steps: list[int] | None) -> list[list[str]]:
+def _cell_texts(
+    matrix: LayerMatrix, columns: list[int], steps: list[int] | None, infinity_means: str | None = None
+) -> list[list[str]]:
     """Hover text per cell, one row per layer, one entry per column: the value to 3 significant
-    digits ("" where the API had none); with `steps` (an irregular grid), the step it was recorded at."""
+    digits ("" where the API had none, `infinity_means` for +inf when given); with `steps` (an
+    irregular grid), the step it was recorded at."""
     values, missing = matrix.values[columns].T, matrix.missing[columns].T
     # str.format over whole rows (~0.2 µs a cell); the rare non-finite and missing cells after.
     texts = [list(map("{:.3g}".format, row)) for row in values.tolist()]
+    infinity_text = None if infinity_means is None else html.escape(infinity_means)
     for row, column in zip(*np.nonzero(~np.isfinite(values) | missing), strict=True):
-        texts[row][column] = _value_text(float(values[row, column]), bool(missing[row, column]))
+        texts[row][column] = _value_text(
+            float(values[row, column]), bool(missing[row, column]), infinity_text
+        )
     if steps is not None:
         at = [f" (step {steps[row]})" for row in columns]
         texts = [[text + suffix for text, suffix in zip(row, at, strict=True)] for row in texts]
     return texts
 
 
-def _value_text(value: float, missing: bool) -> str:
+def _value_text(value: float, missing: bool, infinity_text: str | None = None) -> str:
     if missing:
         return ""
     if math.isfinite(value):
         return f"{value:.3g}"
+    if value == math.inf and infinity_text is not None:
+        return infinity_text
     return _NON_FINITE_HOVER["NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")]
 
 

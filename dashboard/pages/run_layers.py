@@ -39,16 +39,27 @@ __all__ = [
     "step_picker_options",
 ]
 
-# Per-layer heatmaps: graph id → (vector key, title, colour-bar label, log colour scale, fixed range).
+# Per-layer heatmaps: graph id → (vector key, title, colour-bar label, log colour scale, fixed range,
+# what +inf means when it is not an alarm: figures.layer_heatmap_figure's infinity_means).
 LAYER_HEATMAPS = {
-    "grad-norm-heatmap": ("grad/norm", "Gradient norm per layer", "‖g‖", True, None),
-    "update-ratio-heatmap": ("update/ratio", "Update ratio per layer (‖Δw‖/‖w‖)", "ratio", True, None),
+    "grad-norm-heatmap": ("grad/norm", "Gradient norm per layer", "‖g‖", True, None, None),
+    "update-ratio-heatmap": (
+        "update/ratio",
+        "Update ratio per layer (‖Δw‖/‖w‖)",
+        "ratio",
+        True,
+        None,
+        # The agent records +inf where the weights were zero before the step (a LoRA B matrix, a
+        # zero-initialised head or bias), NaN where the weights or the update were not finite.
+        "undefined: the weight was zero",
+    ),
     "underflow-heatmap": (
         "grad/underflow_frac",
         "fp16 underflow fraction per layer",
         "fraction",
         False,
         (0, 1),
+        None,
     ),
 }
 HEATMAP_CURSOR_SUFFIX = "-cursor"
@@ -72,7 +83,7 @@ def refresh_heatmap(
 ) -> tuple[Any, Any]:
     """Heatmap `graph_id` of LAYER_HEATMAPS (a callback each, below) and what it shows: drawn in full,
     or, on a live tick with news, the steps after the last one drawn appended as columns."""
-    key, title, label, log_scale, value_range = LAYER_HEATMAPS[graph_id]
+    key, title, label, log_scale, value_range, infinity_means = LAYER_HEATMAPS[graph_id]
     run_cursor = run_cursor if isinstance(run_cursor, dict) else {}
     signature, resumes = run_cursor.get("run"), run_cursor.get("resumes", 0)
     appendable = (
@@ -89,7 +100,7 @@ def refresh_heatmap(
     try:
         if appendable:
             new = api.vectors(run_id, key, start=cursor["last"] + 1)
-            patch = None if new.get("downsampled") else _append(cursor, new, label, log_scale)
+            patch = None if new.get("downsampled") else _append(cursor, new, label, log_scale, infinity_means)
             if patch is not None:
                 return patch, _advanced(cursor, new, signature)
         vectors = api.vectors(run_id, key)
@@ -97,7 +108,13 @@ def refresh_heatmap(
         message = figures.empty_figure(title, str(exc), uirevision=run_id)
         return keep_view(message), None
     figure = figures.layer_heatmap_figure(
-        vectors, title, label, log_scale=log_scale, value_range=value_range, uirevision=run_id
+        vectors,
+        title,
+        label,
+        log_scale=log_scale,
+        value_range=value_range,
+        infinity_means=infinity_means,
+        uirevision=run_id,
     )
     marker = figures.step_marker_shapes(selected_step)
     if marker and figure["data"]:
@@ -279,7 +296,9 @@ def step_picker_options(steps: list[int], search: str | None, chosen: Any) -> li
     return [{"label": f"step {step:,}", "value": step} for step in shown]
 
 
-def _append(cursor: dict[str, Any], new: dict[str, Any], label: str, log_scale: bool) -> Any:
+def _append(
+    cursor: dict[str, Any], new: dict[str, Any], label: str, log_scale: bool, infinity_means: str | None
+) -> Any:
     """The patch appending the steps of `new` (a /vectors answer) to the heatmap `cursor`
     describes; None: redraw it (other layers, or a kind of non-finite value it does not show)."""
     if not new.get("steps"):
@@ -287,7 +306,9 @@ def _append(cursor: dict[str, Any], new: dict[str, Any], label: str, log_scale: 
     if figures.layer_names_of(new) != cursor.get("layers"):
         return None
     low, high = cursor["colour_range"]
-    traces = figures.layer_heatmap_columns(new, label, log_scale=log_scale, colour_range=(low, high))
+    traces = figures.layer_heatmap_columns(
+        new, label, log_scale=log_scale, colour_range=(low, high), infinity_means=infinity_means
+    )
     return live.append_columns_patch(cursor, traces)
 
 

@@ -457,6 +457,76 @@ def test_update_ratios_are_exact_over_consecutive_sampled_steps():
         assert ratios == pytest.approx(expected[step], rel=1e-5)
 
 
+class ZeroInitialised(nn.Module):
+    """A body, a LoRA-style A/B pair with B zero, a zero head, and a zero layer no gradient reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.lora_a = nn.Linear(8, 2, bias=False)
+        self.lora_b = nn.Linear(2, 8, bias=False)
+        self.head = nn.Linear(8, 4)
+        self.dead = nn.Linear(8, 8)
+        for zero in (self.lora_b.weight, self.head.weight, self.head.bias, self.dead.weight, self.dead.bias):
+            nn.init.zeros_(zero)
+
+    def forward(self, x):
+        h = self.body(x) + self.lora_b(self.lora_a(x))
+        return self.head(h) + 0 * self.dead(torch.zeros_like(x)).sum()
+
+
+def test_update_ratio_of_zero_initialised_layers_is_infinite_and_of_non_finite_updates_nan():
+    """||dW|| / ||W|| is undefined where W was zero: +inf, whatever the update (0 / 0 too), so the
+    dashboard can draw it as such; an update that made the weights non-finite is NaN, never +inf."""
+    torch.manual_seed(0)
+    model = ZeroInitialised()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    transport = RecordingTransport()
+    expected = {}
+    with _run(transport) as run:
+        run.watch(model, optimizer, update_ratio_every=1, layer_norms_every=0, histograms_every=0)
+        for step in range(3):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 4, (8,))).backward()
+            if step == 2:
+                model.body.weight.grad[0, 0] = float("inf")  # SGD makes that weight -inf
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            expected[step] = [
+                ((p.detach() - b).norm() / b.norm()).item()
+                for p, b in zip(model.parameters(), before, strict=True)
+            ]
+    names = transport.layers()
+    recorded = {
+        step: dict(zip(names, row, strict=True)) for step, row in transport.vectors("update/ratio").items()
+    }
+    plain = {step: dict(zip(names, row, strict=True)) for step, row in expected.items()}
+    assert sorted(recorded) == [0, 1, 2]
+    # Step 0: the head's weights were zero and moved (||dW|| / 0); B's did not move yet (0 / 0: its
+    # gradient passes through the zero head); the dead layer never moves.
+    assert (plain[0]["head.weight"], math.isnan(plain[0]["lora_b.weight"])) == (math.inf, True)
+    for step, zero in ((0, "lora_b.weight head.weight head.bias"), (1, "lora_b.weight"), (2, "")):
+        for name in [*zero.split(), "dead.weight", "dead.bias"]:
+            assert recorded[step][name] == "Infinity", (step, name)
+    # The weight SGD made -inf: a plain division says +inf, which would read as "the weight was zero".
+    assert plain[2]["body.weight"] == math.inf and recorded[2]["body.weight"] == "NaN"
+    for step, ratios in recorded.items():
+        for name, value in ratios.items():
+            if math.isfinite(plain[step][name]):
+                assert value == pytest.approx(plain[step][name], rel=1e-5), (step, name)
+    assert recorded[1]["head.weight"] > 0 and recorded[2]["lora_b.weight"] > 0  # then ordinary ratios
+
+
+def test_update_ratios_give_infinity_one_meaning():
+    inf, nan, largest = math.inf, math.nan, torch.finfo(torch.float32).max
+    update_norms = torch.tensor([0.5, 0.0, 0.5, inf, nan, 0.5, inf, 1.0])
+    weight_norms = torch.tensor([2.0, 0.0, 0.0, 0.0, 0.0, inf, 2.0, 1e-39])
+    ratios = q.update_ratios(update_norms, weight_norms).tolist()
+    assert ratios[:3] == [0.25, inf, inf]  # zero weights: +inf, moved or not
+    assert all(math.isnan(r) for r in ratios[3:7])  # a non-finite update or weight: NaN
+    assert ratios[7] == largest  # a finite ratio past float32: the largest float32, not +inf
+
+
 def test_update_norms_of_large_cpu_layers_match_a_float64_reference():
     """Layers past the fused-distance row length (whole rows, a tail, exactly one row, non-finite
     weights) measure the same update norm as a float64 subtraction; the rounded-away counts too."""
@@ -480,7 +550,7 @@ def test_update_norms_of_large_cpu_layers_match_a_float64_reference():
     ratios, counts = q.update_stats(params, grads, before)
     for i, (p, old) in enumerate(zip(params, reference, strict=True)):
         expected = ((old - p.double()).norm() / old.norm()).item()
-        if math.isnan(expected):
+        if not math.isfinite(expected):  # weights made infinite: NaN (an alarm); +inf means zero weights
             assert math.isnan(ratios[i].item())
         else:
             tolerance = 2e-5 if p.dtype == torch.float32 else 1e-2  # bf16: the difference is taken in bf16

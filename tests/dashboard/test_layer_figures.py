@@ -12,6 +12,7 @@ from dashboard_support import GRAD_NORMS, HISTOGRAMS, annotation_texts, trace_na
 
 from gradwatch.dashboard import figures
 from gradwatch.dashboard.figures import layers
+from gradwatch.dashboard.pages.run_layers import LAYER_HEATMAPS
 
 # -- per-layer heatmaps ----------------------------------------------------------------------------
 
@@ -108,6 +109,76 @@ def test_a_step_where_every_layer_is_non_finite_is_one_red_column():
         "colour-scale",
         "non-finite-steps",
     ]
+
+
+# update/ratio as the agent recorded it for a real Adam loop (tests/agent/test_quantities.py:
+# test_update_ratio_of_zero_initialised_layers_is_infinite_and_of_non_finite_updates_nan): a zero
+# head and a LoRA B behind it are +inf (the weights were zero, the ratio undefined: B gets a gradient
+# only once the head is non-zero), until they are not; an infinite gradient made body.weight NaN.
+ZERO_INITIALISED = {
+    "layers": ["body.weight", "lora_b.weight", "head.weight", "head.bias"],
+    "steps": [0, 1, 2],
+    "values": [
+        [0.0, "Infinity", "Infinity", "Infinity"],
+        [0.037, "Infinity", 0.71, 0.879],
+        ["NaN", 0.951, 0.421, 0.556],
+    ],
+}
+
+
+def _update_ratio_heatmap(vectors):
+    _key, title, label, log_scale, value_range, infinity_means = LAYER_HEATMAPS["update-ratio-heatmap"]
+    return figures.layer_heatmap_figure(
+        vectors, title, label, log_scale=log_scale, value_range=value_range, infinity_means=infinity_means
+    )
+
+
+def test_update_ratio_of_weights_that_were_zero_is_undefined_not_red():
+    figure = _update_ratio_heatmap(ZERO_INITIALISED)
+
+    image = figure["data"][0]
+    palette, rows = png_pixels(image["source"])
+    undefined = "undefined: the weight was zero"
+    for layer, step in ((1, 0), (2, 0), (3, 0), (1, 1)):  # +inf: blank, and hover says why
+        assert palette[rows[layer][step]][3] == 0, (layer, step)
+        assert image["hovertext"][layer][step] == undefined
+    assert palette[rows[0][2]] == (0xEF, 0x44, 0x44, 255)  # the NaN stays red
+    assert image["hovertext"][0] == ["0", "0.037", "Na&#78;"]
+    assert palette[rows[2][1]][3] == palette[rows[1][2]][3] == 255  # real ratios keep their colours
+    # One red marker, the NaN's; no +inf markers, no red column.
+    assert [trace["uid"] for trace in figure["data"]] == [
+        "cells",
+        "live-cells",
+        "colour-scale",
+        "non-finite-NaN",
+    ]
+    nan = traces_by_uid(figure)["non-finite-NaN"]
+    assert (nan["x"], nan["y"]) == ([2], [0])
+    assert figure["layout"]["meta"]["colour_range"] == pytest.approx([math.log10(0.037), math.log10(0.951)])
+
+    # A live run's new steps: the same.
+    new = {**ZERO_INITIALISED, "steps": [3, 4], "values": ZERO_INITIALISED["values"][:2]}
+    live_cells, *markers = figures.layer_heatmap_columns(
+        new, "ratio", log_scale=True, colour_range=(-1.5, 0.0), infinity_means=undefined
+    )
+    assert markers == []
+    assert live_cells["z"][1] == [None, None] and live_cells["hovertext"][1] == [undefined, undefined]
+    assert live_cells["hoverongaps"] is True  # a blank live cell hovers too
+
+
+def test_infinity_stays_an_alarm_where_the_quantity_gives_it_no_meaning():
+    vectors = {"layers": ["a", "b"], "steps": [0, 1], "values": [["Infinity", 1.0], ["Infinity", "Infinity"]]}
+    key, *_, infinity_means = LAYER_HEATMAPS["grad-norm-heatmap"]
+    assert key == "grad/norm" and infinity_means is None
+    figure = figures.layer_heatmap_figure(vectors, "g", "‖g‖")
+
+    palette, rows = png_pixels(figure["data"][0]["source"])
+    assert palette[rows[0][0]] == palette[rows[1][1]] == (0xEF, 0x44, 0x44, 255)
+    assert figure["data"][0]["hovertext"][0] == ["+Infinit&#121;", "+Infinit&#121;"]
+    assert set(traces_by_uid(figure)) >= {"non-finite-Infinity", "non-finite-steps"}
+    # The update ratio's +inf is no alarm, but its -inf would be (a ratio of norms cannot be negative).
+    negative = _update_ratio_heatmap({"layers": ["a"], "steps": [0], "values": [["-Infinity"]]})
+    assert "non-finite--Infinity" in traces_by_uid(negative)
 
 
 def test_fraction_heatmap_has_a_fixed_linear_range():
