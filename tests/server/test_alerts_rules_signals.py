@@ -586,3 +586,16 @@ def test_update_ratio_band_names_the_layers_outside():
     verdicts, _ = feed(rule, steps, layers=("a", "b"))
     assert verdicts[0][1].evidence["layers"] == ["b"] and verdicts[0][1].cause == "update_ratio_high"
     assert verdicts[1][1] is CLEAR
+
+
+def test_update_ratio_band_ignores_layers_whose_weights_were_zero_and_flags_nan():
+    """+inf is a layer whose weights were zero before the step (the agent's update_ratios): undefined,
+    not high; NaN (weights or update not finite) is outside the band."""
+    rule = make_rule("update_ratio", {"low": 1e-5, "high": 1e-2})
+    steps = [
+        StepData(0, 0, vectors={"update/ratio": [1e-3, math.inf]}),  # LoRA B at its first step
+        StepData(1, 0, vectors={"update/ratio": [math.nan, 1e-3]}),
+    ]
+    verdicts, _ = feed(rule, steps, layers=("a", "lora_B"))
+    assert verdicts[0][1] is CLEAR
+    assert verdicts[1][1].evidence["layers"] == ["a"] and verdicts[1][1].cause == "update_ratio_high"

@@ -33,7 +33,10 @@ __all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand", 
 class UpdateRatioBand(RuleType):
     name = "update_ratio"
     family = "divergence"
-    description = "A layer's update ratio ||dW||/||W|| is outside [low, high] (zero ratios are ignored)."
+    description = (
+        "A layer's update ratio ||dW||/||W|| is outside [low, high] (zero ratios, and +inf ones: weights "
+        "that were zero before the step, are ignored; NaN counts as outside)."
+    )
     params: ClassVar[dict[str, Param]] = {
         "low": Param(1e-6, minimum=0.0),
         "high": Param(1e-2, minimum=0.0, exclusive_minimum=True),
@@ -52,7 +55,14 @@ class UpdateRatioBand(RuleType):
         row = data.vectors.get(self.key)
         if row is None:
             return None
-        bad = [(i, v) for i, v in enumerate(row) if not math.isfinite(v) or v > self.high or 0 < v < self.low]
+        # +inf: the layer's weights were zero before the step (a LoRA B, a zero-initialised head), so
+        # its ratio is undefined, not high; NaN: its weights or update were not finite (the agent's
+        # update_ratios gives each one meaning).
+        bad = [
+            (i, v)
+            for i, v in enumerate(row)
+            if v != math.inf and (not math.isfinite(v) or v > self.high or 0 < v < self.low)
+        ]
         if not bad:
             return CLEAR
         bad.sort(key=lambda item: -abs(item[1]) if math.isfinite(item[1]) else -math.inf)  # non-finite first
