@@ -226,15 +226,19 @@ def to_bytes(array: np.ndarray) -> bytes:
 
 
 def worst_per_bucket(matrix: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Rows of `matrix` (in step order) grouped at `starts`: per column, the group's first non-finite
-    value, else its largest. One vectorised pass; the rare non-finite cells are fixed up one by one."""
+    """Rows of `matrix` (in step order) grouped at `starts`: per column, the group's first NaN, else its
+    first other non-finite value, else its largest. NaN first: an update ratio's +inf only says the
+    weights were zero (drawn blank), its NaN is the alarm (red) that must not hide behind it. One
+    vectorised pass; the rare non-finite cells are fixed up one by one."""
     bad = ~np.isfinite(matrix)
     merged = np.maximum.reduceat(np.where(bad, -np.inf, matrix), starts, axis=0)
     if bad.any():
         ends = np.append(starts[1:], len(matrix))
         for group, column in zip(*np.nonzero(np.logical_or.reduceat(bad, starts, axis=0)), strict=True):
             rows = starts[group] + np.flatnonzero(bad[starts[group] : ends[group], column])
-            merged[group, column] = matrix[rows[0], column]
+            values = matrix[rows, column]
+            nans = np.flatnonzero(np.isnan(values))
+            merged[group, column] = values[nans[0]] if len(nans) else values[0]
     return merged
 
 
