@@ -108,11 +108,21 @@ def refresh_runs(
         and time.time() - float(seen.get("read_at") or 0) < RUNS_LIST_FULL_REFRESH_S
     ):
         raise dash.exceptions.PreventUpdate  # the runs shown are as they were: nothing more read
-    open_alerts = services().background.submit(partial(_open_alerts_by_run, api))
+    background = services().background
+    open_alerts = background.submit(partial(_open_alerts_by_run, api))
+    resolved = {  # the shown runs' resolved incidents: a run that recovered is not "none"
+        str(run.get("id")): background.submit(partial(_resolved_incidents, api, str(run.get("id"))))
+        for run in runs
+    }
     chosen = set(selected or [])
     pager = _pager_text(page, len(runs), matching, count, searched_all)
     table = _runs_table(
-        runs, services().run_href, chosen, searching=bool(search), open_alerts=open_alerts.result()
+        runs,
+        services().run_href,
+        chosen,
+        searching=bool(search),
+        open_alerts=open_alerts.result(),
+        resolved={run_id: future.result() for run_id, future in resolved.items()},
     )
     return table, pager, matching, {"changes": changes, "read_at": time.time()}
 
@@ -164,6 +174,16 @@ def select_runs(values: list[Any], ids: list[dict[str, str]], selected: Any) -> 
     kept = [run_id for run_id in (selected or []) if run_id not in shown]
     chosen = list(dict.fromkeys(kept + checked))[: compare.MAX_COMPARE_RUNS]
     return chosen, _compare_bar(services().app, chosen)
+
+
+def _resolved_incidents(api: ApiClient, run_id: str) -> tuple[int, str] | None:
+    """How many incidents of the run resolved, and the newest one's title; None when the API cannot
+    say."""
+    try:
+        found, count = api.incidents(run_id=run_id, status="resolved", limit=1)
+    except ApiError:
+        return None
+    return count, str(found[0].get("title") or "") if found else ""
 
 
 def _open_alerts_by_run(api: ApiClient) -> dict[str, list[dict[str, Any]]] | None:
@@ -307,9 +327,11 @@ def _runs_table(
     *,
     searching: bool = False,
     open_alerts: dict[str, list[dict[str, Any]]] | None = None,
+    resolved: dict[str, tuple[int, str] | None] | None = None,
 ) -> Any:
     """The runs list. open_alerts: open alerts by run id, shown as a health badge per run (None: the
-    alerts could not be read, and the badge says so)."""
+    alerts could not be read, and the badge says so); resolved: per run id, how many of its incidents
+    resolved and the newest one's title (None: could not be read)."""
     if not runs:
         if searching:
             return html.P("No runs match the search.", className="muted")
@@ -346,7 +368,12 @@ def _runs_table(
                     html.Td(str(run.get("project", ""))),
                     html.Td(dcc.Link(str(run.get("name") or run_id), href=run_href(run_id))),
                     html.Td(status_badge(run_status(run), run.get("status_reason"))),
-                    html.Td(_alerts_badge(None if open_alerts is None else open_alerts.get(run_id, []))),
+                    html.Td(
+                        _alerts_badge(
+                            None if open_alerts is None else open_alerts.get(run_id, []),
+                            (resolved or {}).get(run_id, (0, "")),
+                        )
+                    ),
                     html.Td(format_step(run.get("last_step")), className="num"),
                     html.Td(scale_text(summary.get("scale")), className="num"),
                     html.Td(
@@ -359,10 +386,21 @@ def _runs_table(
     return html.Table([header, html.Tbody(rows)], className="table")
 
 
-def _alerts_badge(alerts: list[dict[str, Any]] | None) -> html.Span:
-    """A run's health as to alerts: "N open" in red (the titles on hover), "none" in green."""
-    if alerts is None:
+def _alerts_badge(
+    alerts: list[dict[str, Any]] | None, resolved: tuple[int, str] | None = (0, "")
+) -> html.Span:
+    """A run's health as to alerts: "N open" in red (the titles on hover); else "N resolved" in blue
+    when incidents of the run resolved (it recovered: the newest one's title on hover), as the run
+    page's RECOVERED verdict says; else "none" in green."""
+    if alerts is None or (not alerts and resolved is None):
         return html.Span("?", className="badge", title="alerts could not be read")
+    if not alerts and resolved is not None and resolved[0] > 0:
+        count, title = resolved
+        return html.Span(
+            f"{count} resolved",
+            className="badge badge-recovered alerts-badge",
+            title=f"recovered from {count} incident{'s' if count != 1 else ''}; the last: {title}",
+        )
     if not alerts:
         return html.Span("none", className="badge badge-ok alerts-badge")
     titles = "\n".join(str(alert.get("title") or alert.get("type") or "") for alert in alerts[:10])

@@ -223,3 +223,59 @@ def test_the_pager_shows_only_the_buttons_that_lead_somewhere():
     assert pager_buttons(RUNS_PAGE_SIZE + 1, 0) == (hidden, {})
     assert pager_buttons(RUNS_PAGE_SIZE + 1, 1) == ({}, hidden)
     assert pager_buttons(3 * RUNS_PAGE_SIZE, 1) == ({}, {})
+
+
+def test_a_run_that_recovered_shows_its_resolved_incidents_not_none(sqlite_server):
+    """A real run whose overflow burst opened incidents that then resolved, against a real server: its
+    alerts badge says "N resolved" (blue, the newest incident's title on hover), not a green "none";
+    a healthy run beside it still says "none"."""
+    from training import train
+
+    import gradwatch
+
+    with gradwatch.init(
+        project="recover", name="burst", server=sqlite_server.url, flush_interval=0.05
+    ) as run:
+        train(130, run=run, overflow_steps=(10, 11, 12))  # the NaN loss clears after 100 finite steps
+    with gradwatch.init(
+        project="recover", name="calm", server=sqlite_server.url, flush_interval=0.05
+    ) as calm:
+        train(20, run=calm)
+    incidents = httpx.get(f"{sqlite_server.url}/api/v1/runs/{run.id}/incidents").json()["data"]
+    resolved = [incident for incident in incidents if incident["status"] == "resolved"]
+    assert resolved and len(resolved) == len(incidents)  # the run recovered from every incident
+
+    client = create_dash_app(sqlite_server.url).server.test_client()
+    table = refresh_runs(client)["runs-table"]
+    badges = dict(_name_and_badge(table["children"]))
+    assert badges["burst"]["children"] == f"{len(resolved)} resolved"
+    assert "badge-recovered" in badges["burst"]["className"]
+    assert badges["burst"]["title"].endswith(resolved[0]["title"])  # the newest first
+    assert badges["calm"]["children"] == "none"
+
+
+def _name_and_badge(component):
+    """(run name, alerts badge props) of each row of the rendered runs table (Dash components as JSON)."""
+    if isinstance(component, list):
+        for item in component:
+            yield from _name_and_badge(item)
+        return
+    if not isinstance(component, dict):
+        return
+    props = component.get("props", {})
+    if component.get("type") == "Tr":
+        cells = props.get("children") or []
+        texts = [json.dumps(cell) for cell in cells]
+        link = next((cell for cell, text in zip(cells, texts, strict=True) if '"type": "Link"' in text), None)
+        badge = next(
+            (
+                c["props"]["children"]
+                for c in cells
+                if "alerts-badge" in json.dumps(c) or '"?"' in json.dumps(c)
+            ),
+            None,
+        )
+        if link is not None and badge is not None:
+            yield link["props"]["children"]["props"]["children"], badge["props"]
+        return
+    yield from _name_and_badge(props.get("children"))
