@@ -126,7 +126,9 @@ class Sender:
         self._remote = RemoteRun(transport, run_document, rank, renamed=self._renamed)
         self.spool = spool if spool is not None else Spool(None, run_document, rank)
         if dead_letters is None and self.spool.path is not None:
-            dead_letters = DeadLetters(dead_letter_path(self.spool.path), run_document, rank)
+            dead_letters = DeadLetters(
+                dead_letter_path(self.spool.path), run_document, rank, created_at=self.spool.created_at
+            )
         # The batch life cycle: changed under _lock (moved() aside: one float); its counters are read
         # without.
         self._delivery = Delivery(
@@ -335,7 +337,12 @@ class Sender:
                 self.rank = self.spool.rank = rank
             if spool_path is not None:
                 self.spool.path = spool_path
-                self._faults.file = DeadLetters(dead_letter_path(spool_path), self.run_document, self.rank)
+                self._faults.file = DeadLetters(
+                    dead_letter_path(spool_path),
+                    self.run_document,
+                    self.rank,
+                    created_at=self.spool.created_at,
+                )
             elif self._faults.file is not None:
                 self._faults.file.run_id, self._faults.file.rank = self.run_id, self.rank
             self._released.set()

@@ -6,7 +6,9 @@ append-only text, one record a line:
 
     <crc32 of the JSON, 8 hex digits> <JSON>\\n
 
-    {"type": "run", "run": {...run document...}}            written before a process's first batch
+    {"type": "run", "run": {...run document..., "created_at": ISO 8601}}
+                                  written before a process's first batch; created_at: when the run
+                                  started, which `gradwatch sync` gives the server when it creates the run
     {"type": "batch", "run_id": ID, "rank": R, "seq": S, "points": P, "batch": {...wire batch...}}
     {"type": "retire", "run_id": ID, "rank": R, "seq": S, "why": "split" | "dead_letter"}
                                   batch S above is not to be sent: it was split into smaller batches
@@ -29,6 +31,11 @@ the sender's collector thread, fsyncs a file written since its last fsync once t
 the bytes are in the OS). Batches the server refuses for good (see the sender) go to a dead-letter
 file beside the spool, `RUN-rankR.dead.jsonl`, in the same format, for `gradwatch sync`.
 
+Removal: an online run's file goes once the server has acknowledged every batch in it (with the
+`.sent` list of an earlier, partial `gradwatch sync` of it); an offline run's stays for `gradwatch
+sync`, which removes it (and its `.sent` list) once the server has stored everything in it. Dead-letter
+files stay for `gradwatch sync` in both cases.
+
 Not thread-safe: the sender calls it under its own lock.
 """
 
@@ -45,6 +52,7 @@ from typing import Any
 
 from ._spool_file import (
     DEAD_LETTER_SUFFIX,
+    SENT_SUFFIX,
     Record,
     ScanResult,
     batch_record,
@@ -60,6 +68,7 @@ from ._spool_file import (
     retire_record,
     run_record,
     scan,
+    sent_path,
     spool_file_name,
 )
 
@@ -69,6 +78,7 @@ __all__ = [
     "DEFAULT_FSYNC_INTERVAL",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_MEMORY_POINTS",
+    "SENT_SUFFIX",
     "DeadLetters",
     "Record",
     "ScanResult",
@@ -86,6 +96,7 @@ __all__ = [
     "retire_record",
     "run_record",
     "scan",
+    "sent_path",
     "spool_file_name",
 ]
 
@@ -123,8 +134,10 @@ class Spool:
         max_memory_points: int = DEFAULT_MAX_MEMORY_POINTS,
         keep_file: bool = False,
         fsync_interval: float | None = DEFAULT_FSYNC_INTERVAL,
+        created_at: float | None = None,
     ) -> None:
-        """fsync_interval: seconds between fsyncs of a file being written (None: never, but at close)."""
+        """fsync_interval: seconds between fsyncs of a file being written (None: never, but at close);
+        created_at: when the run started (Unix seconds; default now), written in the run record."""
         if max_bytes <= 0:
             raise ValueError(f"spool max_bytes must be positive, got {max_bytes!r}")
         if fsync_interval is not None and fsync_interval < 0:
@@ -136,6 +149,7 @@ class Spool:
         self.max_bytes = max_bytes
         self.max_memory_points = max_memory_points
         self.keep_file = keep_file  # offline spools stay for `gradwatch sync`
+        self.created_at = time.time() if created_at is None else created_at
         self.fsync_interval = fsync_interval
         self.fsyncs = 0  # fsync calls made (durability costs one per interval while the file is written)
         self.fsync_seconds = 0.0  # time spent in them
@@ -354,10 +368,11 @@ class Spool:
         else:
             self.memory_points -= entry.points
         if not self.keep_file and self.path is not None and self._file_is_ours and not self._disk_entries:
-            try:
-                self.path.unlink(missing_ok=True)
-            except OSError:
-                pass
+            for done in (self.path, sent_path(self.path)):  # .sent: an earlier partial sync's list
+                try:
+                    done.unlink(missing_ok=True)
+                except OSError:
+                    pass
             self._run_written = self._file_is_ours = False
             self._dirty = False
 
@@ -421,7 +436,7 @@ class Spool:
                 if size and not self._ends_with_newline(self.path):
                     prefix = b"\n"  # a torn last line stays a (skipped) line of its own
             if not self._run_written:
-                prefix += run_record(self.run_document)
+                prefix += run_record(self.run_document, self.created_at)
             lines = []
             offset = size + len(prefix)
             total = len(prefix)
@@ -502,9 +517,13 @@ class DeadLetters:
     `gradwatch sync` (same format as a spool file, each batch after a line saying why).
     Written rarely, so each write is fsynced at once. Not thread-safe: the sender holds its lock."""
 
-    def __init__(self, path: Path, run_document: dict[str, Any], rank: int = 0) -> None:
+    def __init__(
+        self, path: Path, run_document: dict[str, Any], rank: int = 0, created_at: float | None = None
+    ) -> None:
+        """created_at: when the run started (Unix seconds; default now), written in the run record."""
         self.path = path
         self.run_document = run_document
+        self.created_at = time.time() if created_at is None else created_at
         self.run_id = run_document["id"]
         self.rank = rank
         self.batches = 0  # moved here by this process
@@ -515,7 +534,7 @@ class DeadLetters:
         """Append one batch (its wire JSON) with the reason; False when the file cannot be written."""
         data = b""
         if not self._run_written:
-            data += run_record(self.run_document)
+            data += run_record(self.run_document, self.created_at)
         data += dead_letter_record(self.run_id, self.rank, seq, reason)
         data += encoded_batch_record(self.run_id, self.rank, seq, points, body)
         try:

@@ -1,5 +1,6 @@
 """The spool file on disk, apart from the Spool that writes it: where spool and dead-letter files live
-(GRADWATCH_HOME, GRADWATCH_SPOOL_DIR, RUN-rankR.jsonl, RUN-rankR.dead.jsonl), how each record line is
+(GRADWATCH_HOME, GRADWATCH_SPOOL_DIR, RUN-rankR.jsonl, RUN-rankR.dead.jsonl, and `gradwatch sync`'s
+RUN-rankR.jsonl.sent beside them), how each record line is
 encoded (see _spool for the format), and how a file is read back (scan, read_batch_json,
 iter_spool_files). Separate from _spool because `gradwatch sync` and a resumed run read these files
 without a Spool, and the format is one contract that both the writer and the readers follow.
@@ -13,12 +14,14 @@ import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from ._wire import batch_points, dumps
 
 DEAD_LETTER_SUFFIX = ".dead.jsonl"
+SENT_SUFFIX = ".sent"
 
 _BATCH_HEADER = re.compile(
     rb'\{"type": "batch", "run_id": "([A-Za-z0-9_.\-]{1,64})", "rank": (\d+), "seq": (\d+), '
@@ -56,6 +59,11 @@ def is_dead_letter_file(path: Path) -> bool:
     return path.name.endswith(DEAD_LETTER_SUFFIX)
 
 
+def sent_path(spool_path: Path) -> Path:
+    """`gradwatch sync`'s list of the batches of a spool file the server acknowledged: FILE.sent."""
+    return spool_path.with_name(spool_path.name + SENT_SUFFIX)
+
+
 # -- records --------------------------------------------------------------------------------------
 
 
@@ -63,8 +71,13 @@ def _line(payload: bytes) -> bytes:
     return b"%08x %s\n" % (zlib.crc32(payload), payload)
 
 
-def run_record(run_document: dict[str, Any]) -> bytes:
-    """The line that introduces a process's batches: its run document."""
+def run_record(run_document: dict[str, Any], created_at: float | None = None) -> bytes:
+    """The line that introduces a process's batches: its run document, with `created_at` (when the run
+    started, Unix seconds; ISO 8601 UTC in the line) for `gradwatch sync`, which creates the run on the
+    server with it: a run uploaded later shows when it ran, not when it was uploaded."""
+    if created_at is not None:
+        moment = datetime.fromtimestamp(created_at, tz=timezone.utc).isoformat()
+        run_document = {**run_document, "created_at": moment}
     return _line(json.dumps({"type": "run", "run": run_document}, allow_nan=False).encode())
 
 

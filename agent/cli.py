@@ -216,7 +216,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 
     try:
         server, token = server_and_token(args.server, args.token)
-        report = sync(args.path, server, token, dead_letters=not args.no_dead_letters)
+        report = sync(args.path, server, token, dead_letters=not args.no_dead_letters, keep=args.keep)
     except ValueError as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
@@ -231,6 +231,8 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         )
         + ")"
     )
+    if report.removed:  # each is named in its own line above
+        print(f"removed {len(report.removed)} spool file(s): the server has stored everything in them")
     for message in report.refused:
         print(f"gradwatch: the server refused a batch: {message}", file=sys.stderr)
     for message in report.failed:
@@ -322,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_database_option(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    sync = commands.add_parser("sync", help="upload spool files of offline runs (exactly once, resumable)")
+    sync = commands.add_parser(
+        "sync", help="upload spool files of offline runs (exactly once, resumable; each removed once stored)"
+    )
     sync.add_argument("path", help="a spool file (.jsonl) or a folder of them, e.g. ~/.gradwatch/offline")
     sync.add_argument(
         "--server",
@@ -335,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out dead-letter files (RUN-rankR.dead.jsonl: batches a live run moved aside after "
         "the server refused them), which are synced by default",
+    )
+    sync.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each spool file once the server has stored everything in it (default: delete it, and "
+        "its .sent list)",
     )
     sync.set_defaults(func=_cmd_sync)
 

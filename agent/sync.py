@@ -7,6 +7,18 @@ side file `<spool>.sent` lists the seqs already acknowledged so a re-run skips t
 time only -- correctness comes from the seqs. Batches go oldest first, one request each; batches a
 retire record withdrew (split, or moved to dead letters by the live run) are not sent.
 
+The run is created with the spool's run record, whose created_at (when the run started; spool files
+of older agents have none) the server takes as the run's creation time. A server that refuses
+that field (one older than the agent, or a time it finds implausible: a clock far off) is asked again
+without it, and the run shows the sync's time, as before.
+
+Removal: once the server has acknowledged every batch of a spool file (now or in an earlier sync: the
+`.sent` list) and the file holds no torn or corrupt line, the file and its `.sent` list are deleted
+and SyncReport.removed names them -- unless keep=True (`--keep`), or the file changed during the sync
+(a live run still writing it: it stays for the next sync). A file with anything refused, failed or
+unread keeps everything, `.sent` list included, for the next sync. Dead-letter files are removed
+the same way once synced; with dead_letters=False they are not touched.
+
 Dead letters: by default a spool file's dead-letter file (RUN-rankR.dead.jsonl, batches the live run
 moved aside after the server refused them) is synced after it, and a folder's *.dead.jsonl files
 are synced with the others; dead_letters=False (`--no-dead-letters`) leaves them out. A batch the
@@ -32,10 +44,20 @@ from typing import Any
 
 from ._dead_letters import SERVER_ERROR_TRIES
 from ._delivery import Kind, classify
-from ._spool import Record, dead_letter_path, is_dead_letter_file, iter_spool_files, read_batch_json, scan
+from ._spool import (
+    SENT_SUFFIX,
+    Record,
+    dead_letter_path,
+    is_dead_letter_file,
+    iter_spool_files,
+    read_batch_json,
+    scan,
+    sent_path,
+)
 from ._transport import Backoff, HttpTransport, TransportError
 
-SENT_SUFFIX = ".sent"
+__all__ = ["SENT_SUFFIX", "SyncReport", "sync"]
+
 FAILED_IN_A_ROW = 3  # batches failing with server errors one after the other: the sync stops
 
 
@@ -52,6 +74,8 @@ class SyncReport:
     refused: list[str] = field(default_factory=list)  # the server's message for each refused batch
     failed: list[str] = field(default_factory=list)  # batches that kept failing with server errors
     dead_letters_sent: int = 0  # of batches_sent: from dead-letter files
+    removed: list[str] = field(default_factory=list)  # files deleted: everything in them is stored
+    kept: list[str] = field(default_factory=list)  # "FILE: why" for files not deleted though synced
     error: str | None = None  # why the sync stopped early (server unreachable for too long)
 
     @property
@@ -69,6 +93,7 @@ def sync(
     max_backoff: float = 10.0,
     dead_letters: bool = True,
     server_error_tries: int = SERVER_ERROR_TRIES,
+    keep: bool = False,
     log: Callable[[str], None] = print,
 ) -> SyncReport:
     """Upload every batch of the spool file(s) at `path` (a file, or a folder searched for *.jsonl).
@@ -76,10 +101,15 @@ def sync(
     give_up_after: seconds of failed retries of one request (server down) before stopping; run the
     command again later to continue where it stopped. dead_letters: also the dead-letter files (see
     the module docstring); server_error_tries: 5xx answers in a row before a batch is left for later.
+    keep: leave a file on disk once the server has stored everything in it (default: delete it, and
+    its .sent list).
     """
     target = Path(path)
     if not target.exists() and not (dead_letters and dead_letter_path(target).is_file()):
-        raise ValueError(f"no spool file or folder at {str(target)!r}")
+        raise ValueError(
+            f"no spool file or folder at {str(target)!r} (a synced file is deleted once the server has "
+            "stored everything in it)"
+        )
     own = transport is None
     transport = transport or HttpTransport(server, token)
     report = SyncReport()
@@ -87,7 +117,7 @@ def sync(
     try:
         for spool_path in iter_spool_files(target, dead_letters=dead_letters):
             report.files += 1
-            _sync_file(spool_path, transport, report, policy, log)
+            _sync_file(spool_path, transport, report, policy, log, keep)
             if report.error is not None:
                 break
     finally:
@@ -110,12 +140,15 @@ def _sync_file(
     report: SyncReport,
     policy: _Policy,
     log: Callable[[str], None],
+    keep: bool = False,
 ) -> None:
+    before = _identity(path)
     scanned = scan(path)
     report.bad_lines += scanned.bad_lines
+    unread = scanned.bad_lines  # lines whose data the server cannot have: the file is not done
     retired = scanned.retired()
     dead_letter_file = is_dead_letter_file(path)
-    sent_file = path.with_name(path.name + SENT_SUFFIX)
+    sent_file = sent_path(path)
     already = _read_sent(sent_file)
     runs: dict[str, dict[str, Any]] = {}
     batches: dict[tuple[str, int, int], Record] = {}
@@ -133,21 +166,30 @@ def _sync_file(
     for run_id, document in runs.items():
 
         def create(document: dict[str, Any] = document, run_id: str = run_id) -> None:
-            created = transport.create_run(document)
+            try:
+                created = transport.create_run(document)
+            except TransportError as exc:
+                if "created_at" not in document or exc.status != 422 or "created_at" not in str(exc):
+                    raise
+                log(f"{path}: the server did not take the run's start time ({exc}); it shows the sync's")
+                created = transport.create_run({k: v for k, v in document.items() if k != "created_at"})
             given = created.get("id") if isinstance(created, dict) else None
             stored_as[run_id] = given if isinstance(given, str) and given else run_id
 
         if _retrying(create, policy, report, f"run {run_id}") != _OK:
             return
     send_encoded = getattr(transport, "send_encoded", None)
+    stored = 0  # batches the server has acknowledged, in this sync or an earlier one
     for (run_id, rank, seq), record in sorted(batches.items(), key=lambda item: item[0][2]):
         key = f"{run_id} {rank} {seq}"
         if key in already:
             report.skipped += 1
+            stored += 1
             continue
         body = read_batch_json(path, record)
         if body is None:
             report.bad_lines += 1
+            unread += 1
             continue
         answer: dict[str, Any] = {}
 
@@ -168,12 +210,55 @@ def _sync_file(
             report.points_sent += record.points
             report.already_stored += bool(answer.get("duplicate"))
             report.dead_letters_sent += dead_letter_file
+            stored += 1
             _append_sent(sent_file, key)
     skipped = report.skipped - skipped_before
     log(
         f"{path}: {report.points_sent - points_before} points uploaded"
         + (f", {skipped} batches skipped (uploaded before)" if skipped else "")
     )
+    if stored == len(batches) and not keep and scanned.records:
+        _remove_if_done(path, before, unread, report, log)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells a file changed: (inode, size, modification time in ns); None when it is gone."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _remove_if_done(
+    path: Path,
+    before: tuple[int, int, int] | None,
+    unread: int,
+    report: SyncReport,
+    log: Callable[[str], None],
+) -> None:
+    """Delete a spool file whose every batch the server has acknowledged, and its .sent list -- unless
+    it holds lines nothing could read, or it changed since it was scanned (a live run appending)."""
+    why = None
+    if unread:
+        why = f"{unread} torn or corrupt line(s) that could not be sent; delete it by hand once checked"
+    elif before is None or _identity(path) != before:
+        why = "it was written to during the sync (a run still using it?); sync it again later"
+    if why is None:
+        try:
+            path.unlink()
+        except OSError as exc:
+            why = f"cannot delete it: {exc}"
+    if why is not None:
+        report.kept.append(f"{path}: {why}")
+        log(f"{path}: kept: {why}")
+        return
+    try:
+        sent_path(path).unlink(missing_ok=True)
+    except OSError:
+        pass  # left behind, it lists only batches the server acknowledged: harmless
+    report.removed.append(str(path))
+    log(f"{path}: removed (the server has stored everything in it)")
 
 
 _OK, _REFUSED, _FAILED, _GAVE_UP = "ok", "refused", "failed", "gave up"

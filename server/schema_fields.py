@@ -2,13 +2,15 @@
 
 Names, keys, tags and free-form JSON documents are checked here once for what the database and
 every later answer need (plain text without NUL characters or lone surrogates, documents nested at
-most MAX_DOCUMENT_DEPTH levels), along with run ids, steps, a run's status and resume modes, and
-the per-batch limits; gradwatch.server.schemas and gradwatch.server.alert_schemas annotate their
-fields with them, and gradwatch.server.schemas re-exports every public name.
+most MAX_DOCUMENT_DEPTH levels), along with run ids, steps, a run's status and resume modes, a
+client-given creation time, and the per-batch limits; gradwatch.server.schemas and
+gradwatch.server.alert_schemas annotate their fields with them, and gradwatch.server.schemas
+re-exports every public name.
 """
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
@@ -69,6 +71,31 @@ Tag = Annotated[
     str, Field(min_length=1, max_length=100, description='a label such as "baseline" or "lora-r16"'), Text
 ]
 MAX_TAGS = 50
+
+# A run's creation time as a client gives it (`gradwatch sync` of a run recorded offline): at most
+# CREATED_AT_SKEW_S ahead of the server's clock (clock skew; stored as the server's now), at most
+# CREATED_AT_MAX_AGE_DAYS old (older is a clock that was never set, not a run).
+CREATED_AT_SKEW_S = 300
+CREATED_AT_MAX_AGE_DAYS = 5 * 365
+
+
+def _plausible_creation_time(moment: datetime) -> datetime:
+    """A creation time in UTC (one without a zone is taken as UTC), not after the server's now."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    now = datetime.now(timezone.utc)
+    ahead = (moment - now).total_seconds()
+    if ahead > CREATED_AT_SKEW_S:
+        raise ValueError(
+            f"is {ahead:.0f} s after the server's clock ({now.isoformat()}); at most {CREATED_AT_SKEW_S} s "
+            "ahead is taken as clock skew"
+        )
+    if -ahead > CREATED_AT_MAX_AGE_DAYS * 86400:
+        raise ValueError(f"is more than {CREATED_AT_MAX_AGE_DAYS} days before the server's clock")
+    return min(moment, now)
+
+
+CreatedAt = Annotated[datetime, AfterValidator(_plausible_creation_time)]
 JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
 # Per batch: an agent flushes about once a second, so these are generous.

@@ -46,12 +46,15 @@ from .alert_schemas import (
     WebhookOut,
 )
 from .schema_fields import (
+    CREATED_AT_MAX_AGE_DAYS,
+    CREATED_AT_SKEW_S,
     MAX_DOCUMENT_DEPTH,
     MAX_EVENTS_PER_BATCH,
     MAX_POINTS_PER_SERIES,
     MAX_SERIES_PER_BATCH,
     MAX_STEP,
     MAX_TAGS,
+    CreatedAt,
     Document,
     JsonFloat,
     MetricKey,
@@ -65,6 +68,8 @@ from .schema_fields import (
 )
 
 __all__ = [
+    "CREATED_AT_MAX_AGE_DAYS",
+    "CREATED_AT_SKEW_S",
     "MAX_DOCUMENT_DEPTH",
     "MAX_EVENTS_PER_BATCH",
     "MAX_LAYERS",
@@ -86,6 +91,7 @@ __all__ = [
     "CombinedVectorsOut",
     "CompareOut",
     "CompareSeries",
+    "CreatedAt",
     "DeliveryList",
     "DeliveryOut",
     "DisagreementList",
@@ -170,6 +176,16 @@ class RunIn(BaseModel):
             'continue an existing run (gradwatch.init(resume=...)): "allow" creates the run when there is '
             'none, "must" answers 404 then, "never" answers 409 when the id exists; "allow" and "must" set '
             "an existing run running again. Left out: create, or return the existing run unchanged"
+        ),
+    )
+    created_at: CreatedAt | None = Field(
+        default=None,
+        description=(
+            "when the run really started, ISO 8601 (a time without a zone is UTC), for a run uploaded "
+            "after it ran (`gradwatch sync` of an offline run): the created run shows this time. At most "
+            f"{CREATED_AT_SKEW_S} s after the server's clock (clock skew: stored as the server's now) and "
+            f"at most {CREATED_AT_MAX_AGE_DAYS} days before it, else 422. Left out: the server's time now. "
+            "Ignored when the run exists already"
         ),
     )
 

@@ -125,7 +125,8 @@ class Store:
 
         run.resume (gradwatch.init(resume=...)): "must" raises NotFound when the project has no such
         run, "never" raises Conflict when it has; "allow" and "must" set an existing run "running"
-        again (its crash reason cleared). The record's `existed` says whether the run was there."""
+        again (its crash reason cleared). The record's `existed` says whether the run was there.
+        run.created_at (a run uploaded after it ran) is the new run's creation time, else now."""
         requested = run.id or uuid.uuid4().hex
         for _ in range(3):  # each pass loses at most one race to a concurrent create of the same id
             with self._transaction() as session:
@@ -155,6 +156,7 @@ class Store:
                         "continues an existing run only (resume='allow' creates it)"
                     )
                 if existing is None:
+                    now = time.time()
                     owner = session.scalar(select(Run.project).where(Run.id == requested))
                     if owner == run.project:
                         continue  # created since our read by another rank of the job: look again
@@ -168,8 +170,9 @@ class Store:
                         "requested_id": requested if taken else None,
                         "config_json": dump_json(run.config),
                         "metadata_json": dump_json(run.metadata),
-                        "created_at": time.time(),
-                        "updated_at": time.time(),
+                        # A run uploaded after it ran (gradwatch sync) carries when it started.
+                        "created_at": now if run.created_at is None else run.created_at.timestamp(),
+                        "updated_at": now,
                     }
                     conflict = ["project", "requested_id"] if taken else ["id"]
                     session.execute(

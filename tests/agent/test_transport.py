@@ -622,10 +622,11 @@ def test_offline_run_writes_the_spool_only_and_sync_uploads_it_once(tmp_path, sq
             run.log({"x": step * 0.25}, step=step)
     spool_file = tmp_path / "offline" / f"{run.id}-rank0.jsonl"
     assert run.stats.spooled == 30 and run.stats.sent == 0
-    report = sync(tmp_path / "offline", sqlite_server.url, log=lambda _line: None)
-    assert report.complete and report.points_sent == 30
-    again = sync(spool_file, sqlite_server.url, log=lambda _line: None)
+    report = sync(tmp_path / "offline", sqlite_server.url, keep=True, log=lambda _line: None)
+    assert report.complete and report.points_sent == 30 and spool_file.exists()
+    again = sync(spool_file, sqlite_server.url, log=lambda _line: None)  # without keep: the file goes
     assert again.points_sent == 0 and again.skipped == report.batches_sent
+    assert again.removed == [str(spool_file)] and not spool_file.exists()
     with httpx.Client(base_url=sqlite_server.url) as client:
         stored = client.get(f"/api/v1/runs/{run.id}").json()
         series = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "x"}).json()

@@ -575,9 +575,9 @@ def test_sync_killed_half_way_and_run_again_stores_everything_once(
     assert 0 < stored() < 600, "the sync was not interrupted half way"
 
     proxy.delay = 0.0
-    again = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    again = subprocess.run([*command, "--keep"], check=False, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "skipped as uploaded before" in again.stdout
+    assert "skipped as uploaded before" in again.stdout and spool.exists()
     for key, points in truth.items():
         series = _get(shared_server.url, f"/api/v1/runs/{run_id}/series", key=key, max_points=100_000)
         assert series["steps"] == sorted(points)
@@ -589,6 +589,7 @@ def test_sync_killed_half_way_and_run_again_stores_everything_once(
     assert third.returncode == 0, third.stderr
     counts = re.search(r"in (\d+) batches \((\d+) already on the server", third.stdout)
     assert counts is not None and int(counts[1]) == int(counts[2]) >= 12, third.stdout
+    assert f"{spool}: removed" in third.stdout and not spool.exists()  # without --keep: all stored, gone
     assert (
         len(_get(shared_server.url, f"/api/v1/runs/{run_id}/series", key="a", max_points=100_000)["steps"])
         == 600

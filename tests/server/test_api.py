@@ -33,6 +33,53 @@ def test_create_run_is_idempotent_for_the_same_id(client):
     assert listed["count"] == 1 and listed["data"][0]["id"] == "job-1"
 
 
+def test_a_run_uploaded_after_it_ran_keeps_its_start_time_within_plausible_bounds(client):
+    """created_at (gradwatch sync of an offline run): stored as given; left out: the server's now; a
+    time a little ahead (clock skew): the server's now; far ahead or absurdly old: 422 naming the field."""
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    started = datetime.now(timezone.utc) - timedelta(hours=3)
+    uploaded = _create(client, id="offline-1", created_at=started.isoformat())
+    assert datetime.fromisoformat(uploaded["created_at"]) == started
+    assert datetime.fromisoformat(client.get("/api/v1/runs/offline-1").json()["created_at"]) == started
+    naive = _create(client, id="offline-2", created_at=started.replace(tzinfo=None).isoformat())
+    assert datetime.fromisoformat(naive["created_at"]) == started  # a time without a zone is UTC
+    before = time.time()
+    online = _create(client, id="online-1")
+    skewed = _create(
+        client, id="skewed-1", created_at=(datetime.now(timezone.utc) + timedelta(minutes=2)).isoformat()
+    )
+    after = time.time()
+    for run in (online, skewed):
+        assert before <= datetime.fromisoformat(run["created_at"]).timestamp() <= after
+    # The run list sorts and filters by when runs started, uploaded ones included.
+    listed = [
+        r["id"] for r in client.get("/api/v1/runs", params={"sort": "created", "order": "asc"}).json()["data"]
+    ]
+    assert listed[:2] == ["offline-1", "offline-2"] and set(listed[2:]) == {"online-1", "skewed-1"}
+    cutoff = (started + timedelta(hours=1)).isoformat()
+    assert {
+        r["id"] for r in client.get("/api/v1/runs", params={"created_before": cutoff}).json()["data"]
+    } == {
+        "offline-1",
+        "offline-2",
+    }
+    # An existing run keeps its creation time.
+    assert (
+        _create(client, id="online-1", created_at=started.isoformat())["created_at"] == online["created_at"]
+    )
+    for implausible, says in (
+        (datetime.now(timezone.utc) + timedelta(hours=1), "after the server's clock"),
+        (datetime(1970, 1, 1, tzinfo=timezone.utc), "days before the server's clock"),
+    ):
+        refused = client.post("/api/v1/runs", json={"project": "p", "created_at": implausible.isoformat()})
+        assert refused.status_code == 422 and "created_at" in refused.text and says in refused.text
+    garbled = client.post("/api/v1/runs", json={"project": "p", "created_at": "yesterday"})
+    assert garbled.status_code == 422 and "created_at" in garbled.text
+    assert client.get("/api/v1/runs").json()["count"] == 4
+
+
 def test_same_id_in_another_project_gets_a_run_of_its_own(client):
     """Ids are per project: another project's id is not refused (that would let one project squat
     another's), the run is stored under a fresh id, and the same request finds it again."""
