@@ -246,6 +246,7 @@ class Delivery:
         self.pending_points = 0
         self.pending_since = 0.0  # when the oldest pending fragment came
         self.sealed_at: float | None = None  # when a batch was last sealed (None: never yet)
+        self.final_counters_sealed = False  # a closing run's last batch: its final health counters
         self.failing = False  # the last try failed and is retried: batches are spooled
         self.in_flight: int | None = None  # the seq being sent
         self.notices: set[int] = set()  # seqs of queued "dead_letter" notices
@@ -305,6 +306,23 @@ class Delivery:
             and released
             and now - self.sealed_at >= interval
         )
+
+    def final_counters_due(self, *, closing: bool, collector_done: bool, queued: int) -> bool:
+        """Whether a closing online run, every batch of it stored, seals its final health counters (no
+        data) now; once. Each batch carries the counters as they stood when it was sealed, before it
+        was sent: without this the run's last agent/sent would leave out its last batch."""
+        due = (
+            self.online
+            and closing
+            and collector_done
+            and self.sealed_at is not None
+            and not self.pending
+            and not queued
+            and not self.final_counters_sealed
+        )
+        if due:
+            self.final_counters_sealed = True
+        return due
 
     # -- sealed -> in flight -> stored | split | dead-lettered | retried (the uploader) -------------
 

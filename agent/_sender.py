@@ -154,6 +154,7 @@ class Sender:
         self._dropped = 0
         self._last_error: str | None = None
         self._newest_step = 0  # the largest step sealed so far (a notice about a stepless batch)
+        self._ended_as: str | None = None  # the status of the last batch that carried one
         self._encoded: dict[int, bytes] = {}  # seq -> JSON of a sealed batch, encoded ahead (_encode_ahead)
         self._warned: set[str] = set()
         self._closing = threading.Event()
@@ -430,6 +431,8 @@ class Sender:
                 if self._remote.packed:
                     data = pack_values(data, steps=self._remote.packed_steps)
                 batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
+                if batch.get("status"):
+                    self._ended_as = batch["status"]  # the final counters repeat it (_seal_counters)
                 self._add_health(batch, step)
                 self.spool.add(batch, points, persist)  # no room at all: the spool counts it and warns once
 
@@ -442,10 +445,17 @@ class Sender:
             now, KEEPALIVE_S, queued=len(self.spool), released=self._released.is_set()
         )
         if due:
-            batch: dict[str, Any] = {"rank": self.rank, "seq": self._seqs.next()}
-            self._add_health(batch, self._newest_step)
-            self.spool.add(batch, 0, False)
+            self._seal_counters()
             self._delivery.seal(now)
+
+    def _seal_counters(self, final: bool = False) -> None:
+        """(under _lock) A batch of the health counters alone, at the newest step sealed; the final
+        one repeats how the run ended, so that a run's last batch still says so."""
+        batch: dict[str, Any] = {"rank": self.rank, "seq": self._seqs.next()}
+        if final and self._ended_as is not None:
+            batch["status"] = self._ended_as
+        self._add_health(batch, self._newest_step)
+        self.spool.add(batch, 0, False)
 
     def _add_health(self, batch: dict[str, Any], step: int | None = None) -> None:
         """The agent's own counters as scalars at the batch's last step, or `step` (excluded from point
@@ -501,6 +511,11 @@ class Sender:
                 if seal is not None:
                     self._seal(seal.persist)
                 head = self.spool.oldest()
+                if head is None and delivery.final_counters_due(
+                    closing=self._closing.is_set(), collector_done=self._collector_done, queued=0
+                ):
+                    self._seal_counters(final=True)  # finish(): the run's counters as it ends, exact
+                    head = self.spool.oldest()
                 if head is not None:
                     break
                 if self._collector_done and not delivery.pending:

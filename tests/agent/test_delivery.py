@@ -124,6 +124,19 @@ def test_pending_data_behind_a_backlog_is_sealed_once_it_aged():
     assert delivery.seal_to_send(queued=3, collector_done=False) is None  # the queue goes first
 
 
+def test_a_closing_run_seals_its_final_counters_once_everything_is_stored():
+    delivery = Delivery()
+    assert not delivery.final_counters_due(closing=True, collector_done=True, queued=0)  # never sent
+    delivery.add(fragment(0), 1, now=0.0)
+    delivery.seal(1.0)
+    assert not delivery.final_counters_due(closing=False, collector_done=True, queued=0)  # not finishing
+    assert not delivery.final_counters_due(closing=True, collector_done=True, queued=1)  # one to send
+    assert not delivery.final_counters_due(closing=True, collector_done=False, queued=0)
+    assert delivery.final_counters_due(closing=True, collector_done=True, queued=0)
+    assert not delivery.final_counters_due(closing=True, collector_done=True, queued=0)  # once
+    assert not Delivery(online=False).final_counters_due(closing=True, collector_done=True, queued=0)
+
+
 def test_nothing_is_sealed_on_hold():
     delivery = Delivery(max_batch_points=1)
     delivery.add(fragment(0), 5, now=0.0)

@@ -328,7 +328,14 @@ def test_retryable_failures_resend_the_same_seq_until_it_is_stored():
     s = sender(transport)
     s.submit(packet(0, x=1.0))
     assert s.close(timeout=10)
-    assert len(set(transport.attempts)) == 1 and len(transport.attempts) == 5
+    assert transport.attempts[:5] == [transport.attempts[0]] * 5  # the same seq until it is stored
+    assert len(transport.attempts) == 6  # then finish()'s final counters, once
+    assert {series["key"] for series in transport.batches[-1]["scalars"]} <= {
+        "agent/queued",
+        "agent/sent",
+        "agent/spooled",
+        "agent/dropped",
+    }
     assert transport.series("x") == {0: 1.0}
     assert s.stats.sent == 1 and s.stats.dropped == 0 and "refused" in s.stats.last_error
 
@@ -347,7 +354,7 @@ def test_client_errors_are_tried_a_bounded_number_of_times_then_dropped_without_
     assert transport.attempts[:3] == [transport.attempts[0]] * 3  # the same batch, three tries
     assert s.stats.dropped == 2 and s.stats.sent == 1 and s.stats.dead_lettered == 0
     assert "bad key" in s.stats.last_error
-    notices = [e for b in transport.batches for e in b["events"] if e["kind"] == "dead_letter"]
+    notices = [e for b in transport.batches for e in b.get("events", []) if e["kind"] == "dead_letter"]
     assert len(notices) == 1 and "bad key" in notices[0]["data"]["reason"]
 
 
@@ -514,7 +521,8 @@ def test_a_batch_stored_before_its_answer_was_lost_is_stored_once(sqlite_server)
     for step in buffer_steps:
         run.log({"x": float(step)}, step=step)
     run.finish(timeout=20)
-    assert [a["duplicate"] for a in transport.answers] == [False, True]
+    # The batch, its resend (a duplicate, stored once), then finish()'s final counters.
+    assert [a["duplicate"] for a in transport.answers] == [False, True, False]
     with httpx.Client(base_url=sqlite_server.url) as client:
         series = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "x"}).json()
     assert series["steps"] == list(buffer_steps)
@@ -785,3 +793,27 @@ def test_one_key_the_server_would_refuse_is_left_out_and_the_rest_stored(sqlite_
         assert set(good) <= set(keys)
         series = client.get(f"/api/v1/runs/{run.id}/series", params={"key": "metric/494"}).json()
         assert series["steps"] == [0, 1, 2] and series["values"] == [494.0] * 3
+
+
+def test_a_finished_runs_last_counters_are_its_final_ones_on_the_server(sqlite_server):
+    """Each batch carries the counters as they stood before it was sent; finish() then sends the final
+    ones (no data), so the run's last agent/sent on the server is what run.stats.sent says at the end
+    (the run page shows it)."""
+    import httpx
+
+    import gradwatch
+
+    run = gradwatch.init(project="counters", server=sqlite_server.url, flush_interval=0.05)
+    for step in range(40):
+        run.log({"loss": 1.0 / (step + 1), "lr": 1e-3}, step=step)
+        if step % 10 == 9:
+            run._flush(None)
+    run.finish()
+    assert run.stats.sent == 80 and run.stats.queued == run.stats.spooled == run.stats.dropped == 0
+    for key, expected in (("agent/sent", 80.0), ("agent/queued", 0.0), ("agent/spooled", 0.0)):
+        series = httpx.get(
+            f"{sqlite_server.url}/api/v1/runs/{run.id}/series", params={"key": key}, timeout=30
+        ).json()
+        assert series["steps"][-1] == 39 and series["values"][-1] == expected, (key, series)
+    status = httpx.get(f"{sqlite_server.url}/api/v1/runs/{run.id}", timeout=30).json()["status"]
+    assert status == "finished"  # the counters after the status leave the run finished

@@ -254,7 +254,7 @@ def _record(steps: int, **kwargs) -> tuple[list[str], dict]:
             scalars.setdefault(series["key"], {}).update(zip(series["steps"], series["values"], strict=True))
         for vector in batch.get("vectors", []):
             vectors.setdefault(vector["key"], {}).update(zip(vector["steps"], vector["values"], strict=True))
-    events = [e for b in transport.batches for e in b["events"]]
+    events = [e for b in transport.batches for e in b.get("events", [])]
     return transport.layers(), {"scalars": scalars, "vectors": vectors, "events": events}
 
 

@@ -150,7 +150,7 @@ class RecordingTransport:
         return next(b["layers"] for b in self.batches if "layers" in b)
 
     def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for b in self.batches for e in b["events"] if e["kind"] == kind]
+        return [e for b in self.batches for e in b.get("events", []) if e["kind"] == kind]
 
 
 # Tensor methods that copy a value to the host: on a GPU each one waits for the device (a sync).
