@@ -10,6 +10,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from ..._text import power_of_two
+
 NO_DATA_TEXT = "no data yet"
 NON_FINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -45,10 +47,9 @@ def format_scale(scale: Any) -> str:
     number = float(scale)
     if not math.isfinite(number):
         return non_finite_label(number)
-    if number > 0:
-        mantissa, exponent = math.frexp(number)
-        if mantissa == 0.5:
-            return f"2^{exponent - 1}"
+    power = power_of_two(number)
+    if power is not None:
+        return power
     return f"{number:.4g}"
 
 

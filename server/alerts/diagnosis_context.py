@@ -9,6 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..._text import power_of_two
 from .evidence import (
     LrJumpEvidence,
     NonFiniteEvidence,
@@ -56,8 +57,7 @@ class RunContext:
 def _power(value: float | None) -> str:
     if value is None or not math.isfinite(value) or value <= 0:
         return str(value)
-    exponent = math.log2(value)
-    return f"2^{int(exponent)}" if exponent == int(exponent) else f"{value:.3g}"
+    return power_of_two(value) or f"{value:.3g}"
 
 
 def _x(value: Any) -> str:

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeGuard
 
+from ...._text import power_of_two
 from ..evidence import Evidence
 
 __all__ = ["CLEAR", "LOSS_KEYS", "Finding", "Param", "RuleType", "StepData", "Verdict"]
@@ -193,11 +194,7 @@ def _times(ratio: float) -> str:
 
 
 def _power_of_two(value: float) -> str:
-    if value > 0 and math.isfinite(value):
-        exponent = math.log2(value)
-        if exponent == int(exponent):
-            return f"2^{int(exponent)}"
-    return f"{value:.3g}"
+    return power_of_two(value) or f"{value:.3g}"
 
 
 LOSS_KEYS = ("loss", "amp/loss")
