@@ -357,8 +357,18 @@ def test_a_4xx_refusal_is_dead_lettered_after_a_bounded_number_of_tries(gate, tm
     run = gradwatch.init(
         project="p", server=gate.url, spool_dir=tmp_path, max_backoff=0.05, flush_interval=0.02
     )
-    for step in range(40):
-        run.log({"x": float(step)} | ({"bad": 1.0} if step == 10 else {}), step=step)
+    # The refused key in a batch of its own step: before it, wait until the run's first batch is
+    # stored (until then the sender holds everything, and a slow machine merged all 40 steps into the
+    # refused batch); after it, until its first refusal.
+    for step in range(10):
+        run.log({"x": float(step)}, step=step)
+    run._flush(None)
+    _wait_until(lambda: run.stats.sent >= 10)
+    run.log({"x": 10.0, "bad": 1.0}, step=10)
+    run._flush(None)
+    _wait_until(lambda: any("bad" in r.keys for r in gate.batches()))
+    for step in range(11, 40):
+        run.log({"x": float(step)}, step=step)
         time.sleep(0.005)
     run.finish()
 
@@ -552,3 +562,10 @@ def test_an_idle_run_keeps_telling_the_server_it_is_alive(sqlite_server, monkeyp
         series = json.loads(answer.read())
     assert series["steps"] == [0, 1] and series["values"] == [1.0, 0.5]
     assert run.stats.dropped == 0
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
