@@ -33,7 +33,6 @@ uploads, a progress line goes to stderr every PROGRESS_EVERY seconds. Idempotent
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from ._dead_letters import REFUSAL_TRIES, SERVER_ERROR_TRIES, BatchFaults
 from ._delivery import Action, Delivery, SenderStats, Verdict, progress_line
 from ._remote import RemoteRun
 from ._spool import DeadLetters, Spool, dead_letter_path
+from ._text import notice
 from ._transport import Backoff, HttpTransport, Transport
 from ._wire import (
     HEALTH_PREFIX,
@@ -71,22 +71,6 @@ PROGRESS_EVERY = 3.0
 KEEPALIVE_S = 60.0
 # Sealed batches the collector encodes ahead of the uploader (each at most max_batch_points points).
 ENCODE_AHEAD = 2
-
-
-def _notice(message: str) -> None:
-    """A line for the person watching (progress): logged at INFO on the "gradwatch" logger when the
-    application shows that logger's INFO records, else written to stderr; nothing when the
-    application set the logger's level above INFO (or disabled it)."""
-    if logger.disabled or logger.level > logging.INFO:
-        return
-    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
-        logger.info(message)
-        return
-    try:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # no usable stderr (closed, or a daemon's None)
-        pass
 
 
 class Sender:
@@ -321,7 +305,7 @@ class Sender:
             self.run_id, done, stats.queued + stats.spooled, quiet, stall_timeout, self.failing_reason
         )
         if line is not None:
-            _notice(line)
+            notice(line)
 
     def release(
         self, run_id: str | None = None, rank: int | None = None, spool_path: Path | None = None
@@ -449,8 +433,7 @@ class Sender:
             self._delivery.seal(now)
 
     def _seal_counters(self, final: bool = False) -> None:
-        """(under _lock) A batch of the health counters alone, at the newest step sealed; the final
-        one repeats how the run ended, so that a run's last batch still says so."""
+        """(under _lock) The health counters alone, at the newest step; the final ones with the status."""
         batch: dict[str, Any] = {"rank": self.rank, "seq": self._seqs.next()}
         if final and self._ended_as is not None:
             batch["status"] = self._ended_as
