@@ -97,7 +97,7 @@ class AlertEngine:
         self.public_url = public_url.rstrip("/")
         self.on_enqueued = on_enqueued  # called after a commit that enqueued deliveries
         self._projects_ready: set[str] = set()
-        self._built: dict[tuple[str, str], RuleType] = {}  # (type, params_json) -> rule (see _rules)
+        self._built: dict[tuple[str, str], RuleType[Any]] = {}  # (type, params_json) -> rule (see _rules)
         self._planned = threading.local()  # .plan: (batch, rules, work) from before_ingest
         self.incidents = Incidents(
             self.link,
@@ -141,7 +141,7 @@ class AlertEngine:
     def forget_project(self, project: str) -> None:
         self._projects_ready.discard(project)
 
-    def _rules(self, session: Session, project: str, run_id: str) -> list[tuple[RuleRow, RuleType]]:
+    def _rules(self, session: Session, project: str, run_id: str) -> list[tuple[RuleRow, RuleType[Any]]]:
         """The enabled rules of a run (its project's and its own), read as plain rows on every batch
         (rules change through the API, maybe on another replica); each rule type is built once per
         (type, parameters) and reused (rule objects hold parameters only, state lives in the rows)."""
@@ -167,7 +167,7 @@ class AlertEngine:
 
     def _plan(
         self, session: Session, run: Run, batch: BatchIn
-    ) -> tuple[list[tuple[RuleRow, RuleType]], list[tuple[RuleRow, RuleType, list[StepData]]]]:
+    ) -> tuple[list[tuple[RuleRow, RuleType[Any]]], list[tuple[RuleRow, RuleType[Any], list[StepData]]]]:
         """The enabled rules of the batch's run and, for each rule that reads anything in the batch, the
         steps it is fed (in step order)."""
         self.ensure_defaults(session, run.project)
@@ -254,7 +254,7 @@ class AlertEngine:
         self.incidents.refresh(session, run, touched, last_step(batch), ended)
 
     def _rewind(
-        self, session: Session, run_id: str, rules: list[tuple[RuleRow, RuleType]], rank: int, step: int
+        self, session: Session, run_id: str, rules: list[tuple[RuleRow, RuleType[Any]]], rank: int, step: int
     ) -> None:
         """A resumed run (a `resume` event at `step`): its steps from there on are a new attempt. Each
         rule starts over as on a new run (the scaler calibrates again, windows refill: a restored loss
@@ -274,7 +274,7 @@ class AlertEngine:
             state.updated_at = time.time()
 
     def _run_ended(
-        self, session: Session, run: Run, periodic: list[tuple[RuleRow, RuleType]], touched: set[int]
+        self, session: Session, run: Run, periodic: list[tuple[RuleRow, RuleType[Any]]], touched: set[int]
     ) -> None:
         """A finished (or crashed) run is no longer expected to report: its heartbeat alerts resolve."""
         for row, rule in periodic:
@@ -286,7 +286,7 @@ class AlertEngine:
                 state.updated_at = time.time()
 
     def _load_state(
-        self, session: Session, rule_row: RuleRow | AlertRule, rule: RuleType, run_id: str
+        self, session: Session, rule_row: RuleRow | AlertRule, rule: RuleType[Any], run_id: str
     ) -> AlertRuleState:
         state = alert_tables.rule_state(session, rule_row.id, run_id)
         if state is None:
@@ -308,7 +308,7 @@ class AlertEngine:
         session: Session,
         run: Run,
         row: RuleRow | AlertRule,
-        rule: RuleType,
+        rule: RuleType[Any],
         fed: list[StepData],
         layers: list[str],
         stored: str | None,
@@ -371,7 +371,7 @@ class AlertEngine:
         session: Session,
         run: Run,
         row: RuleRow | AlertRule,
-        rule: RuleType,
+        rule: RuleType[Any],
         document: dict[str, Any],
         finding: Finding,
         touched: set[int],

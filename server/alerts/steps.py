@@ -35,14 +35,14 @@ def step_data(batch: BatchIn, scalar_keys: set[str], vector_keys: set[str]) -> l
     return [by_step[step] for step in sorted(by_step)]
 
 
-def _read_keys(rule: RuleType, data: StepData) -> list[str]:
+def _read_keys(rule: RuleType[Any], data: StepData) -> list[str]:
     """The scalar and vector keys of `data` that `rule` reads."""
     wanted = rule.scalar_keys | rule.vector_keys | {"amp/skipped", str(rule.values.get("key"))}
     return sorted(k for k in (*data.scalars, *data.vectors) if k in wanted)
 
 
 def complete_steps(
-    document: dict[str, Any], rule: RuleType, fed: list[StepData], final: bool
+    document: dict[str, Any], rule: RuleType[Any], fed: list[StepData], final: bool
 ) -> list[StepData]:
     """A rule's steps as whole steps, however the agent cut them into batches.
 

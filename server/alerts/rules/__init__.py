@@ -1,6 +1,7 @@
 """Alert rule types: pure, incremental evaluators over a run's steps.
 
-Each rule type reads a few wire keys and keeps a small JSON-serialisable state. The engine feeds it one
+Each rule type reads a few wire keys and keeps a small JSON-serialisable state (a TypedDict of
+states.py: RuleType[ItsState]). The engine feeds it one
 StepData per (rank, step) in step order and persists the state per (rule, run), so a restarted server
 continues where it stopped, and evaluation costs O(new points) however long the run is. observe()
 answers, for that step, whether the rule's condition holds (a Finding with its evidence), does not
@@ -22,6 +23,7 @@ of dynamic loss scaling). A calibration that does not end is an alert of its own
     layers      per-layer rules: update ratio (band, outlier layer), underflow, dead layers, weights that
                 stop changing
     liveness    heartbeat and rank disagreement
+    states      each rule type's state, key by key
 A new rule type is a RuleType subclass in the module of its kind, added to RULE_TYPES below (and to
 DEFAULT_RULES if new projects get it).
 """
@@ -81,7 +83,7 @@ __all__ = [
     "make_rule",
 ]
 
-RULE_TYPES: dict[str, type[RuleType]] = {
+RULE_TYPES: dict[str, type[RuleType[Any]]] = {
     rule.name: rule
     for rule in (
         ScalerCalibration,
@@ -129,7 +131,7 @@ DEFAULT_RULES: tuple[str, ...] = (
 )
 
 
-def make_rule(rule_type: str, params: dict[str, Any] | None = None) -> RuleType:
+def make_rule(rule_type: str, params: dict[str, Any] | None = None) -> RuleType[Any]:
     """A rule type with validated parameters. ValueError names an unknown type or a value out of range,
     TypeError a value of the wrong type."""
     try:

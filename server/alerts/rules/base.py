@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeGuard
+from typing import Any, ClassVar, Generic, TypeGuard, TypeVar, cast
 
 from ...._text import power_of_two
 from ..evidence import Evidence
+from .states import OverflowHistory
 
 __all__ = ["CLEAR", "LOSS_KEYS", "Finding", "Param", "RuleType", "StepData", "Verdict"]
 
@@ -91,7 +92,10 @@ class Param:
         return int(value) if self.integer else float(value)
 
 
-class RuleType:
+State = TypeVar("State")  # the rule type's state: a TypedDict of states.py
+
+
+class RuleType(Generic[State]):
     """Base of the rule types. Subclasses set name, params, the keys they read, and observe()."""
 
     name: ClassVar[str]
@@ -141,10 +145,11 @@ class RuleType:
             return False
         return not present.isdisjoint(self.scalar_keys | self.vector_keys | self.event_kinds)
 
-    def initial_state(self) -> dict[str, Any]:
-        return {}
+    def initial_state(self) -> State:
+        """The state of a run this rule has seen nothing of (a TypedDict of states.py)."""
+        return cast(State, {})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: State, data: StepData, layers: list[str]) -> Verdict:
         raise NotImplementedError
 
 
@@ -171,7 +176,7 @@ def _common_layers(entries: list[list[Any]]) -> list[str]:
     return [name for name, _ in counts.most_common(MAX_EVIDENCE_LAYERS)]
 
 
-def _recent_overflows(state: dict[str, Any], data: StepData) -> None:
+def _recent_overflows(state: OverflowHistory, data: StepData) -> None:
     """Keep state["recent"]: one character per step with amp/skipped ("x" skipped, "." applied), the
     last RECENT_STEPS of them (a short string: cheap to store and the same after a JSON round trip)."""
     skipped = data.scalars.get("amp/skipped")
@@ -180,7 +185,7 @@ def _recent_overflows(state: dict[str, Any], data: StepData) -> None:
         state["recent"] = recent[-RECENT_STEPS:]
 
 
-def _overflowed(state: dict[str, Any]) -> str:
+def _overflowed(state: OverflowHistory) -> str:
     """ "N of the last M steps overflowed", counted in the steps _recent_overflows kept; "" before any."""
     recent: str = state.get("recent", "")
     if not recent:
@@ -193,7 +198,9 @@ def _times(ratio: float) -> str:
     return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
 
 
-def _power_of_two(value: float) -> str:
+def _power_of_two(value: float | None) -> str:
+    if value is None:
+        return "unknown"
     return power_of_two(value) or f"{value:.3g}"
 
 

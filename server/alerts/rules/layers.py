@@ -5,7 +5,7 @@ other layers' (update_ratio_outlier), and layers that underflow, get no gradient
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar, TypeVar, cast
 
 from ..evidence import (
     DeadLayersEvidence,
@@ -26,11 +26,12 @@ from .base import (
     _names,
     _times,
 )
+from .states import LayerStreaksState, UpdateRatioBandState, UpdateRatioOutlierState
 
 __all__ = ["DeadLayers", "NotLearning", "UnderflowFraction", "UpdateRatioBand", "UpdateRatioOutlier"]
 
 
-class UpdateRatioBand(RuleType):
+class UpdateRatioBand(RuleType[UpdateRatioBandState]):
     name = "update_ratio"
     family = "divergence"
     description = (
@@ -51,7 +52,7 @@ class UpdateRatioBand(RuleType):
     def reads_signature(self, rank: int, present: frozenset[str]) -> bool:
         return rank == 0 and self.key in present
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: UpdateRatioBandState, data: StepData, layers: list[str]) -> Verdict:
         row = data.vectors.get(self.key)
         if row is None:
             return None
@@ -94,22 +95,26 @@ def _more_layers(count: int) -> str:
     return f" (and {count - 1} more layer{'s' if count > 2 else ''})"
 
 
-class _PersistentLayers(RuleType):
+LayerState = TypeVar("LayerState", bound=LayerStreaksState)
+
+
+class _PersistentLayers(RuleType[LayerState]):
     """Per-layer conditions that must hold on `observations` consecutive observations of a layer
     (one odd step is not a stalled layer), on steps after the run's first applied optimizer step (before
     it, a zero-initialised LoRA B makes A's gradient exactly zero, healthily)."""
 
     family = "stalled"
 
-    def initial_state(self) -> dict[str, Any]:
-        return {"streaks": {}, "applied": 0, "scaler": False}  # streaks: layer index -> observations in a row
+    def initial_state(self) -> LayerState:
+        # streaks: layer index -> observations in a row
+        return cast(LayerState, {"streaks": {}, "applied": 0, "scaler": False})
 
     @staticmethod
     def skipped(data: StepData) -> bool:
         """A skipped step's gradients overflowed: what they show about a layer means nothing."""
         return data.scalars.get("amp/skipped", 0.0) >= 0.5
 
-    def count_applied(self, state: dict[str, Any], data: StepData) -> int:
+    def count_applied(self, state: LayerStreaksState, data: StepData) -> int:
         """Applied optimizer steps before this one (every step, without a GradScaler)."""
         before: int = state["applied"]
         skipped = data.scalars.get("amp/skipped")
@@ -122,7 +127,7 @@ class _PersistentLayers(RuleType):
             state["applied"] = before + 1
         return before
 
-    def streaks(self, state: dict[str, Any], bad: set[int], width: int) -> list[int]:
+    def streaks(self, state: LayerStreaksState, bad: set[int], width: int) -> list[int]:
         """Layers whose condition held on enough consecutive observations, worst (longest) first."""
         streaks: dict[str, int] = state["streaks"]
         updated = {str(i): streaks.get(str(i), 0) + 1 for i in bad if i < width}
@@ -131,7 +136,7 @@ class _PersistentLayers(RuleType):
         return sorted(held, key=lambda i: (-updated[str(i)], i))
 
 
-class UnderflowFraction(_PersistentLayers):
+class UnderflowFraction(_PersistentLayers[LayerStreaksState]):
     name = "underflow"
     family = "precision"
     description = (
@@ -151,7 +156,7 @@ class UnderflowFraction(_PersistentLayers):
     scalar_keys = frozenset({"amp/skipped"})
     vector_keys = frozenset({"grad/underflow_frac", "grad/zero_frac", "grad/precision_loss_frac"})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LayerStreaksState, data: StepData, layers: list[str]) -> Verdict:
         self.count_applied(state, data)
         under = data.vectors.get(self.key)
         zeros = data.vectors.get("grad/zero_frac")
@@ -191,7 +196,7 @@ class UnderflowFraction(_PersistentLayers):
         )
 
 
-class DeadLayers(_PersistentLayers):
+class DeadLayers(_PersistentLayers[LayerStreaksState]):
     name = "dead_layers"
     description = (
         "Trainable layers get no gradient (grad None or exactly zero: a stray .detach(), torch.no_grad(), an "
@@ -204,7 +209,7 @@ class DeadLayers(_PersistentLayers):
     vector_keys = frozenset({"grad/norm"})
     event_kinds = frozenset({"no_gradient"})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LayerStreaksState, data: StepData, layers: list[str]) -> Verdict:
         for kind, event in data.events:
             if kind == "no_gradient":
                 state["none"] = _names(event.get("layers"))
@@ -234,7 +239,7 @@ class DeadLayers(_PersistentLayers):
         )
 
 
-class NotLearning(_PersistentLayers):
+class NotLearning(_PersistentLayers[LayerStreaksState]):
     name = "not_learning"
     description = (
         "Weights stop changing: at least `rounded_away` of a layer's elements with a non-zero gradient were "
@@ -248,7 +253,7 @@ class NotLearning(_PersistentLayers):
     scalar_keys = frozenset({"amp/skipped"})
     vector_keys = frozenset({"update/ratio", "update/rounded_away_frac"})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LayerStreaksState, data: StepData, layers: list[str]) -> Verdict:
         self.count_applied(state, data)
         ratios = data.vectors.get("update/ratio")
         rounded = data.vectors.get("update/rounded_away_frac")
@@ -286,7 +291,7 @@ class NotLearning(_PersistentLayers):
         )
 
 
-class UpdateRatioOutlier(_PersistentLayers):
+class UpdateRatioOutlier(_PersistentLayers[UpdateRatioOutlierState]):
     """One layer (or a few) whose update ratio ||dW||/||W|| is far above every other layer's: a param
     group whose learning rate is 100x the others' (a typo in the embedding's lr) shows as that layer's
     ratio ~100x the median layer's.
@@ -320,10 +325,10 @@ class UpdateRatioOutlier(_PersistentLayers):
     }
     vector_keys = frozenset({"update/ratio"})
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> UpdateRatioOutlierState:
         return {"streaks": {}, "applied": 0, "scaler": False, "zero_weights": [], "fired": False}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: UpdateRatioOutlierState, data: StepData, layers: list[str]) -> Verdict:
         row = data.vectors.get("update/ratio")
         if row is None or state["fired"]:
             return None

@@ -3,15 +3,16 @@ agree on which steps they skipped (rank_disagreement)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ..evidence import RankDisagreementEvidence
 from .base import CLEAR, MAX_WINDOW, Finding, Param, RuleType, StepData, Verdict, _skip_layers
+from .states import NoState, RankDisagreementState
 
 __all__ = ["Heartbeat", "RankDisagreement"]
 
 
-class Heartbeat(RuleType):
+class Heartbeat(RuleType[NoState]):
     name = "heartbeat"
     severity = "critical"
     description = (
@@ -26,11 +27,11 @@ class Heartbeat(RuleType):
     def reads_signature(self, rank: int, present: frozenset[str]) -> bool:
         return rank == 0
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: NoState, data: StepData, layers: list[str]) -> Verdict:
         return CLEAR  # data arrived: the run is alive
 
 
-class RankDisagreement(RuleType):
+class RankDisagreement(RuleType[RankDisagreementState]):
     name = "rank_disagreement"
     severity = "critical"
     description = "Some ranks skipped a step that others applied (their found-inf checks disagree)."
@@ -40,10 +41,10 @@ class RankDisagreement(RuleType):
     scalar_keys = frozenset({"amp/skipped"})
     all_ranks = True
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> RankDisagreementState:
         return {"steps": {}}  # "step" -> {"rank": 0|1}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: RankDisagreementState, data: StepData, layers: list[str]) -> Verdict:
         skipped = data.scalars.get("amp/skipped")
         if skipped is None:
             return None

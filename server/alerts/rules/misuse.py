@@ -9,6 +9,7 @@ from typing import Any
 from ..advice import MISUSE_HINTS
 from ..evidence import MisuseEvidence, UnheldParameters
 from .base import MAX_EVIDENCE_LAYERS, Finding, RuleType, StepData, Verdict, _names
+from .states import MisuseState
 
 __all__ = ["MISUSE_EVENTS", "Misuse", "unheld_parameters_title"]
 
@@ -49,7 +50,7 @@ def unheld_parameters_title(details: Mapping[str, object]) -> str:
     return f"{count} {noun}{weights} {verb} not in the optimizer: {names}"
 
 
-class Misuse(RuleType):
+class Misuse(RuleType[MisuseState]):
     name = "misuse"
     severity = "critical"
     description = (
@@ -63,12 +64,12 @@ class Misuse(RuleType):
     event_kinds = frozenset(MISUSE_EVENTS)
     cooldown_steps = 0
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> MisuseState:
         # seen: [step, kind, hint]; "details": kind -> the numbers of an event that has them; scale: the
         # last loss scale before this step
         return {"seen": [], "scale": None}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: MisuseState, data: StepData, layers: list[str]) -> Verdict:
         new = False
         backed_off = _backed_off_below_one(state, data)
         for kind, event in data.events:
@@ -105,7 +106,7 @@ class Misuse(RuleType):
         )
 
 
-def _backed_off_below_one(state: dict[str, Any], data: StepData) -> bool:
+def _backed_off_below_one(state: MisuseState, data: StepData) -> bool:
     """Whether the scale went below one at this step by the GradScaler's own back-off: the step skipped
     and the scale before it (the skip event's, else the last one reported) was at least one. Keeps
     state["scale"]."""

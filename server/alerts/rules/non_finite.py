@@ -24,11 +24,12 @@ from .base import (
     _skip_layers,
 )
 from .scaler import ScalerPhase
+from .states import LossNonFiniteState, NonFiniteState
 
 __all__ = ["LossNonFinite", "NonFinite"]
 
 
-class NonFinite(RuleType):
+class NonFinite(RuleType[NonFiniteState]):
     name = "non_finite"
     severity = "critical"
     description = (
@@ -41,12 +42,12 @@ class NonFinite(RuleType):
     scalar_keys = frozenset({"grad/global_norm", "amp/skipped", "amp/scale", *LOSS_KEYS})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> NonFiniteState:
         # run: the last MAX_EVIDENCE_POINTS steps [step, value, layers] of the current run of non-finite
         # norms; count and since: its true length and first step
         return {"run": [], "count": 0, "since": None, "phase": ScalerPhase.initial(), "scaler": False}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: NonFiniteState, data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
         kind = ScalerPhase.observe(phase, data)
         if "amp/skipped" in data.scalars:
@@ -64,7 +65,10 @@ class NonFinite(RuleType):
         streak = (state["run"] + [[data.step, norm, _skip_layers(data)]])[-MAX_EVIDENCE_POINTS:]
         # .get: a state stored before the counter existed has at most the list's length
         count = state["count"] = state.get("count", len(state["run"])) + 1
-        since = state["since"] = streak[0][0] if state.get("since") is None else state["since"]
+        since = state.get("since")
+        if since is None:
+            since = streak[0][0]
+        state["since"] = since
         state["run"] = streak
         if not applied and (kind == "calibrating" or not loss_finite or count < self.consecutive):
             return None  # the scaler's business (calibration), or the loss's (loss_non_finite)
@@ -94,7 +98,7 @@ class NonFinite(RuleType):
         )
 
 
-class LossNonFinite(RuleType):
+class LossNonFinite(RuleType[LossNonFiniteState]):
     name = "loss_non_finite"
     severity = "critical"
     family = "data"
@@ -110,10 +114,10 @@ class LossNonFinite(RuleType):
     event_kinds = frozenset({"bad_batch"})
     cooldown_steps = 0
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> LossNonFiniteState:
         return {"bad": [], "count": 0, "finite": 0}  # bad: [step, key, value, ids], the first and the last
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LossNonFiniteState, data: StepData, layers: list[str]) -> Verdict:
         loss = _loss_of(data)
         if loss is None:
             return None

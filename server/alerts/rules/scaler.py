@@ -4,7 +4,7 @@ that read the loss scale: scaler_calibration, scale_drop, skip_storm, scale_floo
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ..evidence import (
     NoScaleGrowthEvidence,
@@ -29,6 +29,14 @@ from .base import (
     _power_of_two,
     _recent_overflows,
     _skip_layers,
+)
+from .states import (
+    NoScaleGrowthState,
+    ScaleDropState,
+    ScaleFloorState,
+    ScalerCalibrationState,
+    ScalerPhaseState,
+    SkipStormState,
 )
 
 __all__ = [
@@ -60,7 +68,7 @@ class ScalerPhase:
     """
 
     @staticmethod
-    def initial() -> dict[str, Any]:
+    def initial() -> ScalerPhaseState:
         return {
             "calibrating": True,
             "start": None,
@@ -77,7 +85,7 @@ class ScalerPhase:
         }
 
     @staticmethod
-    def observe(phase: dict[str, Any], data: StepData) -> str | None:
+    def observe(phase: ScalerPhaseState, data: StepData) -> str | None:
         scale = data.scalars.get("amp/scale")
         skipped = data.scalars.get("amp/skipped")
         previous = phase["scale"]
@@ -134,7 +142,7 @@ class ScalerPhase:
         return "applied"
 
 
-class ScalerCalibration(RuleType):
+class ScalerCalibration(RuleType[ScalerCalibrationState]):
     name = "scaler_calibration"
     severity = "critical"
     description = (
@@ -159,10 +167,10 @@ class ScalerCalibration(RuleType):
     event_kinds = frozenset({"scaler_state_loaded", "skip"})
     cooldown_steps = 0
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> ScalerCalibrationState:
         return {"phase": ScalerPhase.initial(), "layers": [], "recent": ""}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: ScalerCalibrationState, data: StepData, layers: list[str]) -> Verdict:
         phase = state["phase"]
         was_calibrating = phase["calibrating"]
         kind = ScalerPhase.observe(phase, data)
@@ -210,7 +218,7 @@ class ScalerCalibration(RuleType):
             + f" ({reason})",
             ScalerCalibrationEvidence(
                 key="amp/scale",
-                steps=[phase["start"], data.step],
+                steps=[data.step if phase["start"] is None else phase["start"], data.step],
                 values=[start_scale, scale],
                 skipped=skipped,  # every skipped step since `start` (amp/skipped's count)
                 calibrating=phase["calibrating"],
@@ -221,7 +229,7 @@ class ScalerCalibration(RuleType):
         )
 
 
-class ScaleDrop(RuleType):
+class ScaleDrop(RuleType[ScaleDropState]):
     name = "scale_drop"
     severity = "critical"
     description = (
@@ -235,13 +243,13 @@ class ScaleDrop(RuleType):
     scalar_keys = frozenset({"amp/scale", "amp/skipped"})
     event_kinds = frozenset({"skip", "scaler_state_loaded"})
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> ScaleDropState:
         # maxima: [step, scale], decreasing, the sawtooth's trial peaks left out (what is judged);
         # peaks: the same with them (what is reported: the true peak in the window, at its last step);
         # low: [step, scale] where the scale took its current value.
         return {"maxima": [], "peaks": [], "low": None, "skips": [], "phase": ScalerPhase.initial()}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: ScaleDropState, data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
         kind = ScalerPhase.observe(phase, data)
         step = data.step
@@ -296,7 +304,7 @@ def _decreasing(maxima: list[list[float]], step: int, scale: float) -> list[list
     return maxima
 
 
-class SkipStorm(RuleType):
+class SkipStorm(RuleType[SkipStormState]):
     name = "skip_storm"
     severity = "critical"
     description = (
@@ -321,7 +329,7 @@ class SkipStorm(RuleType):
         if self.count > self.window:
             raise ValueError(f"skip_storm: count ({self.count}) cannot exceed window ({self.window})")
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> SkipStormState:
         # skips: [step, layers, scale] of the last judged skips (no probe, no calibration); judged, skipped,
         # seen: as [first, last] spans of steps in the window, the judged skips, every skipped step and
         # every step with amp/skipped (what the counts in the title count)
@@ -334,7 +342,7 @@ class SkipStorm(RuleType):
             "seen": [],
         }
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: SkipStormState, data: StepData, layers: list[str]) -> Verdict:
         phase = state.setdefault("phase", ScalerPhase.initial())
         kind = ScalerPhase.observe(phase, data)
         if kind is None:
@@ -344,11 +352,15 @@ class SkipStorm(RuleType):
             state["judged"] = []
             for skip in state["skips"]:
                 _spans_add(state["judged"], skip[0])
-        spans = {name: _spans_after(state.get(name, []), oldest) for name in ("judged", "skipped", "seen")}
+        spans = {
+            "judged": _spans_after(state.get("judged", []), oldest),
+            "skipped": _spans_after(state.get("skipped", []), oldest),
+            "seen": _spans_after(state.get("seen", []), oldest),
+        }
         _spans_add(spans["seen"], data.step)
         if data.scalars["amp/skipped"] >= 0.5:
             _spans_add(spans["skipped"], data.step)
-        state.update(spans)
+        state["judged"], state["skipped"], state["seen"] = spans["judged"], spans["skipped"], spans["seen"]
         if state.get("first") is None:
             state["first"] = data.step
         if data.step < state["first"] + self.ignore_first or kind == "calibrating":
@@ -409,14 +421,14 @@ def _spans_last(spans: list[list[int]], most: int) -> list[int]:
     return steps
 
 
-class ScaleFloor(RuleType):
+class ScaleFloor(RuleType[ScaleFloorState]):
     name = "scale_floor"
     severity = "critical"
     description = "The loss scale is below `floor` (below 1, gradients overflow even unscaled)."
     params: ClassVar[dict[str, Param]] = {"floor": Param(1.0, minimum=0.0, exclusive_minimum=True)}
     scalar_keys = frozenset({"amp/scale", "amp/skipped"})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: ScaleFloorState, data: StepData, layers: list[str]) -> Verdict:
         _recent_overflows(state, data)
         scale = data.scalars.get("amp/scale")
         if scale is None or math.isnan(scale):
@@ -441,7 +453,7 @@ class ScaleFloor(RuleType):
         )
 
 
-class NoScaleGrowth(RuleType):
+class NoScaleGrowth(RuleType[NoScaleGrowthState]):
     name = "no_scale_growth"
     description = "The loss scale has not grown for `intervals` growth intervals (recurring overflows)."
     params: ClassVar[dict[str, Param]] = {
@@ -452,7 +464,7 @@ class NoScaleGrowth(RuleType):
     }
     scalar_keys = frozenset({"amp/scale"})
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: NoScaleGrowthState, data: StepData, layers: list[str]) -> Verdict:
         scale = data.scalars.get("amp/scale")
         if not _finite(scale):
             return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from ..evidence import ClipSaturationEvidence, LrJumpEvidence, SpikeEvidence
 from .base import (
@@ -23,6 +23,7 @@ from .base import (
     _loss_of,
     _times,
 )
+from .states import ClipSaturationState, LossSpikeState, LrJumpState, SpikeState
 
 __all__ = ["ClipSaturation", "GradNormSpike", "LossSpike", "LrJump"]
 
@@ -67,9 +68,7 @@ def _append_bounded(items: list[Any], item: Any, most: int) -> None:
         del items[: len(items) - most]
 
 
-def _baseline_stats(
-    state: dict[str, Any], step: int, baseline: list[list[float]]
-) -> tuple[float, float, float]:
+def _baseline_stats(state: SpikeState, step: int, baseline: list[list[float]]) -> tuple[float, float, float]:
     """(median, MAD-based spread, TAIL_QUANTILE quantile) of the baseline's values but its latest
     RECENT ones, cached in state["stats"] for BASELINE_REFRESH steps or a BASELINE_REFRESH_SHARE-th of
     the baseline: the baseline moves slowly, and ingest must stay cheap per point however large the window."""
@@ -84,7 +83,10 @@ def _baseline_stats(
     return cached[1], cached[2], cached[3]
 
 
-class _SustainedSpike(RuleType):
+Spike = TypeVar("Spike", bound=SpikeState)
+
+
+class _SustainedSpike(RuleType[Spike]):
     """A value far above a robust baseline on at least `sustain` of the latest RECENT observations
     (grad_norm_spike, loss_spike): state["baseline"] holds [step, judged value] of the `window` steps
     before, state["recent"] the latest [step, hit, value]."""
@@ -97,7 +99,7 @@ class _SustainedSpike(RuleType):
 
     def _sustained(
         self,
-        state: dict[str, Any],
+        state: SpikeState,
         step: int,
         hit: bool,
         value: float,
@@ -129,7 +131,7 @@ class _SustainedSpike(RuleType):
         return CLEAR if not hits else None
 
 
-class GradNormSpike(_SustainedSpike):
+class GradNormSpike(_SustainedSpike[SpikeState]):
     name = "grad_norm_spike"
     description = (
         "The global gradient norm jumped and stays up: on at least `sustain` of the last 5 applied steps the "
@@ -149,10 +151,10 @@ class GradNormSpike(_SustainedSpike):
     scalar_keys = frozenset({"grad/global_norm"})
     MIN_SPREAD = 0.01  # log10 units (~2%): a perfectly flat baseline must not make every wiggle a spike
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> SpikeState:
         return {"baseline": [], "recent": []}  # baseline: [step, log10 norm]; recent: [step, hit, norm]
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: SpikeState, data: StepData, layers: list[str]) -> Verdict:
         norm = data.scalars.get("grad/global_norm")
         if not _finite(norm) or norm <= 0 or data.scalars.get("amp/skipped", 0.0) >= 0.5:
             return None
@@ -180,7 +182,7 @@ class GradNormSpike(_SustainedSpike):
         return verdict
 
 
-class LossSpike(_SustainedSpike):
+class LossSpike(_SustainedSpike[LossSpikeState]):
     name = "loss_spike"
     description = (
         "The loss rose and stays up: on at least `sustain` of the last 5 steps it was at least `min_ratio`x "
@@ -203,7 +205,7 @@ class LossSpike(_SustainedSpike):
     }
     scalar_keys = frozenset({*LOSS_KEYS, "lr"})
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> LossSpikeState:
         return {
             "baseline": [],
             "recent": [],
@@ -213,7 +215,7 @@ class LossSpike(_SustainedSpike):
             "grace_until": -1,
         }
 
-    def _track_lr(self, state: dict[str, Any], data: StepData) -> None:
+    def _track_lr(self, state: LossSpikeState, data: StepData) -> None:
         lr = data.scalars.get("lr")
         if not _finite(lr):
             return
@@ -223,7 +225,7 @@ class LossSpike(_SustainedSpike):
         state["lr"] = lr
         state["lr_max"] = lr if peak is None else max(peak, lr)
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LossSpikeState, data: StepData, layers: list[str]) -> Verdict:
         self._track_lr(state, data)
         loss = _loss_of(data)
         if loss is None or not math.isfinite(loss[1]):
@@ -263,7 +265,7 @@ class LossSpike(_SustainedSpike):
         return verdict
 
 
-class LrJump(RuleType):
+class LrJump(RuleType[LrJumpState]):
     name = "lr_jump"
     family = "divergence"
     description = (
@@ -278,10 +280,10 @@ class LrJump(RuleType):
     scalar_keys = frozenset({"lr"})
     cooldown_steps = 0
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> LrJumpState:
         return {"count": 0, "lr": None, "peak": None, "jump": None}  # jump: [step, from, to, peak before]
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: LrJumpState, data: StepData, layers: list[str]) -> Verdict:
         lr = data.scalars.get("lr")
         if not _finite(lr):
             return None
@@ -314,7 +316,7 @@ class LrJump(RuleType):
         )
 
 
-class ClipSaturation(RuleType):
+class ClipSaturation(RuleType[ClipSaturationState]):
     name = "clip_saturation"
     family = "stalled"
     description = (
@@ -335,12 +337,12 @@ class ClipSaturation(RuleType):
     }
     scalar_keys = frozenset({"grad/global_norm", "grad/clip_max_norm", "amp/micro_batches"})
 
-    def initial_state(self) -> dict[str, Any]:
+    def initial_state(self) -> ClipSaturationState:
         # recent: [step, norm / max_norm] of the active window's steps, oldest first; ordered: the same
         # ratios sorted, so that the share clipped and the median cost O(log window) per step.
         return {"recent": [], "ordered": [], "micro_batches": 1}
 
-    def observe(self, state: dict[str, Any], data: StepData, layers: list[str]) -> Verdict:
+    def observe(self, state: ClipSaturationState, data: StepData, layers: list[str]) -> Verdict:
         micro = data.scalars.get("amp/micro_batches")
         if _finite(micro):
             state["micro_batches"] = micro
