@@ -9,9 +9,10 @@ goes on. Lists hold JSON arrays ([step, value, ...] rows: see each rule's initia
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from typing_extensions import NotRequired
+if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): no import needed there
+    from typing_extensions import NotRequired
 
 __all__ = [
     "ClipSaturationState",
