@@ -288,20 +288,14 @@ class AlertEngine:
     def _load_state(
         self, session: Session, rule_row: RuleRow | AlertRule, rule: RuleType[Any], run_id: str
     ) -> AlertRuleState:
-        state = alert_tables.rule_state(session, rule_row.id, run_id)
-        if state is None:
-            document = {
-                "eval": rule.initial_state(),
-                "last": {},
-                "alert": None,
-                "last_alert": None,
-                "fired_step": None,
-            }
-            state = AlertRuleState(
-                rule_id=rule_row.id, run_id=run_id, state_json=json.dumps(document), updated_at=time.time()
-            )
-            session.add(state)
-        return state
+        document = {
+            "eval": rule.initial_state(),
+            "last": {},
+            "alert": None,
+            "last_alert": None,
+            "fired_step": None,
+        }
+        return alert_tables.rule_state_or_new(session, rule_row.id, run_id, json.dumps(document), time.time())
 
     def _evaluate(
         self,

@@ -64,6 +64,7 @@ __all__ = [
     "reopen_alert",
     "restart_rule",
     "rule_state",
+    "rule_state_or_new",
     "rules",
     "run_incidents",
     "series_ids",
@@ -151,6 +152,27 @@ def rule_state(session: Session, rule_id: int, run_id: str) -> AlertRuleState | 
         .where(AlertRuleState.rule_id == rule_id, AlertRuleState.run_id == run_id)
         .with_for_update()
     ).first()
+
+
+def rule_state_or_new(
+    session: Session, rule_id: int, run_id: str, state_json: str, now: float
+) -> AlertRuleState:
+    """One rule's state on a run, locked FOR UPDATE; first created with `state_json` when there is none.
+    Two transactions may both find none (the heartbeat check on the server's clock and an ingest of
+    the same run): the insert does nothing for the second, which waits for the first and reads its
+    state, instead of failing the batch on the unique key."""
+    state = rule_state(session, rule_id, run_id)
+    if state is None:
+        bulk.execute(
+            session,
+            "INSERT INTO alert_rule_states (rule_id, run_id, state_json, updated_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
+            [rule_id, run_id, state_json, now],
+        )
+        state = rule_state(session, rule_id, run_id)
+        if state is None:  # the row exists now, ours or the other's: only a deleted rule or run is missing
+            raise RuntimeError(f"alert rule state ({rule_id}, {run_id!r}) vanished while created")
+    return state
 
 
 def enabled_rules_of_type(session: Session, rule_type: str) -> Sequence[AlertRule]:
