@@ -341,7 +341,14 @@ def test_sender_waits_the_servers_retry_after_and_drops_nothing(tmp_path) -> Non
     sender.submit(buffer.take([], None))
     assert sender.close(timeout=10)
     waits = [b - a for a, b in zip(transport.attempts, transport.attempts[1:], strict=False)]
-    assert len(waits) == 2 and min(waits) >= 0.6, waits  # backoff alone would have waited ~0.01 s
+    # Two refusals, the batch, then close()'s final counters (no data, sent right after).
+    assert len(waits) == 3 and min(waits[:2]) >= 0.6, waits  # backoff alone would have waited ~0.01 s
+    assert {s["key"] for s in transport.stored[-1]["scalars"]} <= {
+        "agent/queued",
+        "agent/sent",
+        "agent/spooled",
+        "agent/dropped",
+    }
     stats = sender.stats
     assert (stats.sent, stats.dropped) == (10, 0)
     assert next(s for b in transport.stored for s in b["scalars"] if s["key"] == "loss")["steps"] == list(
