@@ -50,9 +50,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
+from _common import CHROMIUM, CHROMIUM_ARGS
 
-CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 GRAPHS = (
     "loss-graph",
     "scale-graph",

@@ -27,21 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import Server, cpu_name, free_port, percentile, server_command, server_env
+from _common import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    Server,
+    cpu_name,
+    free_port,
+    percentile,
+    server_command,
+    server_env,
+)
 
 import gradwatch
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 HAS_STEP = (
     "(step) => { const g = document.querySelector('#loss-graph .js-plotly-plot');"
     " return !!(g && g.data && g.data.some(t => t.x && t.x.includes(step))); }"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from functools import partial
 from typing import Any
 
@@ -194,20 +194,12 @@ async def runs_doorbell(websocket: WebSocket, token: str | None) -> None:
                 await websocket.send_text(_dumps({"type": "runs"}))
             except WebSocketDisconnect:
                 return
-            receiver = asyncio.create_task(_until_disconnect(websocket))
-            pusher = asyncio.create_task(_ring_for_runs(websocket, hub, store, watch, principal))
-            access = asyncio.create_task(_keep_reader(tokens, token))
-            try:
-                await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (receiver, pusher, access):
-                    task.cancel()
-                await asyncio.gather(receiver, pusher, access, return_exceptions=True)
-            lost = None if access.cancelled() else access.exception()
-            if isinstance(lost, Unauthenticated):
-                await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
-            elif isinstance(lost, Forbidden):
-                await _close(websocket, CLOSE_FORBIDDEN, str(lost))
+            _, lost = await _serve_until_done(
+                websocket,
+                _ring_for_runs(websocket, hub, store, watch, principal),
+                _keep_reader(tokens, token),
+            )
+            await _close_if_access_lost(websocket, lost)
 
 
 def _reader(tokens: Tokens, token: str | None) -> Principal:
@@ -307,25 +299,46 @@ async def _stream(
         except WebSocketDisconnect:
             return
         wake.set()  # read at once: the backlog after `since`, and whatever was stored since the cursor
-        receiver = asyncio.create_task(_until_disconnect(websocket))
-        pusher = asyncio.create_task(_push(websocket, hub, store, cursor, wake))
-        access = asyncio.create_task(_keep_authorized(websocket, run_id, token))
-        try:
-            await asyncio.wait((receiver, pusher, access), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (receiver, pusher, access):
-                task.cancel()
-            await asyncio.gather(receiver, pusher, access, return_exceptions=True)
-        failure = None if pusher.cancelled() else pusher.exception()
-        lost = None if access.cancelled() else access.exception()
-        if isinstance(lost, Unauthenticated):
-            await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
-        elif isinstance(lost, Forbidden):
-            await _close(websocket, CLOSE_FORBIDDEN, str(lost))
-        elif isinstance(failure, NotFound) or isinstance(lost, NotFound):
+        failure, lost = await _serve_until_done(
+            websocket,
+            _push(websocket, hub, store, cursor, wake),
+            _keep_authorized(websocket, run_id, token),
+        )
+        if await _close_if_access_lost(websocket, lost):
+            return
+        if isinstance(failure, NotFound) or isinstance(lost, NotFound):
             await _close(websocket, CLOSE_NOT_FOUND, f"run {run_id!r} was deleted")
         elif failure is not None and not isinstance(failure, WebSocketDisconnect):
             raise failure
+
+
+async def _serve_until_done(
+    websocket: WebSocket, pusher: Coroutine[Any, Any, None], access: Coroutine[Any, Any, None]
+) -> tuple[BaseException | None, BaseException | None]:
+    """Run a stream's pusher and its access checks until either ends or the client leaves; what the
+    pusher and the access check raised, if they ended so."""
+    receiver = asyncio.create_task(_until_disconnect(websocket))
+    pushing, checking = asyncio.create_task(pusher), asyncio.create_task(access)
+    try:
+        await asyncio.wait((receiver, pushing, checking), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (receiver, pushing, checking):
+            task.cancel()
+        await asyncio.gather(receiver, pushing, checking, return_exceptions=True)
+    failure = None if pushing.cancelled() else pushing.exception()
+    lost = None if checking.cancelled() else checking.exception()
+    return failure, lost
+
+
+async def _close_if_access_lost(websocket: WebSocket, lost: BaseException | None) -> bool:
+    """Close with 4401 / 4403 when the stream's token stopped being accepted; whether it did."""
+    if isinstance(lost, Unauthenticated):
+        await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
+    elif isinstance(lost, Forbidden):
+        await _close(websocket, CLOSE_FORBIDDEN, str(lost))
+    else:
+        return False
+    return True
 
 
 ACCESS_RECHECK_S = 2.0  # a revoked token's open stream closes within this long
