@@ -199,10 +199,14 @@ def _read_new(
 ) -> LiveUpdate:
     """What is new for `cursor`, advancing the cursor past it (only once everything was read: a read
     that fails leaves it where it was). Raises NotFound once the run is gone."""
+    # The status first: it then never names a step whose points this read has not seen. On PostgreSQL
+    # the read is one snapshot (read_new); on SQLite each SELECT is its own (the driver begins no
+    # transaction for reads), and a batch committing between the points and a later status read made a
+    # status announce steps whose points came only with the next message.
+    status = _run_status(session, cursor.run_id)
     series, ranks = _series_and_ranks(session, cursor)
     points, last_steps, more = _new_points(session, cursor, series, ranks, max_points)
     events, more_events = _new_events(session, cursor, ranks, max_events)
-    status = _run_status(session, cursor.run_id)  # the same snapshot: it covers exactly the data above
     changed = status != cursor.status
     cursor.points.update(last_steps)
     cursor.events.update({event.rank: (event.step, event.id) for event in events})

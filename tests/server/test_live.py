@@ -689,3 +689,40 @@ def test_the_runs_lists_doorbell_rings_for_the_readers_projects_only(database_ur
     finally:
         engine.dispose()
         server.stop()
+
+
+def test_a_status_never_names_a_step_whose_points_the_same_read_missed(database_url, monkeypatch):
+    """A batch that commits in the middle of a live read (between its points and its events, here)
+    must not make that read's status announce steps whose points it did not see: on SQLite each
+    SELECT has its own snapshot, so the status is read first."""
+    from gradwatch.server.database import make_engine, prepare_schema
+    from gradwatch.server.schemas import BatchIn, RunIn
+    from gradwatch.server.storage import Store
+    from gradwatch.server.storage import live as live_reads
+
+    engine = make_engine(database_url)
+    prepare_schema(engine, database_url)
+    try:
+        store = Store(engine)
+        store.create_run(RunIn(project="p", id="run-1"))
+        cursor = store.live.open_cursor("run-1", None, None, None)
+        read_events = live_reads._new_events
+        committed = []
+
+        def events_after_a_commit(*args: Any, **kwargs: Any) -> Any:
+            if not committed:  # another request's batch commits right now
+                store.ingest("run-1", BatchIn.model_validate(_scalars(0, [0, 1, 2, 3, 4])))
+                committed.append(True)
+            return read_events(*args, **kwargs)
+
+        monkeypatch.setattr(live_reads, "_new_events", events_after_a_commit)
+        update = store.live.read_new(cursor)
+        seen = max((step for chunk in update.points for step in chunk.steps), default=None)
+        if update.status is not None and update.status[1] is not None:
+            assert seen is not None and update.status[1] <= seen, (update.status, seen)
+        monkeypatch.setattr(live_reads, "_new_events", read_events)
+        after = store.live.read_new(cursor)  # the next read brings the rest, and then the status
+        steps = sorted(s for u in (update, after) for chunk in u.points for s in chunk.steps)
+        assert steps == [0, 1, 2, 3, 4] and cursor.status == ("running", 4)
+    finally:
+        engine.dispose()
