@@ -65,6 +65,21 @@ def _integer(params: QueryParams, name: str, lowest: int) -> int | None:
     return value
 
 
+# What a refusal closes a stream with: the HTTP status it would have been, + 4000.
+_REFUSAL_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (_BadQuery, CLOSE_BAD_REQUEST),
+    (Unauthenticated, CLOSE_UNAUTHENTICATED),
+    (Forbidden, CLOSE_FORBIDDEN),
+    (NotFound, CLOSE_NOT_FOUND),
+)
+
+
+async def _refuse(websocket: WebSocket, exc: Exception) -> None:
+    """Close with the code of `exc`'s refusal (_REFUSAL_CODES) and its message as the reason."""
+    code = next(code for kind, code in _REFUSAL_CODES if isinstance(exc, kind))
+    await _close(websocket, code, str(exc))
+
+
 async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     encoded = reason.encode()[:_MAX_REASON_BYTES]
     await websocket.close(code, encoded.decode(errors="ignore"))
@@ -181,11 +196,8 @@ async def runs_doorbell(websocket: WebSocket, token: str | None) -> None:
         await websocket.accept()
         try:
             principal = await anyio.to_thread.run_sync(_reader, tokens, token)
-        except Unauthenticated as exc:
-            await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
-            return
-        except Forbidden as exc:
-            await _close(websocket, CLOSE_FORBIDDEN, str(exc))
+        except (Unauthenticated, Forbidden) as exc:
+            await _refuse(websocket, exc)
             return
         hub: LiveHub = websocket.app.state.live
         store: Store = websocket.app.state.store
@@ -258,17 +270,8 @@ async def serve_stream(
             keys, rank, since = query()
             token = token_of()
             await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
-        except _BadQuery as exc:
-            await _close(websocket, CLOSE_BAD_REQUEST, str(exc))
-            return
-        except Unauthenticated as exc:
-            await _close(websocket, CLOSE_UNAUTHENTICATED, str(exc))
-            return
-        except Forbidden as exc:
-            await _close(websocket, CLOSE_FORBIDDEN, str(exc))
-            return
-        except NotFound as exc:
-            await _close(websocket, CLOSE_NOT_FOUND, str(exc))
+        except (_BadQuery, Unauthenticated, Forbidden, NotFound) as exc:
+            await _refuse(websocket, exc)
             return
         await _stream(websocket, run_id, token, keys, rank, since)
 
@@ -332,12 +335,9 @@ async def _serve_until_done(
 
 async def _close_if_access_lost(websocket: WebSocket, lost: BaseException | None) -> bool:
     """Close with 4401 / 4403 when the stream's token stopped being accepted; whether it did."""
-    if isinstance(lost, Unauthenticated):
-        await _close(websocket, CLOSE_UNAUTHENTICATED, str(lost))
-    elif isinstance(lost, Forbidden):
-        await _close(websocket, CLOSE_FORBIDDEN, str(lost))
-    else:
+    if not isinstance(lost, (Unauthenticated, Forbidden)):
         return False
+    await _refuse(websocket, lost)
     return True
 
 
