@@ -74,11 +74,13 @@ CONFIGS = {"off": {"ingest_concurrency": 0, "ingest_points_per_s": 0}, "on": {}}
 SERVE = """
 import json, sys
 import uvicorn
-from gradwatch.server import connections
+from gradwatch.server import connections, listener
 from gradwatch.server.app import create_app
 from gradwatch.server.settings import Settings
-uvicorn.run(create_app(Settings(**json.loads(sys.argv[1]))), host="127.0.0.1", port=int(sys.argv[2]),
-            log_level="warning", **connections.uvicorn_options())
+settings = Settings(**json.loads(sys.argv[1]))
+config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
+                        **connections.uvicorn_options())
+listener.GuardedServer(config, settings.connections_per_address).run()
 """
 
 

@@ -14,7 +14,8 @@ and then nothing kept a server at its limit (every new connection, /healthz incl
 - per client address at most HEAD_WAITING_PER_ADDRESS connections waiting for their head: a new one
   evicts that address's oldest, so one machine's flood never evicts another's connections.
 
-Used by `gradwatch server` and BackgroundServer: uvicorn.Config(http=GuardedH11Protocol).
+Used by `gradwatch server` and BackgroundServer: uvicorn.Config(http=GuardedH11Protocol), served by
+server.listener.GuardedServer (which bounds what happens before a connection has a protocol).
 """
 
 from __future__ import annotations
@@ -121,5 +122,5 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def uvicorn_options() -> dict[str, Any]:
-    """What uvicorn.Config needs to serve with these bounds."""
+    """What uvicorn.Config needs to serve with these bounds (served by listener.GuardedServer)."""
     return {"http": GuardedH11Protocol}

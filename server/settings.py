@@ -76,6 +76,12 @@ class Settings:
     ingest_burst_points: float = field(
         default_factory=lambda: limit_from_env("GRADWATCH_INGEST_BURST_POINTS", 100_000)
     )
+    # Connections one client address may hold open at once (server.listener; as nginx.conf's limit_conn);
+    # addresses trusted as proxies (uvicorn's FORWARDED_ALLOW_IPS, default loopback) are not capped.
+    # Raise it for many ranks behind one NAT address; 0: no cap. Env: GRADWATCH_CONNECTIONS_PER_ADDRESS.
+    connections_per_address: int = field(
+        default_factory=lambda: int(limit_from_env("GRADWATCH_CONNECTIONS_PER_ADDRESS", 256))
+    )
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
     # Host names answered besides loopback names, IP addresses, public_url's host and the listening host

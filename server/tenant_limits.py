@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +47,8 @@ READ_BURST_S = 2.0
 # threads, or 2,000 coroutines reconnecting a stream) cannot make the server refuse it thousands of times
 # a second (each refusal costs the one event loop a fraction of a millisecond). Held requests cost a
 # socket and a sleeping coroutine; beyond the cap a tenant's further ones are answered at once and closed.
+# A stream's hold is spread over its last half: 2,000 streams refused together and answered together
+# made one turn of the event loop 0.3 s long, and every other request waited for it.
 READ_REFUSAL_HOLD_S = 2.0
 READS_HELD_PER_TENANT = 16
 STREAM_REFUSAL_HOLD_S = 10.0
@@ -221,15 +224,16 @@ class TenantLimits:
         return True
 
     async def refuse_stream(self, key: str) -> bool:
-        """Before a refused stream is answered: hold it STREAM_REFUSAL_HOLD_S (a client that reconnects
-        at once cannot make the server refuse it thousands of times a second), at most
-        STREAMS_HELD_PER_TENANT of the tenant's at once. Returns whether it was held."""
+        """Before a refused stream is answered: hold it half to all of STREAM_REFUSAL_HOLD_S (a client
+        that reconnects at once cannot make the server refuse it thousands of times a second; a crowd
+        refused at once is answered spread out), at most STREAMS_HELD_PER_TENANT of the tenant's at
+        once. Returns whether it was held."""
         tenant = self._tenant(key)
         if tenant.streams_held >= STREAMS_HELD_PER_TENANT:
             return False
         tenant.streams_held += 1
         try:
-            await asyncio.sleep(STREAM_REFUSAL_HOLD_S)
+            await asyncio.sleep(STREAM_REFUSAL_HOLD_S * random.uniform(0.5, 1.0))
         finally:
             tenant.streams_held -= 1
         return True

@@ -155,7 +155,7 @@ async def live(websocket: WebSocket, run_id: str) -> None:
     token that may not read the run, 4404 unknown (or deleted) run (the HTTP status + 4000); 1011
     the database could not be read at connect; 1012 the server shuts down. A token (or a server) at its
     most live streams (tenant_limits.STREAMS_PER_TENANT, STREAMS_PER_PROCESS) is refused at the
-    handshake, HTTP 403 after a hold of up to 2 s.
+    handshake, HTTP 403 after a hold of 5 to 10 s (STREAM_REFUSAL_HOLD_S).
     """
     # The token: ?token= (browsers cannot set headers on a WebSocket), or the header (a malformed one
     # is refused with 4401 once the stream has its place).

@@ -54,6 +54,28 @@ def test_a_read_that_waits_too_long_is_refused_and_gives_its_place_back(monkeypa
     assert asyncio.run(scenario()) == (False, True)
 
 
+def test_refused_streams_are_held_for_spread_out_times(monkeypatch):
+    """2,000 streams refused together and answered together made one turn of the event loop 0.3 s
+    long: each refusal is held between half and all of STREAM_REFUSAL_HOLD_S, drawn apart."""
+    holds: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        holds.append(seconds)
+
+    monkeypatch.setattr(tenant_limits.asyncio, "sleep", sleep)
+
+    async def scenario() -> None:
+        limits = TenantLimits()
+        for _ in range(200):
+            assert await limits.refuse_stream("a")
+
+    asyncio.run(scenario())
+    hold = tenant_limits.STREAM_REFUSAL_HOLD_S
+    assert all(hold / 2 <= seconds <= hold for seconds in holds)
+    assert len(set(holds)) == 200
+    assert max(holds) - min(holds) > hold / 4
+
+
 def test_run_creation_is_a_bucket_per_tenant() -> None:
     now = [0.0]
     limits = TenantLimits(runs_per_s=2.0, run_burst=3.0, clock=lambda: now[0])

@@ -1,0 +1,164 @@
+"""The listening socket (server.listener): connections are accepted a few per turn of the event loop,
+and one client address may hold only so many at once (real sockets; a real server for the cap)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from gradwatch.server.listener import ACCEPTS_PER_TURN, GuardedListener, TrustedProxies
+
+
+def _listening(per_address: int = 0, trusted: str = "") -> GuardedListener:
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    listener = GuardedListener(bound, per_address, TrustedProxies(trusted))
+    listener.listen(512)
+    listener.setblocking(False)
+    return listener
+
+
+def _connect(port: int, source: str = "127.0.0.2") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def test_a_flood_is_accepted_a_few_connections_per_turn_of_the_event_loop():
+    """100 connections waiting: asyncio asks accept() until it says "none waiting"; it hands over
+    ACCEPTS_PER_TURN, then the next ones only on the loop's next turn (before: all 100 in one turn, and
+    each of them set up on the turns after while open connections' requests waited)."""
+    listener = _listening()
+    clients = [_connect(listener.getsockname()[1]) for _ in range(100)]
+
+    async def turns() -> list[int]:
+        accepted: list[socket.socket] = []
+        per_turn = []
+        while len(accepted) < len(clients):
+            before = len(accepted)
+            while True:  # as asyncio's _accept_connection does, once per readiness
+                try:
+                    accepted.append(listener.accept()[0])
+                except BlockingIOError:
+                    break
+            per_turn.append(len(accepted) - before)
+            await asyncio.sleep(0)  # the loop's next turn
+        for connection in accepted:
+            connection.close()
+        return per_turn
+
+    try:
+        per_turn = asyncio.run(asyncio.wait_for(turns(), 30))
+    finally:
+        for client in clients:
+            client.close()
+        listener.close()
+    assert sum(per_turn) == 100
+    assert max(per_turn) == ACCEPTS_PER_TURN
+    assert len(per_turn) >= 100 // ACCEPTS_PER_TURN
+
+
+def test_an_address_over_its_most_connections_is_closed_at_accept_and_a_closed_one_gives_its_place_back():
+    listener = _listening(per_address=3, trusted="127.0.0.1")
+    port = listener.getsockname()[1]
+
+    async def accept_all() -> list[socket.socket]:
+        kept = []
+        await asyncio.sleep(0.2)  # the kernel has completed the connects
+        for _ in range(10):
+            while True:
+                try:
+                    kept.append(listener.accept()[0])
+                except BlockingIOError:
+                    break
+            await asyncio.sleep(0)
+        return kept
+
+    flood = [_connect(port) for _ in range(5)]
+    others = [_connect(port, "127.0.0.3"), _connect(port, "127.0.0.1"), _connect(port, "127.0.0.1")]
+    trusted = [_connect(port, "127.0.0.1") for _ in range(4)]
+    try:
+        kept = asyncio.run(accept_all())
+        by_address = sorted(connection.getpeername()[0] for connection in kept)
+        assert by_address == ["127.0.0.1"] * 6 + ["127.0.0.2"] * 3 + ["127.0.0.3"]  # proxies: no cap
+        assert listener.refused == 2
+        assert listener.held == {"127.0.0.2": 3, "127.0.0.3": 1}
+        for client in flood[3:]:  # the two over the cap were reset, without a byte
+            client.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                client.recv(1)
+        next(c for c in kept if c.getpeername()[0] == "127.0.0.2").close()
+        assert listener.held["127.0.0.2"] == 2
+        again = _connect(port)
+        kept += asyncio.run(accept_all())
+        assert listener.held["127.0.0.2"] == 3 and listener.refused == 2
+        again.close()
+        for connection in kept:
+            connection.close()
+        assert listener.held == {}
+    finally:
+        for client in flood + others + trusted:
+            client.close()
+        listener.close()
+
+
+def test_trusted_proxies_are_uvicorns_forwarded_allow_ips():
+    trusted = TrustedProxies("127.0.0.1, ::1, 10.1.0.0/16,/tmp/gw.sock")
+    assert "127.0.0.1" in trusted and "::1" in trusted and "10.1.200.3" in trusted
+    assert "127.0.0.2" not in trusted and "10.2.0.1" not in trusted and "" not in trusted
+    assert "203.0.113.9" in TrustedProxies(["*"])
+
+
+def test_the_server_caps_one_addresss_connections_and_serves_everyone_else(sqlite_url):
+    """A real server (`gradwatch server`'s listener): 127.0.0.2 holds its most kept-alive connections;
+    its next one is closed at once; another address, and 127.0.0.1 (trusted: a proxy's address), are
+    served; a closed connection gives its place back."""
+    from conftest import free_port
+
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    server = BackgroundServer(
+        Settings(database_url=sqlite_url, connections_per_address=4),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
+    ).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    def answered(sock: socket.socket) -> bool:
+        try:
+            sock.sendall(head)
+            return sock.recv(64).startswith(b"HTTP/1.1 200")
+        except ConnectionError:
+            return False
+
+    held = [_connect(port) for _ in range(4)]
+    try:
+        assert all(answered(sock) for sock in held)  # kept alive: each holds its place
+        extra = _connect(port)
+        assert not answered(extra)
+        extra.close()
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200  # 127.0.0.1: not capped
+        elsewhere = _connect(port, "127.0.0.3")
+        assert answered(elsewhere)
+        elsewhere.close()
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the server sees the close on its next turn
+            again = _connect(port)
+            served = answered(again)
+            again.close()
+            if served or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert served
+        listener = server.server.listeners[0]
+        assert listener.refused >= 1
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
