@@ -84,6 +84,26 @@ class EventRecord:
     data: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class _PackedLayerData:
+    """A batch's per-layer vectors and histograms as stored, by (key, step): the last of a repeated
+    (key, step) wins, as in the rows written."""
+
+    vectors: dict[tuple[str, int], bytes]
+    histograms: dict[tuple[str, int], bytes]
+
+    @classmethod
+    def of(cls, batch: BatchIn) -> _PackedLayerData:
+        return cls(
+            {
+                (v.key, step): pack(row, "d")
+                for v in batch.vectors
+                for step, row in zip(v.steps, v.values, strict=True)  # validated to pair up
+            },
+            {(h.key, h.step): pack([c for row in h.counts for c in row], "q") for h in batch.histograms},
+        )
+
+
 class Store:
     """Runs and their data (create, list, ingest, series, vectors, histograms, events), on SQLite or
     PostgreSQL."""
@@ -278,8 +298,11 @@ class Store:
                 if run is not None:  # else _ingest says it does not exist
                     for check in self.before_ingest:
                         check(session, run, batch)
+        # Packed before the transaction: on SQLite every other tenant's write waits while it is open
+        # (a batch of 2,000,000 per-layer numbers spent ~30 ms of it packing).
+        packed = _PackedLayerData.of(batch)
         try:
-            return self._ingest(run_id, batch, may_rewrite_history)
+            return self._ingest(run_id, batch, may_rewrite_history, packed)
         except IntegrityError:
             # SQLite reads the run before its first write takes the database lock: a run deleted in
             # between fails the batch's foreign key to runs. Say what happened instead of a 500.
@@ -288,7 +311,9 @@ class Store:
                     raise NotFound(f"run {run_id!r} does not exist (it was deleted)") from None
             raise
 
-    def _ingest(self, run_id: str, batch: BatchIn, may_rewrite_history: bool) -> IngestResult:
+    def _ingest(
+        self, run_id: str, batch: BatchIn, may_rewrite_history: bool, packed: _PackedLayerData
+    ) -> IngestResult:
         now = time.time()
         # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
         resuming = any(event.kind == resumes.RESUME_EVENT for event in batch.events)
@@ -364,7 +389,7 @@ class Store:
                     ],
                 )
                 last_step = max(last_step, max(e.step for e in batch.events))
-            last_step = max(last_step, self._ingest_layer_data(session, run_id, batch))
+            last_step = max(last_step, self._ingest_layer_data(session, run_id, batch, packed))
             reached_step: tuple[str, int | None] | None = None
             if resume is not None:  # the steps after the resume are gone (or were never there)
                 reached = max(last_step, resume.step - 1)
@@ -390,8 +415,11 @@ class Store:
             notify(run_id, batch)
         return result
 
-    def _ingest_layer_data(self, session: Session, run_id: str, batch: BatchIn) -> int:
-        """Store the batch's per-layer vectors and histograms; returns the largest step (or -1)."""
+    def _ingest_layer_data(
+        self, session: Session, run_id: str, batch: BatchIn, packed: _PackedLayerData
+    ) -> int:
+        """Store the batch's per-layer vectors and histograms (packed: as packed before the transaction,
+        for the steps a resume left of them); returns the largest step (or -1)."""
         if not batch.vectors and not batch.histograms:
             return -1
         layers = batch.layers
@@ -413,9 +441,7 @@ class Store:
                 )
         vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
         vector_rows = {
-            (vector_ids[v.key], step): row
-            for v in batch.vectors
-            for step, row in zip(v.steps, v.values, strict=True)  # validated to pair up
+            (vector_ids[v.key], step): packed.vectors[v.key, step] for v in batch.vectors for step in v.steps
         }
         if vector_rows:
             bulk.upsert(
@@ -423,7 +449,7 @@ class Store:
                 VectorPoint.__table__,
                 ("series_id", "rank", "step", "data"),
                 ("series_id", "rank", "step"),
-                [(sid, batch.rank, step, pack(row, "d")) for (sid, step), row in vector_rows.items()],
+                [(sid, batch.rank, step, data) for (sid, step), data in vector_rows.items()],
             )
             steps_by_series: dict[int, list[int]] = {}
             for sid, step in vector_rows:
@@ -432,11 +458,7 @@ class Store:
             last_step = max(step for _, step in vector_rows)
         histogram_ids = self._series_ids(session, run_id, [h.key for h in batch.histograms], "histogram")
         histogram_rows = {
-            (histogram_ids[h.key], h.step): (
-                h.exponent_min,
-                h.exponent_max,
-                pack([c for row in h.counts for c in row], "q"),
-            )
+            (histogram_ids[h.key], h.step): (h.exponent_min, h.exponent_max, packed.histograms[h.key, h.step])
             for h in batch.histograms
         }
         if histogram_rows:
