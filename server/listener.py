@@ -36,7 +36,7 @@ from uvicorn.config import STARTUP_FAILURE
 logger = logging.getLogger("uvicorn.error")
 
 ACCEPTS_PER_TURN = 16  # new connections handed to asyncio per turn of the event loop
-REFUSALS_PER_TURN = 256  # connections over their address's most, closed per turn
+REFUSALS_PER_TURN = 64  # connections over their address's most, closed per turn
 CONNECTIONS_PER_ADDRESS = 256
 
 
