@@ -269,7 +269,7 @@ def _step_count(series: dict[str, Any]) -> int:
 
 
 # The most numbers one batch carries (a vector row holds one per layer, a histogram layers x bins): a
-# server refuses larger batches (gradwatch.server.ingest_limits, 2,000,000 by default).
+# server refuses larger batches (gradwatch.server.ingest_limits, the same 1,000,000 by default).
 MAX_BATCH_VALUES = 1_000_000
 
 

@@ -11,7 +11,7 @@ server/connections.py, the API only; `gradwatch server` adds the dashboard) with
 for projects "victim" and "hostile":
 
 - limits on:  the server's defaults (server.settings: per token 2 batch requests in flight, 20,000
-  points/s in bursts of 100,000; per batch 100,000 points and 2,000,000 numbers).
+  points/s in bursts of 100,000; per batch 100,000 points and 1,000,000 numbers).
 - limits off: ingest_concurrency=0, ingest_points_per_s=0 (no concurrency or rate limit); the
   per-batch caps stay, so the hostile sends the same batches in both.
 

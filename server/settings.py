@@ -65,7 +65,7 @@ class Settings:
         default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_POINTS", 100_000))
     )
     max_batch_values: int = field(
-        default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_VALUES", 2_000_000))
+        default_factory=lambda: int(limit_from_env("GRADWATCH_MAX_BATCH_VALUES", 1_000_000))
     )
     ingest_concurrency: int = field(
         default_factory=lambda: int(limit_from_env("GRADWATCH_INGEST_CONCURRENCY", 2))

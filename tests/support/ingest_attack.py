@@ -220,7 +220,7 @@ class Hostile:
     token: str | None
     run_id: str
     max_batch_points: int = 100_000
-    max_batch_values: int = 2_000_000
+    max_batch_values: int = 1_000_000
     max_body_bytes: int = 32 * 1024 * 1024
     max_workers: int = 3
     swarm: int = 8
