@@ -122,5 +122,6 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def uvicorn_options() -> dict[str, Any]:
-    """What uvicorn.Config needs to serve with these bounds (served by listener.GuardedServer)."""
-    return {"http": GuardedH11Protocol}
+    """What uvicorn.Config needs to serve with these bounds (served by listener.GuardedServer, whose
+    listening socket needs asyncio's own loop: uvloop, when installed, would accept in C past it)."""
+    return {"http": GuardedH11Protocol, "loop": "asyncio"}

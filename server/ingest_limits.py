@@ -51,9 +51,10 @@ parameter tensors at 30 steps/s sends ~130 points and ~130,000 histogram and vec
 flush on rank 0 (a cost of ~6,600/s) and ~350 on each other rank: an 8-rank job ~9,000 points/s.
 The agent seals batches of at most 50,000 points and 1,000,000 numbers. Against that: 20,000
 points/s per token in bursts of 100,000 (two of the agent's largest batches), and per batch
-100,000 points and 1,000,000 numbers (2,000,000 held SQLite's write lock 0.1-0.4 s on two busy cores). The caps bound how long one batch holds SQLite's single write
-lock, which every other tenant's batch waits for: on two busy cores 100,000 points of the keys the
-alert rules read hold it ~2 s, 4,000,000 numbers of per-layer gradient norms ~9 s. A SQLite server
+100,000 points and 1,000,000 numbers. The caps bound how long one batch holds SQLite's single write
+lock, which every other tenant's batch waits for: on two busy cores 2,000,000 numbers of per-layer
+gradient norms held it 0.1-0.4 s (and with the alert rules' 25,000 rule-steps a batch, see
+alerts.engine, 100,000 points of the keys they read about as long). A SQLite server
 stores 50,000-100,000 points/s there, so a tenant at its rate limit gets a fifth to two fifths of it.
 """
 

@@ -28,6 +28,7 @@ import logging
 import socket
 import struct
 import sys
+import time
 from typing import Any
 
 import uvicorn
@@ -38,6 +39,7 @@ logger = logging.getLogger("uvicorn.error")
 ACCEPTS_PER_TURN = 16  # new connections handed to asyncio per turn of the event loop
 REFUSALS_PER_TURN = 64  # connections over their address's most, closed per turn
 CONNECTIONS_PER_ADDRESS = 256
+REFUSAL_LOG_EVERY_S = 60.0
 
 
 class _Counted(socket.socket):
@@ -59,6 +61,7 @@ class _Counted(socket.socket):
 
     def __del__(self) -> None:
         self.release()
+        super().__del__()  # type: ignore[misc]  # the C socket's own finalizer closes the descriptor
 
 
 class GuardedListener(socket.socket):
@@ -78,6 +81,7 @@ class GuardedListener(socket.socket):
         self.refused = 0  # connections closed at accept, over their address's most (for tests, logs)
         self._accepted = 0
         self._refused_this_turn = 0
+        self._logged: dict[str, float] = {}  # when each address's refusals were last logged
 
     def accept(self) -> tuple[socket.socket, Any]:
         while self._accepted < self.accepts_per_turn and self._refused_this_turn < self.refusals_per_turn:
@@ -91,6 +95,7 @@ class GuardedListener(socket.socket):
                 self._refused_this_turn += 1
                 self.refused += 1
                 _close_now(fd)
+                self._log_refusal(host)
                 continue
             self._accepted += 1
             connection = _Counted(self.family, self.type, self.proto, fileno=fd)
@@ -110,6 +115,22 @@ class GuardedListener(socket.socket):
     def _next_turn(self) -> None:
         self._accepted = self._refused_this_turn = 0
 
+    def _log_refusal(self, host: str) -> None:
+        """Say so in the log, once a minute per address (a NAT address with many clients behind it
+        needs the setting; a flood must not fill the log)."""
+        now = time.monotonic()
+        if now - self._logged.get(host, -REFUSAL_LOG_EVERY_S) < REFUSAL_LOG_EVERY_S:
+            return
+        if len(self._logged) > 4096:
+            self._logged.clear()
+        self._logged[host] = now
+        logger.warning(
+            "gradwatch: connections from %s refused: it holds its most, %d at once"
+            " (GRADWATCH_CONNECTIONS_PER_ADDRESS; many clients behind one address need more)",
+            host,
+            self.per_address,
+        )
+
 
 def _close_now(fd: int) -> None:
     """Close a refused connection with a reset (SO_LINGER 0): no FIN handshake, no TIME_WAIT here."""
@@ -122,17 +143,20 @@ def _close_now(fd: int) -> None:
 
 
 class TrustedProxies:
-    """The addresses uvicorn trusts as proxies (its forwarded_allow_ips: "*", addresses, networks)."""
+    """The addresses uvicorn trusts as proxies, read as its ProxyHeadersMiddleware reads its
+    forwarded_allow_ips: exactly "*" is everyone; else addresses and (strict) networks, anything else
+    a literal name; none at all when proxy headers are off."""
 
     def __init__(self, allowed: list[str] | str) -> None:
+        self.everyone = allowed in ("*", ["*"])
         entries = [e.strip() for e in (allowed.split(",") if isinstance(allowed, str) else allowed)]
-        self.everyone = "*" in entries
         self.networks = []
-        for entry in entries:
+        self.literals = set()
+        for entry in filter(None, entries):
             try:
-                self.networks.append(ipaddress.ip_network(entry, strict=False))
+                self.networks.append(ipaddress.ip_network(entry))  # an address is a network of one
             except ValueError:
-                continue  # a unix socket's name or a host name: no address of a TCP peer
+                self.literals.add(entry)  # a unix socket's name, a host name, a network with host bits
         self._known: dict[str, bool] = {}
 
     def __contains__(self, host: str) -> bool:
@@ -143,7 +167,7 @@ class TrustedProxies:
             try:
                 address = ipaddress.ip_address(host)
             except ValueError:
-                known = False
+                known = host in self.literals
             else:
                 known = any(address in network for network in self.networks)
             if len(self._known) > 4096:
@@ -152,9 +176,10 @@ class TrustedProxies:
         return known
 
 
-def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound (not yet listening) sockets for host:port, one per address the name has, as asyncio's
-    create_server binds them; OSError when one cannot be bound (the port is in use)."""
+def listening_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for host:port, one per address the name has, as asyncio's create_server binds
+    them (listening at once: with SO_REUSEADDR another server could bind the port until then); OSError
+    when one cannot be bound (the port is in use)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     bound: list[socket.socket] = []
     try:
@@ -165,6 +190,7 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            sock.listen(backlog)
     except OSError:
         for sock in bound:
             sock.close()
@@ -189,11 +215,16 @@ class GuardedServer(uvicorn.Server):
             await super().startup(sockets)
             return
         try:
-            bound = listening_sockets(config.host, config.port)
+            bound = listening_sockets(config.host, config.port, config.backlog)
         except OSError as exc:
             logger.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
             sys.exit(STARTUP_FAILURE)
-        trusted = TrustedProxies(config.forwarded_allow_ips)
+        trusted = TrustedProxies(config.forwarded_allow_ips if config.proxy_headers else [])
         self.listeners = [GuardedListener(sock, self.connections_per_address, trusted) for sock in bound]
-        await super().startup(list(self.listeners))
+        try:
+            await super().startup(list(self.listeners))
+        except BaseException:  # the app's startup failed (or exited): its sockets go with it
+            for listener in self.listeners:
+                listener.close()
+            raise
         self._log_started_message(self.listeners)  # uvicorn logs "running on" only for sockets it bound

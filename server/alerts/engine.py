@@ -52,9 +52,9 @@ _MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear t
 # 16 default rules: ~1,600). Evaluation runs inside the batch's transaction, so on SQLite it holds the one
 # write lock every other tenant waits for: ~5 us per rule and step on two busy cores, so the most one
 # batch may ask is ~0.1 s (100,000 rule-steps held it ~0.1-0.4 s, and another tenant's batch arriving
-# then waited: its p95 5.8x its p95 alone, bench/ingest_isolation.py). A batch over it is refused whole (413, nothing stored) and the agent sends
-# it again in halves; without the cap, one batch at the points cap on a project with many rules held
-# the lock for minutes (issue 28).
+# then waited: its p95 5.8x its p95 alone, bench/ingest_isolation.py). A batch over it is refused
+# whole (413, nothing stored) and the agent sends it again in halves; without the cap, one batch at
+# the points cap on a project with many rules held the lock for minutes (issue 28).
 MAX_RULE_EVALUATIONS_PER_BATCH = 25_000
 
 

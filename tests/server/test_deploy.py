@@ -81,8 +81,8 @@ def test_compose_file_is_valid_and_starts_in_order(compose):
         assert server["depends_on"]["postgres"]["condition"] == "service_healthy"
         assert server["environment"]["GRADWATCH_DATABASE_URL"] == database_url
         assert server["command"][:3] == ["server", "--host", "0.0.0.0"]
-        assert server["environment"]["FORWARDED_ALLOW_IPS"] == "*"  # the proxy's connections: no cap
-        assert "ports" not in server  # which is safe only as long as nothing else reaches them
+        assert server["environment"]["GRADWATCH_CONNECTIONS_PER_ADDRESS"] == "0"  # the proxy's: no cap
+        assert "ports" not in server  # only the proxy, which limits each client, reaches them
         assert "/healthz" in " ".join(server["healthcheck"]["test"])
         assert server["image"] == migrate["image"]
         dockerfile = Path(server["build"]["context"]) / server["build"]["dockerfile"]
