@@ -419,8 +419,8 @@ class OtherAttack:
             self.hostile.prepare()
         elif kind == "reads":
             # A long run to read, stored before the clock starts, in batches its alert rules can evaluate.
-            for first in range(0, 400_000, 10_000):
-                before, after = scalar_body(0, first, 10_000, ["loss"])
+            for first in range(0, 400_000, 5_000):
+                before, after = scalar_body(0, first, 5_000, ["loss"])
                 while True:
                     body = before + str(first).encode() + after
                     status, headers, answer = post(
