@@ -7,8 +7,8 @@
 For each database and each configuration, a fresh database (a SQLite file in a temp folder; a
 PostgreSQL database created through --postgres-admin-url and dropped after) and a real server child
 process on 127.0.0.1 (uvicorn with create_app(Settings(...)) and the connection guards of
-server/connections.py, the API only; `gradwatch server` adds the dashboard) with two ingest tokens,
-for projects "victim" and "hostile":
+server/listener.py and server/connections.py, the API only; `gradwatch server` adds the dashboard)
+with two ingest tokens, for projects "victim" and "hostile":
 
 - limits on:  the server's defaults (server.settings: per token 2 batch requests in flight, 20,000
   points/s in bursts of 100,000; per batch 100,000 points and 1,000,000 numbers).

@@ -145,7 +145,8 @@ def _close_now(fd: int) -> None:
 class TrustedProxies:
     """The addresses uvicorn trusts as proxies, read as its ProxyHeadersMiddleware reads its
     forwarded_allow_ips: exactly "*" is everyone; else addresses and (strict) networks, anything else
-    a literal name; none at all when proxy headers are off."""
+    a literal name; none at all when proxy headers are off. (uvicorn's own reader, _TrustedHosts, is
+    private: not part of its API, so not relied on here.)"""
 
     def __init__(self, allowed: list[str] | str) -> None:
         self.everyone = allowed in ("*", ["*"])
