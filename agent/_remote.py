@@ -96,7 +96,8 @@ class RemoteRun:
 
     def adopt(self, created: Any) -> None:
         """Send to the id the server gave the run: it differs from ours only when another project had
-        our id already (the server never lets one project squat another's ids)."""
+        our id already and our token sees every project (or the server is open, or older than run ids
+        of a project's own), which names runs by the ids they are stored under."""
         features = created.get("wire_features") if isinstance(created, dict) else None
         self.packed = isinstance(features, list) and VALUES_F64 in features
         self.packed_steps = self.packed and isinstance(features, list) and STEPS_I64 in features

@@ -91,6 +91,12 @@ class Principal:
     def scopes(self) -> frozenset[str]:
         return frozenset(SCOPES) if self.open or self.scope is None else _scope_set(self.scope)
 
+    @property
+    def home_project(self) -> str | None:
+        """The one project a token is for; None for an open server and a token for every project.
+        Run ids are a project's own (Store.find_run): such a token names runs within its project."""
+        return None if self.open or self.project in (None, ALL_PROJECTS) else self.project
+
     def sees(self, project: str) -> bool:
         """Whether the token belongs to the project at all (else its resources are as if absent)."""
         return self.open or self.project in (ALL_PROJECTS, project)

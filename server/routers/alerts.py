@@ -13,10 +13,12 @@ from ..deps import (
     PrincipalDep,
     QueryRowId,
     RowId,
+    RunNamesDep,
     StoreDep,
     authorize_project,
     authorize_run,
 )
+from ..errors import InvalidRequest, NotFound
 from ..schemas import (
     AlertList,
     AlertOut,
@@ -49,22 +51,34 @@ def list_rules(
     alerts: AlertsDep,
     store: StoreDep,
     principal: PrincipalDep,
+    names: RunNamesDep,
     project: str | None = None,
     run_id: str | None = None,
 ) -> AlertRuleList:
     """Rules of a project (its defaults are installed when a project is first seen), or those that
     apply to one run (project-wide ones and the run's own)."""
     if run_id is not None:
-        authorize_run(store, principal, run_id, "read")
-    rules = alerts.list_rules(principal.only_project(project) if run_id is None else project, run_id)
+        run_id = authorize_run(store, principal, run_id, "read")
+    rules = names.in_documents(
+        alerts.list_rules(principal.only_project(project) if run_id is None else project, run_id)
+    )
     return AlertRuleList(data=[AlertRuleOut(**r) for r in rules], count=len(rules))
 
 
 @router.post("/alert-rules", status_code=status.HTTP_201_CREATED)
-def create_rule(rule: AlertRuleIn, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
+def create_rule(
+    rule: AlertRuleIn, alerts: AlertsDep, store: StoreDep, principal: PrincipalDep, names: RunNamesDep
+) -> AlertRuleOut:
     """Create a rule for a project, or for one run of it (run_id)."""
     principal.require(rule.project, "admin", f"project {rule.project!r}")
-    return AlertRuleOut(**alerts.create_rule(rule))
+    if rule.run_id is not None:  # the project's own name for the run (Store.find_run)
+        try:
+            stored, _ = store.find_run(rule.run_id, rule.project)
+        except NotFound:
+            # One answer for every absent run: another project's run ids are not for this caller to learn.
+            raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}") from None
+        rule = rule.model_copy(update={"run_id": stored})
+    return AlertRuleOut(**names.in_documents([alerts.create_rule(rule)])[0])
 
 
 def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: Scope) -> dict[str, Any]:
@@ -74,17 +88,17 @@ def _rule(alerts: AlertService, principal: PrincipalDep, rule_id: RowId, scope: 
 
 
 @router.get("/alert-rules/{rule_id}")
-def get_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertRuleOut:
-    return AlertRuleOut(**_rule(alerts, principal, rule_id, "read"))
+def get_rule(rule_id: RowId, alerts: AlertsDep, principal: PrincipalDep, names: RunNamesDep) -> AlertRuleOut:
+    return AlertRuleOut(**names.in_documents([_rule(alerts, principal, rule_id, "read")])[0])
 
 
 @router.patch("/alert-rules/{rule_id}")
 def update_rule(
-    rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep
+    rule_id: RowId, patch: AlertRulePatch, alerts: AlertsDep, principal: PrincipalDep, names: RunNamesDep
 ) -> AlertRuleOut:
     """Edit a rule; new params (or disabling it) restart its evaluation and resolve its open alerts."""
     _rule(alerts, principal, rule_id, "admin")
-    return AlertRuleOut(**alerts.update_rule(rule_id, patch))
+    return AlertRuleOut(**names.in_documents([alerts.update_rule(rule_id, patch)])[0])
 
 
 @router.delete("/alert-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT)
@@ -99,6 +113,7 @@ def list_alerts(
     alerts: AlertsDep,
     store: StoreDep,
     principal: PrincipalDep,
+    names: RunNamesDep,
     project: str | None = None,
     run_id: str | None = None,
     status: Literal["firing", "resolved"] | None = None,
@@ -108,25 +123,27 @@ def list_alerts(
 ) -> AlertList:
     """Alerts, newest first, with evidence, hint and a link to the run page at the alert's step."""
     if run_id is not None:
-        authorize_run(store, principal, run_id, "read")
+        run_id = authorize_run(store, principal, run_id, "read")
     else:
         project = principal.only_project(project)
     records, total = alerts.list_alerts(project, run_id, status, limit, offset, acknowledged)
-    return AlertList(data=[AlertOut(**a) for a in records], count=total)
+    return AlertList(data=[AlertOut(**a) for a in names.in_documents(records)], count=total)
 
 
 @router.get("/alerts/{alert_id}")
-def get_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+def get_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep, names: RunNamesDep) -> AlertOut:
     alert = alerts.get_alert(alert_id)
     authorize_project(principal, alert["project"], "read", f"alert {alert_id}")
-    return AlertOut(**alert)
+    return AlertOut(**names.in_documents([alert])[0])
 
 
 @router.post("/alerts/{alert_id}/acknowledge")
-def acknowledge_alert(alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> AlertOut:
+def acknowledge_alert(
+    alert_id: RowId, alerts: AlertsDep, principal: PrincipalDep, names: RunNamesDep
+) -> AlertOut:
     """Mark an alert as seen; it stays firing until its condition clears."""
     authorize_project(principal, alerts.get_alert(alert_id)["project"], "admin", f"alert {alert_id}")
-    return AlertOut(**alerts.acknowledge(alert_id))
+    return AlertOut(**names.in_documents([alerts.acknowledge(alert_id)])[0])
 
 
 @router.get("/incidents")
@@ -134,6 +151,7 @@ def list_incidents(
     alerts: AlertsDep,
     store: StoreDep,
     principal: PrincipalDep,
+    names: RunNamesDep,
     project: str | None = None,
     run_id: str | None = None,
     status: Literal["open", "resolved"] | None = None,
@@ -142,28 +160,37 @@ def list_incidents(
 ) -> IncidentList:
     """Incidents (alerts of one cause grouped, notified once), newest first, with cause and next steps."""
     if run_id is not None:
-        authorize_run(store, principal, run_id, "read")
+        run_id = authorize_run(store, principal, run_id, "read")
     else:
         project = principal.only_project(project)
     records, total = alerts.list_incidents(project, run_id, status, limit, offset)
-    return IncidentList(data=[IncidentOut(**i) for i in records], count=total)
+    return IncidentList(data=[IncidentOut(**i) for i in names.in_documents(records)], count=total)
 
 
 @router.get("/incidents/{incident_id}")
-def get_incident(incident_id: RowId, alerts: AlertsDep, principal: PrincipalDep) -> IncidentOut:
+def get_incident(
+    incident_id: RowId, alerts: AlertsDep, principal: PrincipalDep, names: RunNamesDep
+) -> IncidentOut:
     incident = alerts.get_incident(incident_id)
     authorize_project(principal, incident["project"], "read", f"incident {incident_id}")
-    return IncidentOut(**incident)
+    return IncidentOut(**names.in_documents([incident])[0])
 
 
 @router.get("/runs/{run_id}/incidents")
 def run_incidents(
-    run_id: str, alerts: AlertsDep, store: StoreDep, principal: PrincipalDep, limit: Limit = 100
+    run_id: str,
+    alerts: AlertsDep,
+    store: StoreDep,
+    principal: PrincipalDep,
+    names: RunNamesDep,
+    limit: Limit = 100,
 ) -> RunHealth:
     """A run's verdict (healthy / warning / critical: the worst open incident) and its incidents."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     records, total, verdict = alerts.run_health(run_id, limit)
-    return RunHealth(verdict=verdict, data=[IncidentOut(**i) for i in records], count=total)
+    return RunHealth(
+        verdict=verdict, data=[IncidentOut(**i) for i in names.in_documents(records)], count=total
+    )
 
 
 def _webhook(

@@ -85,11 +85,12 @@ async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     await websocket.close(code, encoded.decode(errors="ignore"))
 
 
-def _authorize(websocket: WebSocket, run_id: str, token: str | None) -> None:
-    """As the HTTP endpoints do: Unauthenticated, Forbidden or NotFound unless the token may read the run."""
+def _authorize(websocket: WebSocket, run_id: str, token: str | None) -> str:
+    """As the HTTP endpoints do: the run's stored id (deps.authorize_run), or Unauthenticated, Forbidden
+    or NotFound unless the token may read the run."""
     tokens: Tokens = websocket.app.state.tokens
     store: Store = websocket.app.state.store
-    authorize_run(store, tokens.authenticate(token), run_id, "read")
+    return authorize_run(store, tokens.authenticate(token), run_id, "read")
 
 
 def _dumps(message: dict[str, Any]) -> str:
@@ -269,16 +270,17 @@ async def serve_stream(
         try:
             keys, rank, since = query()
             token = token_of()
-            await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
+            stored = await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
         except (_BadQuery, Unauthenticated, Forbidden, NotFound) as exc:
             await _refuse(websocket, exc)
             return
-        await _stream(websocket, run_id, token, keys, rank, since)
+        await _stream(websocket, run_id, stored, token, keys, rank, since)
 
 
 async def _stream(
     websocket: WebSocket,
     run_id: str,
+    stored: str,
     token: str | None,
     keys: frozenset[str] | None,
     rank: int | None,
@@ -286,9 +288,9 @@ async def _stream(
 ) -> None:
     hub: LiveHub = websocket.app.state.live
     store: Store = websocket.app.state.store
-    with hub.subscribe(run_id) as wake:  # before the cursor: nothing stored meanwhile is missed
+    with hub.subscribe(stored) as wake:  # before the cursor: nothing stored meanwhile is missed
         try:
-            cursor = await hub.read(lambda: store.live.open_cursor(run_id, keys, rank, since))
+            cursor = await hub.read(lambda: store.live.open_cursor(stored, keys, rank, since))
         except NotFound as exc:
             await _close(websocket, CLOSE_NOT_FOUND, str(exc))
             return
@@ -305,7 +307,7 @@ async def _stream(
         failure, lost = await _serve_until_done(
             websocket,
             _push(websocket, hub, store, cursor, wake),
-            _keep_authorized(websocket, run_id, token),
+            _keep_authorized(websocket, run_id, stored, token),
         )
         if await _close_if_access_lost(websocket, lost):
             return
@@ -344,12 +346,14 @@ async def _close_if_access_lost(websocket: WebSocket, lost: BaseException | None
 ACCESS_RECHECK_S = 2.0  # a revoked token's open stream closes within this long
 
 
-async def _keep_authorized(websocket: WebSocket, run_id: str, token: str | None) -> None:
+async def _keep_authorized(websocket: WebSocket, run_id: str, stored: str, token: str | None) -> None:
     """Check the stream's token again every ACCESS_RECHECK_S: revoking a token closes its open streams
-    (raises Unauthenticated / Forbidden / NotFound like the first check)."""
+    (raises Unauthenticated / Forbidden / NotFound like the first check; NotFound too once run_id names
+    another run than the stream's)."""
     while True:
         await anyio.sleep(ACCESS_RECHECK_S)
-        await anyio.to_thread.run_sync(_authorize, websocket, run_id, token)
+        if await anyio.to_thread.run_sync(_authorize, websocket, run_id, token) != stored:
+            raise NotFound(f"run {run_id!r} was deleted")
 
 
 async def _until_disconnect(websocket: WebSocket) -> None:

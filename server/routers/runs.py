@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import JSONResponse
 
-from ..deps import PrincipalDep, StoreDep, authorize_run
+from ..deps import PrincipalDep, RunNames, RunNamesDep, StoreDep, authorize_run
 from ..ingest_limits import RESPONSES as INGEST_REFUSALS
 from ..ingest_limits import charge_ingest
 from ..schemas import (
@@ -27,9 +27,9 @@ from ..storage.codecs import iso_time
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 
-def run_out(record: RunRecord) -> RunOut:
+def run_out(record: RunRecord, names: RunNames) -> RunOut:
     return RunOut(
-        id=record.id,
+        id=names.of_record(record),
         project=record.project,
         name=record.name,
         status=record.status,
@@ -47,8 +47,9 @@ def run_out(record: RunRecord) -> RunOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunCreated:
-    """Create a run. With an `id` that already exists in the same project, returns that run.
+def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep, names: RunNamesDep) -> RunCreated:
+    """Create a run. With an `id` that already exists in the same project, returns that run. Run ids
+    are a project's own: another project's run of the same id is neither returned nor told of.
 
     With `resume` (an agent continuing from a checkpoint): "must" answers 404 when there is no such
     run, "never" 409 when there is; "allow" and "must" set an existing run running again, and the
@@ -57,7 +58,7 @@ def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunCreat
     record = store.create_run(run)
     resumed = record.existed if run.resume is not None else None
     return RunCreated(
-        **run_out(record).model_dump(),
+        **run_out(record, names).model_dump(),
         resumed=resumed,
         previous_status=record.previous_status if resumed else None,
         previous_status_reason=record.previous_status_reason if resumed else None,
@@ -68,6 +69,7 @@ def create_run(run: RunIn, store: StoreDep, principal: PrincipalDep) -> RunCreat
 def list_runs(
     store: StoreDep,
     principal: PrincipalDep,
+    names: RunNamesDep,
     project: str | None = None,
     tag: Annotated[
         list[Tag], Query(description="runs with every one of these tags (repeat the parameter)")
@@ -97,7 +99,7 @@ def list_runs(
         ascending=order == "asc",
     )
     records, total = store.list_runs(filters, limit, offset)
-    return RunList(data=[run_out(r) for r in records], count=total)
+    return RunList(data=[run_out(r, names) for r in records], count=total)
 
 
 def _epoch(moment: datetime) -> float:
@@ -110,22 +112,24 @@ def _epoch(moment: datetime) -> float:
 
 
 @router.get("/{run_id}")
-def get_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> RunOut:
-    authorize_run(store, principal, run_id, "read")
-    return run_out(store.get_run(run_id))
+def get_run(run_id: str, store: StoreDep, principal: PrincipalDep, names: RunNamesDep) -> RunOut:
+    run_id = authorize_run(store, principal, run_id, "read")
+    return run_out(store.get_run(run_id), names)
 
 
 @router.patch("/{run_id}")
-def update_run(run_id: str, patch: RunPatch, store: StoreDep, principal: PrincipalDep) -> RunOut:
+def update_run(
+    run_id: str, patch: RunPatch, store: StoreDep, principal: PrincipalDep, names: RunNamesDep
+) -> RunOut:
     """Rename a run or replace its tags."""
-    authorize_run(store, principal, run_id, "admin")
-    return run_out(store.update_run(run_id, patch.name, patch.tags))
+    run_id = authorize_run(store, principal, run_id, "admin")
+    return run_out(store.update_run(run_id, patch.name, patch.tags), names)
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Response:
     """Delete a run and all of its data."""
-    authorize_run(store, principal, run_id, "admin")
+    run_id = authorize_run(store, principal, run_id, "admin")
     store.delete_run(run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -138,7 +142,7 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
 )
 def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> JSONResponse:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
-    authorize_run(store, principal, run_id, "ingest")
+    run_id = authorize_run(store, principal, run_id, "ingest")
     # Replacing a finished run's steps (a resume below them) is an admin's; a job's token only adds.
     result = store.ingest(run_id, batch, may_rewrite_history=principal.open or "admin" in principal.scopes)
     # The acknowledgement as a ready response: validating and serialising a BatchAck for it cost
@@ -157,5 +161,5 @@ def list_keys(
     kind: Literal["scalar", "vector", "histogram"] = "scalar",
 ) -> KeyList:
     """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     return KeyList(data=store.keys(run_id, kind), kind=kind)

@@ -54,12 +54,12 @@ def compare_runs(
         raise InvalidRequest(f"at most {MAX_COMPARED_RUNS} runs per comparison, got {len(run)}")
     data = []
     for run_id in dict.fromkeys(run):  # each run once, first occurrence's order
-        authorize_run(store, principal, run_id, "read")  # 404 names an unknown (or another project's) run
-        record = store.get_run(run_id)
-        result = store.series(run_id, key, rank, start, end, max_points)
+        stored = authorize_run(store, principal, run_id, "read")  # 404: unknown, or another project's
+        record = store.get_run(stored)
+        result = store.series(stored, key, rank, start, end, max_points)
         data.append(
             CompareSeries(
-                run_id=run_id,
+                run_id=run_id,  # as the caller named it
                 name=record.name,
                 project=record.project,
                 steps=result.steps,
@@ -82,7 +82,7 @@ def get_series(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     """One scalar series over [start, end); exact up to max_points points, min/max-downsampled beyond."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     result = store.series(run_id, key, rank, start, end, max_points)
     return model_json(
         SeriesOut(
@@ -125,7 +125,7 @@ def get_vectors(
     ] = "json",
 ) -> Response:
     """A per-layer quantity as a step x layer matrix (for heatmaps), in the model's layer order."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     result = store.vectors(run_id, key, rank, start, end, max_steps)
     if encoding == "f64" and all(len(row) == len(result.layers) for row in result.values):
         matrix = np.asarray(result.values, dtype="<f8").reshape(len(result.steps), len(result.layers))
@@ -164,7 +164,7 @@ def get_histograms(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     """One layer's log2|g| histograms over steps: counts per power of two, zeros, NaN/Inf."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
     return model_json(
         HistogramsOut(
@@ -200,7 +200,7 @@ def list_events(
 ) -> EventPageOut:
     """Events in step order (e.g. kind=skip for skipped optimizer steps); with after_id, only those
     stored after a previous answer's (live pages)."""
-    authorize_run(store, principal, run_id, "read")
+    run_id = authorize_run(store, principal, run_id, "read")
     page = EventReads(store.engine).page(run_id, kind, start, end, limit, after_id)
     return EventPageOut(
         data=[EventOut(step=e.step, kind=e.kind, rank=e.rank, data=e.data) for e in page.events],

@@ -32,6 +32,8 @@ class RunRecord:
     skips: int
     scale: float | None
     status_reason: str | None = None
+    # The id the run's project asked for when another project's run had it (Store.find_run).
+    requested_id: str | None = None
     # create_run only: the run was there already (not created by this call), and, when the call
     # resumed it, how it stood before (the resumed agent's `resume` event carries this along).
     existed: bool = False

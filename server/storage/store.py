@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +140,9 @@ class Store:
     def create_run(self, run: RunIn) -> RunRecord:
         """Create a run, or return the existing one with the same id in the same project (agents retry;
         ranks share ids). An id that is another project's already is not refused (that would let one
-        project squat another's ids and make its agents drop data): the run gets a fresh id, which the
-        answer carries and the agent adopts, and the same requested id finds it again.
+        project squat another's ids and make its agents drop data): the run is stored under a fresh id,
+        with the id asked for as its requested_id, which find_run resolves within the project (so the
+        project's tokens keep calling it by the id it asked for, and learn nothing of the other's).
 
         run.resume (gradwatch.init(resume=...)): "must" raises NotFound when the project has no such
         run, "never" raises Conflict when it has; "allow" and "must" set an existing run "running"
@@ -235,13 +236,41 @@ class Store:
             session.flush()
             return self._run_record(session, run)
 
-    def run_project(self, run_id: str) -> str:
-        """The run's project (access checks); NotFound for an unknown run."""
+    def find_run(self, run_id: str, project: str | None = None) -> tuple[str, str]:
+        """(the run's stored id, its project) for an id as a caller names it; NotFound when none.
+
+        Run ids are a project's own: two projects may each have a run "exp-1" (create_run stores the
+        second under a fresh id, with the name asked for as requested_id). Named within `project`, an
+        id finds that project's run of the name asked for, or of that stored id; without a project
+        (an open server, a token for every project) it is the stored id, unique on the server."""
         with self._transaction() as session:
-            project = session.scalar(select(Run.project).where(Run.id == run_id))
-        if project is None:
+            if project is None:
+                found = session.execute(select(Run.id, Run.project).where(Run.id == run_id)).first()
+            else:
+                found = session.execute(
+                    select(Run.id, Run.project)
+                    .where(Run.project == project, or_(Run.requested_id == run_id, Run.id == run_id))
+                    .order_by(Run.requested_id.is_(None))  # the name asked for first, as create_run
+                    .limit(1)
+                ).first()
+        if found is None:
             raise NotFound(f"run {run_id!r} does not exist")
-        return project
+        return found[0], found[1]
+
+    def requested_ids(self, run_ids: Iterable[str]) -> dict[str, str]:
+        """{stored id: the id its project asked for} for those of the runs stored under another id
+        (find_run): what a token of that project calls them."""
+        wanted = sorted(set(run_ids))
+        found: dict[str, str] = {}
+        with self._transaction() as session:
+            for start in range(0, len(wanted), 500):
+                rows = session.execute(
+                    select(Run.id, Run.requested_id).where(
+                        Run.id.in_(wanted[start : start + 500]), Run.requested_id.is_not(None)
+                    )
+                )
+                found.update({stored: str(requested) for stored, requested in rows})
+        return found
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction() as session:
@@ -549,4 +578,5 @@ class Store:
             skips=skips,
             scale=None if scale is None else scale[1],
             status_reason=run.status_reason,
+            requested_id=run.requested_id,
         )

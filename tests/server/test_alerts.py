@@ -499,7 +499,8 @@ def test_a_blip_resolved_within_the_group_wait_is_never_sent_and_a_later_trigger
     assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 1
 
     assert api.delete(f"/api/v1/runs/{run['id']}").status_code == 204  # its alerts and deliveries go too
-    assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["count"] == 0
+    assert api.get("/api/v1/alerts", params={"run_id": run["id"]}).status_code == 404  # no such run
+    assert api.get("/api/v1/alerts").json()["count"] == 0
     assert api.get(f"/api/v1/webhooks/{hook['id']}/deliveries").json()["count"] == 0
 
 

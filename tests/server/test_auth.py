@@ -290,8 +290,8 @@ def test_legacy_write_tokens_become_ingest_and_read(api_server, tokens):
 
 def test_a_run_id_taken_by_another_project_is_not_squatted(api_server, tokens):
     """Project beta creates a run with the id alpha's agents will use: alpha's agent still gets a run of
-    its own (a fresh id it adopts), and keeps finding it by the id it asked for."""
-    alpha, beta = tokens.create("alpha", "ingest")[1], tokens.create("beta", "*")[1]
+    its own under the id it asked for (run ids are a project's own), and keeps finding it by that id."""
+    alpha, beta = tokens.create("alpha", "ingest,read")[1], tokens.create("beta", "*")[1]
     with httpx.Client(base_url=api_server.url, timeout=30) as client:
         squat = client.post("/api/v1/runs", json={"project": "beta", "id": "job-42"}, headers=_auth(beta))
         assert squat.status_code == 201 and squat.json()["id"] == "job-42"
@@ -299,29 +299,18 @@ def test_a_run_id_taken_by_another_project_is_not_squatted(api_server, tokens):
             "/api/v1/runs", json={"project": "alpha", "id": "job-42", "name": "mine"}, headers=_auth(alpha)
         )
         assert first.status_code == 201, first.text
-        stored = first.json()["id"]
-        assert stored != "job-42" and first.json()["project"] == "alpha" and "beta" not in first.text
+        assert (
+            first.json()["id"] == "job-42" and first.json()["project"] == "alpha" and "beta" not in first.text
+        )
         again = client.post("/api/v1/runs", json={"project": "alpha", "id": "job-42"}, headers=_auth(alpha))
-        assert again.json()["id"] == stored  # another rank of the same job lands in the same run
-        assert (
-            client.post(
-                f"/api/v1/runs/{stored}/batches",
-                headers=_auth(alpha),
-                json={"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]},
-            ).status_code
-            == 200
-        )
-        assert (
-            client.post(
-                "/api/v1/runs/job-42/batches",
-                headers=_auth(alpha),
-                json={"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]},
-            ).status_code
-            == 404
-        )
+        assert again.json()["id"] == "job-42" and again.json()["name"] == "mine"  # another rank: same run
+        batch = {"seq": 1, "scalars": [{"key": "loss", "steps": [0], "values": [1.0]}]}
+        assert client.post("/api/v1/runs/job-42/batches", headers=_auth(alpha), json=batch).status_code == 200
+        assert client.get("/api/v1/runs/job-42", headers=_auth(alpha)).json()["last_step"] == 0
+        assert client.get("/api/v1/runs/job-42", headers=_auth(beta)).json()["last_step"] is None
 
 
-def test_the_agent_adopts_the_id_the_server_gives(api_server, tokens):
+def test_the_agent_keeps_its_id_when_another_project_has_it(api_server, tokens):
     import gradwatch
 
     beta = tokens.create("beta", "*")[1]
@@ -337,9 +326,8 @@ def test_the_agent_adopts_the_id_the_server_gives(api_server, tokens):
     run.finish()
     assert run.stats.dropped_points == 0
     listed = httpx.get(f"{api_server.url}/api/v1/runs", headers=_auth(alpha), timeout=30).json()["data"]
-    assert len(listed) == 1 and listed[0]["id"] != "shared-id"
-    assert run.id == listed[0]["id"]  # the run names the id its data is stored under (issue 28)
-    assert run.url.endswith(f"/dashboard/runs/{listed[0]['id']}")
+    assert len(listed) == 1 and listed[0]["id"] == "shared-id"  # run ids are a project's own (issue 28)
+    assert run.id == "shared-id" and run.url.endswith("/dashboard/runs/shared-id")
     series = httpx.get(
         f"{api_server.url}/api/v1/runs/{listed[0]['id']}/series",
         params={"key": "loss"},

@@ -3,6 +3,7 @@ the history of a team server (real server, SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -468,6 +469,90 @@ def test_another_projects_ids_answer_as_if_absent(api_server, tokens):
             answer = client.get("/api/v1/deliveries", params={"webhook_id": hook_id})
             answers.append((answer.status_code, answer.json()["detail"].replace(str(hook_id), "ID")))
         assert answers[0] == answers[1] and answers[0][0] == 404, answers
+
+
+def _loss(seq: int, *values: float | str) -> dict:
+    return {
+        "seq": seq,
+        "scalars": [{"key": "loss", "steps": list(range(len(values))), "values": list(values)}],
+    }
+
+
+def test_creating_a_run_with_another_projects_id_answers_as_if_it_were_free(api_server, tokens):
+    """Finding 10: an id another project uses came back renamed (a fresh id), which told the caller
+    the id exists elsewhere. Run ids are now a project's own: the answer is the same as for a free id,
+    and every endpoint finds and names each project's own run by it."""
+    _, alpha = tokens.create("alpha", "*")
+    _, beta = tokens.create("beta", "*")
+    _, operator = tokens.create("*", "*")
+    with _client(api_server, beta) as client:
+        theirs = client.post("/api/v1/runs", json={"project": "beta", "id": "job-42", "name": "theirs"})
+        assert theirs.status_code == 201 and theirs.json()["id"] == "job-42"
+        assert client.post("/api/v1/runs/job-42/batches", json=_loss(1, 7.0, 7.0)).status_code == 200
+    with _client(api_server, alpha) as client:
+        answers = {}
+        for run_id in ("free-1", "job-42"):  # nobody's id, then beta's
+            answer = client.post("/api/v1/runs", json={"project": "alpha", "id": run_id, "name": "mine"})
+            assert answer.status_code == 201, answer.text
+            body = answer.json()
+            assert body["id"] == run_id
+            answers[run_id] = {k: v for k, v in body.items() if k not in ("id", "created_at", "updated_at")}
+        assert answers["free-1"] == answers["job-42"]
+        again = client.post("/api/v1/runs", json={"project": "alpha", "id": "job-42", "resume": "must"})
+        assert again.status_code == 201 and again.json()["id"] == "job-42" and again.json()["resumed"] is True
+        # alpha's data goes to alpha's run; a NaN loss opens an incident whose links name "job-42"
+        assert client.post("/api/v1/runs/job-42/batches", json=_loss(1, 1.0, "NaN")).status_code == 200
+        assert client.get("/api/v1/runs/job-42").json()["name"] == "mine"
+        assert client.get("/api/v1/runs/job-42/series", params={"key": "loss"}).json()["values"] == [
+            1.0,
+            "NaN",
+        ]
+        assert sorted(r["id"] for r in client.get("/api/v1/runs").json()["data"]) == ["free-1", "job-42"]
+        compared = client.get("/api/v1/compare", params={"run": "job-42", "key": "loss"}).json()["data"]
+        assert [(c["run_id"], c["project"]) for c in compared] == [("job-42", "alpha")]
+        alerts = client.get("/api/v1/alerts", params={"run_id": "job-42"}).json()["data"]
+        incidents = client.get("/api/v1/runs/job-42/incidents").json()["data"]
+        assert alerts and incidents, (alerts, incidents)
+        for document in (*alerts, *incidents, *client.get("/api/v1/incidents").json()["data"]):
+            assert document["run_id"] == "job-42", document
+            assert document["link"].split("/dashboard/runs/")[1].split("?")[0] == "job-42", document
+        assert all(a["evidence"]["link"] == a["link"] for a in alerts)
+        rule = client.post(
+            "/api/v1/alert-rules", json={"project": "alpha", "type": "loss_spike", "run_id": "job-42"}
+        )
+        assert rule.status_code == 201 and rule.json()["run_id"] == "job-42", rule.text
+        listed = client.get("/api/v1/alert-rules", params={"run_id": "job-42"}).json()["data"]
+        assert rule.json()["id"] in [r["id"] for r in listed] and all(
+            r["run_id"] in (None, "job-42") for r in listed
+        )
+        assert client.patch("/api/v1/runs/job-42", json={"name": "renamed"}).json()["id"] == "job-42"
+        with connect_live(api_server.url, "job-42", alpha) as ws:
+            assert json.loads(ws.recv(timeout=10)) == {"type": "status", "status": "running", "last_step": 1}
+    with _client(api_server, operator) as client:  # a token for every project sees the stored ids
+        runs = {
+            r["project"]: r for r in client.get("/api/v1/runs", params={"name": "renamed"}).json()["data"]
+        }
+        stored = runs["alpha"]["id"]
+        assert stored != "job-42" and client.get("/api/v1/runs/job-42").json()["name"] == "theirs"
+        assert client.get(f"/api/v1/runs/{stored}").json()["name"] == "renamed"
+        assert {i["run_id"] for i in client.get("/api/v1/incidents").json()["data"]} == {stored}
+    with _client(api_server, alpha) as client:
+        assert client.get(f"/api/v1/runs/{stored}").json()["id"] == "job-42"  # its stored id finds it too
+        assert client.delete("/api/v1/runs/job-42").status_code == 204
+        assert client.get("/api/v1/runs/job-42").status_code == 404
+    with _client(api_server, beta) as client:  # beta's run of that id: untouched throughout
+        assert client.get(f"/api/v1/runs/{stored}").status_code == 404
+        kept = client.get("/api/v1/runs/job-42").json()
+        assert (kept["name"], kept["project"]) == ("theirs", "beta")
+        assert client.get("/api/v1/runs/job-42/series", params={"key": "loss"}).json()["values"] == [7.0, 7.0]
+        assert client.get("/api/v1/incidents").json()["data"] == []
+
+
+def connect_live(http_url: str, run_id: str, token: str):
+    from websockets.sync.client import connect
+
+    url = f"ws://{http_url.removeprefix('http://')}/api/v1/runs/{run_id}/live?token={token}"
+    return connect(url, proxy=None, open_timeout=10, close_timeout=2)
 
 
 def test_a_refused_redirects_location_is_for_admins_only(database_url):
