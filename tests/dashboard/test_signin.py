@@ -131,7 +131,8 @@ def test_signing_out_takes_the_forms_csrf_token(full_server, sqlite_url):
 
 def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, chromium_path):
     """The run page, the runs list, compare and alerts fetch in worker threads: they must carry the
-    signed-in person's token too (issue 14: they answered 401 and showed "?" badges)."""
+    signed-in person's token too (issue 14: they answered 401 and showed "?" badges). The run's id is
+    another project's too: every page and link finds the team's own run by it (issue 28)."""
     from playwright.sync_api import expect, sync_playwright
     from training import train
 
@@ -141,11 +142,24 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
     tokens = Tokens(engine)
     _, write_token = tokens.create("team", "ingest", "agents")
     _, read_token = tokens.create("team", "read", "alice")
+    _, rival_token = tokens.create("rival", "ingest", "another team")
     engine.dispose()
+    rival = httpx.post(
+        f"{full_server.url}/api/v1/runs",
+        json={"project": "rival", "id": "shared-job", "name": "theirs"},
+        headers={"Authorization": f"Bearer {rival_token}"},
+    )
+    assert rival.status_code == 201
     with gradwatch.init(
-        project="team", name="signed-in", server=full_server.url, token=write_token, flush_interval=0.05
+        project="team",
+        name="signed-in",
+        run_id="shared-job",
+        server=full_server.url,
+        token=write_token,
+        flush_interval=0.05,
     ) as run:
         train(30, run=run, overflow_steps=(12, 13))
+    assert run.id == "shared-job"
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
@@ -168,12 +182,14 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
             timeout=WAIT_MS,
         )
         expect(page.locator("#run-verdict")).to_have_attribute("data-verdict", "critical", timeout=WAIT_MS)
+        expect(page.locator("a[href*='/dashboard/runs/shared-job?step=']").first).to_be_visible()
         page.goto(f"{full_server.url}/dashboard/compare?runs={run.id}")
         page.wait_for_function(
             "() => document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=WAIT_MS
         )
         page.goto(f"{full_server.url}/dashboard/alerts")
         expect(page.locator("#alerts-table")).to_contain_text("signed-in", timeout=WAIT_MS)
+        expect(page.locator("#alerts-table")).not_to_contain_text("theirs")
         expect(page.locator("#alerts-read-only")).to_contain_text("admin scope")  # said up front
         expect(page.locator("#rule-create")).to_be_disabled()
         expect(page.locator("#webhook-create")).to_be_disabled()
