@@ -132,16 +132,16 @@ def _post_resume(asker: Any, document: dict[str, Any], mode: str, run_id: Any) -
     resumed = answer.get("resumed")
     last_step = answer.get("last_step")
     last = last_step if isinstance(last_step, int) and not isinstance(last_step, bool) else None
-    given = answer.get("id")
-    if given and given != run_id:  # our id is another project's: the server made a new run for us
-        return _Answer(existed=False)
-    if isinstance(resumed, bool):
+    if isinstance(resumed, bool):  # the server says (its id may differ from ours: RemoteRun.adopt)
         before = (
             {key: answer.get(key) for key in ("previous_status", "previous_status_reason")}
             if isinstance(answer.get("previous_status"), str)
             else None
         )
         return _Answer(existed=resumed, last_step=last, before=before)
+    given = answer.get("id")
+    if given and given != run_id:  # a server without resume support made a new run under another id
+        return _Answer(existed=False)
     return _Answer(existed=last is not None, last_step=last)  # a server without resume support
 
 

@@ -12,6 +12,7 @@ import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from . import _distributed, _resume
 from ._batches import BatchLog, normalize_ids
@@ -277,8 +278,8 @@ class Run:
 
     @property
     def url(self) -> str:
-        """The run's dashboard page."""
-        return f"{self.server.rstrip('/')}/dashboard/runs/{self.id}"
+        """The run's dashboard page (with its project: two projects may each have a run of this id)."""
+        return f"{self.server.rstrip('/')}/dashboard/runs/{self.id}?project={quote(self.project, safe='')}"
 
     @property
     def step(self) -> int:

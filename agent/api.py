@@ -178,8 +178,9 @@ class RunInfo:
 
     @property
     def url(self) -> str:
-        """The run's dashboard page."""
-        return f"{self._api.server}/dashboard/runs/{urllib.parse.quote(self.id, safe='')}"
+        """The run's dashboard page (with its project: two projects may each have a run of this id)."""
+        page = f"{self._api.server}/dashboard/runs/{urllib.parse.quote(self.id, safe='')}"
+        return f"{page}?project={urllib.parse.quote(self.project, safe='')}"
 
     @classmethod
     def _from_json(cls, api: Api, body: dict[str, Any]) -> RunInfo:

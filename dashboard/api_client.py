@@ -151,9 +151,12 @@ class ApiClient:
         "world_size", "gradients"} (GET /api/v1/runs/{id}/ranks)."""
         return self._request("GET", _run_path(run_id, "ranks"), run_id=run_id)
 
-    def get_run(self, run_id: str) -> Json:
-        """One run: id, project, name, status, created_at, last_step, summary… (GET /api/v1/runs/{id})."""
-        return self._request("GET", _run_path(run_id), run_id=run_id)
+    def get_run(self, run_id: str, project: str | None = None) -> Json:
+        """One run: id, project, name, status, created_at, last_step, summary… (GET /api/v1/runs/{id}).
+        With `project`: the run that project calls run_id (alert links name it so); the answer's id is
+        the one to use for the run from then on."""
+        params = None if project is None else {"project": project}
+        return self._request("GET", _run_path(run_id), params, run_id=run_id)
 
     def keys(self, run_id: str, kind: str = "scalar") -> list[str]:
         """The keys the run has of one kind: "scalar" (e.g. "amp/scale", "loss"), "vector" (per-layer,

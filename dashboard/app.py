@@ -7,7 +7,8 @@ Pages (one dcc.Location, routed by a callback on its pathname), with the default
 module of `pages` with its layout and its callbacks, declared beside it (`callbacks.PageCallbacks`)
 and added to every app built here:
     /dashboard/                         runs list (`pages.runs`)
-    /dashboard/runs/{run_id}[?step=N]   run page (`pages.run`); ?step=N (alert links) marks step N
+    /dashboard/runs/{run_id}[?step=N]   run page (`pages.run`); ?step=N (alert links) marks step N,
+                                        ?project=P (alert links) names P's run of that id
     /dashboard/compare?runs=id1,id2     one scalar key of several runs overlaid (`pages.compare`)
     /dashboard/alerts                   alerts, rules and webhooks (`pages.alerts`, with the cards
                                         of `pages.alert_rules` and `pages.webhooks`)
@@ -248,7 +249,9 @@ def render_page(pathname: str | None, search: str | None) -> Any:
         return alerts.layout(api, services().background)
     if page == "run" and run_id:
         try:
-            return run.layout(api, run_id, selected_step=run.parse_step(search))
+            return run.layout(
+                api, run_id, selected_step=run.parse_step(search), project=run.parse_project(search)
+            )
         except RunNotFound:
             return _not_found_page(app, "Run not found", f"There is no run with id “{run_id}”.")
         except ApiError as exc:

@@ -43,15 +43,21 @@ Limit = Annotated[int, Query(ge=1, le=1000)]
 Offset = Annotated[int, Query(ge=0)]
 
 
-def authorize_run(store: Store, principal: Principal, run_id: str, scope: Scope) -> str:
+def authorize_run(
+    store: Store, principal: Principal, run_id: str, scope: Scope, project: str | None = None
+) -> str:
     """The stored id of the run the caller calls run_id, once it may use the run with `scope`: 404 for
     a run that does not exist or belongs to a project the token is not for (the same answer: a token
     cannot learn which ids other projects use), 403 when the token lacks the scope.
 
     Run ids are a project's own (Store.find_run): a token for one project names runs within it, so
     "exp-1" is its project's run even when another project has an "exp-1" too; the endpoints work on
-    the stored id this returns and name runs in their answers as the caller does (RunNames)."""
-    stored, project = store.find_run(run_id, principal.home_project)
+    the stored id this returns and name runs in their answers as the caller does (RunNames). With
+    `project`, run_id is that project's name for the run, whoever asks (the dashboard links alerts
+    carry: a token for every project would otherwise take "exp-1" for the run stored under it)."""
+    if project is not None and principal.home_project not in (None, project):
+        raise NotFound(f"run {run_id!r} does not exist")
+    stored, project = store.find_run(run_id, principal.home_project if project is None else project)
     if not principal.sees(project):
         raise NotFound(f"run {run_id!r} does not exist")
     principal.require(project, scope, f"run {run_id!r}")

@@ -88,16 +88,26 @@ def parse_step(search: str | None) -> int | None:
     return int(values[0]) if values and values[0].isdigit() else None
 
 
+def parse_project(search: str | None) -> str | None:
+    """The project of a run page's query string ("?project=team", as alert links carry), or None."""
+    values = parse_qs((search or "").lstrip("?")).get("project", [])
+    return values[0] if values and values[0] else None
+
+
 def href(app: dash.Dash, run_id: str, step: Any = None) -> str:
     """The run page's URL; with a step, the page opens with that step marked (as alert links do)."""
     path: str = app.get_relative_path(f"/runs/{quote(run_id, safe='')}")
     return path + f"?step={step}" if isinstance(step, int) and not isinstance(step, bool) else path
 
 
-def layout(api: ApiClient, run_id: str, selected_step: int | None = None) -> html.Div:
-    """The page of run `run_id`, its layer picker filled (one small request for the layer names).
-    Raises RunNotFound or ApiError when the run cannot be read."""
-    run = api.get_run(run_id)
+def layout(
+    api: ApiClient, run_id: str, selected_step: int | None = None, project: str | None = None
+) -> html.Div:
+    """The page of run `run_id` (of `project`, as alert links name runs: two projects may each have a
+    run of that id), its layer picker filled (one small request for the layer names). Raises
+    RunNotFound or ApiError when the run cannot be read."""
+    run = api.get_run(run_id, project)
+    run_id = str(run.get("id"))  # the id the signed-in token knows the run by
     try:
         layers = figures.layer_names_of(
             api.vectors(run_id, LAYER_HEATMAPS["grad-norm-heatmap"][0], max_steps=1, end=0)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import event
 from sqlalchemy.orm import Session
@@ -374,7 +375,7 @@ class AlertEngine:
         if document["alert"] is not None:
             self._count_repeats(session, run, document, [finding], touched)
             return
-        evidence = dump_json(finding.evidence | {"link": self.link(run.id, finding.step)})
+        evidence = dump_json(finding.evidence | {"link": self.link(run, finding.step)})
         previous = document.get("last_alert")
         fired = document.get("fired_step")
         if previous is not None and fired is not None and finding.step < fired + row.cooldown_steps:
@@ -407,7 +408,7 @@ class AlertEngine:
             title=finding.title[:500],
             hint=self._hint(session, run.id, rule.name, finding),
             evidence_json=evidence,
-            link=self.link(run.id, finding.step),
+            link=self.link(run, finding.step),
             created_at=time.time(),
             resolution_notified=False,
         )
@@ -432,7 +433,7 @@ class AlertEngine:
             len(repeats),
             latest.step,
             latest.title[:500],
-            dump_json(latest.evidence | {"link": self.link(run.id, latest.step)}),
+            dump_json(latest.evidence | {"link": self.link(run, latest.step)}),
         )
         if document.get("incident") is not None:
             touched.add(document["incident"])
@@ -453,9 +454,13 @@ class AlertEngine:
         if alert.incident_id is not None:
             touched.add(alert.incident_id)
 
-    def link(self, run_id: str, step: int | None) -> str:
-        base = f"{self.public_url}/dashboard/runs/{run_id}"
-        return base if step is None else f"{base}?step={step}"
+    def link(self, run: Run, step: int | None) -> str:
+        """The run page (at `step`), named as its project names the run and with the project, so that it
+        opens the right run for whoever follows it (two projects may each have a run of that id; a
+        token for every project reads ?project= to tell which: deps.authorize_run)."""
+        own_id, project = run.requested_id or run.id, quote(run.project, safe="")
+        page = f"{self.public_url}/dashboard/runs/{own_id}?project={project}"
+        return page if step is None else f"{page}&step={step}"
 
     def _hint(self, session: Session, run_id: str, rule_name: str, finding: Finding) -> str:
         misuse_hints: dict[str, str] = {}

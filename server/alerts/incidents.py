@@ -99,7 +99,7 @@ class Incidents:
 
     def __init__(
         self,
-        link: Callable[[str, int | None], str],
+        link: Callable[[Run, int | None], str],
         enqueue: Callable[[Session, list[Any]], None],
         group_wait_steps: int = 10,
         group_wait_s: float = 5.0,
@@ -153,7 +153,7 @@ class Incidents:
             last_step=step,
             notify_step=step + self.group_wait_steps,
             notify_after=now + self.group_wait_s,
-            link=self.link(run.id, step),
+            link=self.link(run, step),
             created_at=now,
             updated_at=now,
         )
@@ -234,7 +234,7 @@ class Incidents:
         # Where it began: a sustained rule's onset or a NaN loss's first step comes before the step it fired.
         incident.first_step = min(finding_onset(f, ONSET_RULES) for f in findings)
         incident.last_step = max(a.last_step or a.step or 0 for a in alerts)
-        incident.link = self.link(run.id, incident.first_step)
+        incident.link = self.link(run, incident.first_step)
         incident.updated_at = time.time()
         if incident.notified_at is not None and incident.cause_key != (
             incident.notified_cause_key or incident.cause_key
@@ -263,6 +263,8 @@ class Incidents:
         if not webhooks:
             return
         document = json.loads(dump_json(incident_document(incident, run.name)))
+        # A webhook is its project's: the run as the project names it (its link names the project too).
+        document["run_id"] = run.requested_id or run.id
         now = time.time()
         rows = [
             Delivery(

@@ -71,12 +71,14 @@ def create_rule(
 ) -> AlertRuleOut:
     """Create a rule for a project, or for one run of it (run_id)."""
     principal.require(rule.project, "admin", f"project {rule.project!r}")
-    if rule.run_id is not None:  # the project's own name for the run (Store.find_run)
+    if rule.run_id is not None:  # the run as the caller names it (deps.authorize_run)
         try:
-            stored, _ = store.find_run(rule.run_id, rule.project)
+            stored, project = store.find_run(rule.run_id, principal.home_project)
         except NotFound:
+            stored, project = "", None
+        if project != rule.project:
             # One answer for every absent run: another project's run ids are not for this caller to learn.
-            raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}") from None
+            raise InvalidRequest(f"run_id {rule.run_id!r}: no such run in project {rule.project!r}")
         rule = rule.model_copy(update={"run_id": stored})
     return AlertRuleOut(**names.in_documents([alerts.create_rule(rule)])[0])
 

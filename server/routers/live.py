@@ -291,8 +291,8 @@ async def _stream(
     with hub.subscribe(stored) as wake:  # before the cursor: nothing stored meanwhile is missed
         try:
             cursor = await hub.read(lambda: store.live.open_cursor(stored, keys, rank, since))
-        except NotFound as exc:
-            await _close(websocket, CLOSE_NOT_FOUND, str(exc))
+        except NotFound:  # deleted since it was authorized (the store's message names the stored id)
+            await _close(websocket, CLOSE_NOT_FOUND, f"run {run_id!r} does not exist")
             return
         except Exception:
             logger.exception("gradwatch: could not open a live stream of run %r", run_id)

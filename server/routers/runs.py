@@ -112,8 +112,21 @@ def _epoch(moment: datetime) -> float:
 
 
 @router.get("/{run_id}")
-def get_run(run_id: str, store: StoreDep, principal: PrincipalDep, names: RunNamesDep) -> RunOut:
-    run_id = authorize_run(store, principal, run_id, "read")
+def get_run(
+    run_id: str,
+    store: StoreDep,
+    principal: PrincipalDep,
+    names: RunNamesDep,
+    project: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="read the run this project calls run_id (what alert links carry): for a token "
+            "for every project, where two projects use the same id; the answer's id is the caller's",
+        ),
+    ] = None,
+) -> RunOut:
+    run_id = authorize_run(store, principal, run_id, "read", project)
     return run_out(store.get_run(run_id), names)
 
 

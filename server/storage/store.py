@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, delete, func, or_, select, text
+from sqlalchemy import ColumnElement, Engine, and_, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -151,14 +151,8 @@ class Store:
         requested = run.id or uuid.uuid4().hex
         for _ in range(3):  # each pass loses at most one race to a concurrent create of the same id
             with self._transaction() as session:
-                existing = session.scalar(
-                    select(Run)
-                    .where(
-                        Run.project == run.project, or_(Run.id == requested, Run.requested_id == requested)
-                    )
-                    .order_by(Run.requested_id.is_not(None))
-                    .limit(1)
-                )
+                where, order = _named_in_project(run.project, requested)
+                existing = session.scalar(select(Run).where(where).order_by(order).limit(1))
                 existed = existing is not None
                 before = (existing.status, existing.status_reason) if existing is not None else (None, None)
                 if existing is not None and run.resume == "never":
@@ -247,12 +241,9 @@ class Store:
             if project is None:
                 found = session.execute(select(Run.id, Run.project).where(Run.id == run_id)).first()
             else:
-                found = session.execute(
-                    select(Run.id, Run.project)
-                    .where(Run.project == project, or_(Run.requested_id == run_id, Run.id == run_id))
-                    .order_by(Run.requested_id.is_(None))  # the name asked for first, as create_run
-                    .limit(1)
-                ).first()
+                where, order = _named_in_project(project, run_id)
+                query = select(Run.id, Run.project).where(where).order_by(order).limit(1)
+                found = session.execute(query).first()
         if found is None:
             raise NotFound(f"run {run_id!r} does not exist")
         return found[0], found[1]
@@ -298,7 +289,10 @@ class Store:
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             column = _SORT_COLUMNS[filters.sort]
             order = (column.asc() if filters.ascending else column.desc()).nulls_last()
-            rows = session.scalars(query.order_by(order, Run.id).limit(limit).offset(offset)).all()
+            # Ties are broken by the id the run's project asked for: the stored id would tell a token
+            # which of its runs have a name another project had first (find_run).
+            tie = func.coalesce(Run.requested_id, Run.id)
+            rows = session.scalars(query.order_by(order, tie, Run.id).limit(limit).offset(offset)).all()
             return [self._run_record(session, run) for run in rows], total
 
     def delete_run(self, run_id: str) -> None:
@@ -580,3 +574,14 @@ class Store:
             status_reason=run.status_reason,
             requested_id=run.requested_id,
         )
+
+
+def _named_in_project(project: str, run_id: str) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+    """(where, order by) for the project's run called run_id: stored under that id, or under a fresh
+    one with run_id as the name the project asked for (Store.create_run). Two such runs exist only
+    after a race of creates with another project's delete; in this order, create_run and find_run
+    pick the same one."""
+    return (
+        and_(Run.project == project, or_(Run.id == run_id, Run.requested_id == run_id)),
+        Run.requested_id.is_not(None),
+    )

@@ -232,7 +232,7 @@ def test_runs_and_their_filters(served):
     assert fp16.summary["scale"] == served["reference"].scales_after[-1]
     assert isinstance(fp16.created_at, datetime) and fp16.created_at.tzinfo is not None
     assert fp16.metadata["torch"] and fp16.raw["id"] == fp16.id
-    assert fp16.url == f"{served['url']}/dashboard/runs/{fp16.id}"
+    assert fp16.url == f"{served['url']}/dashboard/runs/{fp16.id}?project=read"
     assert "metadata" not in repr(fp16) and "_api" not in dataclasses.asdict(fp16)
 
     assert [r.name for r in api.runs(project="read", status="crashed")] == ["ablation"]

@@ -215,6 +215,23 @@ def test_without_a_step_the_run_continues_after_the_servers_last_step():
     assert resume["step"] == 38 and resume["data"]["step_from"] == "server"
 
 
+def test_a_run_stored_under_another_id_is_resumed_too():
+    """Another project had the id first: the server stores the run under an id of its own, and a token
+    for every project (or an open server) is answered that id. A resume of it is still a resume."""
+
+    class Renaming(ResumingServer):
+        def create_run(self, run: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+            return super().create_run(run) | {"id": "9f86d081884c7d659a2feaa0c55ad015"}
+
+    server = Renaming({"taken": 37})
+    run = _init(server, run_id="taken", resume="must")
+    assert run.step == 38  # it continues after the stored run's last step
+    run.log({"loss": 1.0})
+    run.finish()
+    [resume] = server.events("resume")
+    assert resume["step"] == 38 and resume["data"]["step_from"] == "server"
+
+
 def test_a_run_that_ends_before_its_step_is_known_still_sends_everything():
     server = ResumingServer({"short": 4})
     run = _init(server, run_id="short", resume="must")

@@ -52,6 +52,32 @@ def test_runs_list_and_run_page_show_the_scale_drop_and_skips(full_server, brows
     assert page.problems == []
 
 
+def test_an_alert_link_opens_its_projects_run_when_another_project_has_the_same_id(full_server, browser_page):
+    """Issue 28: two projects may each have a run "job-9"; alert links and run.url name the project,
+    so that they open that project's run even where ids are the server's (open server, every-project
+    tokens), where the bare id is the run stored under it."""
+    import httpx
+
+    first = httpx.post(
+        f"{full_server.url}/api/v1/runs", json={"project": "first", "id": "job-9", "name": "empty"}
+    )
+    assert first.status_code == 201
+    with gradwatch.init(
+        project="second", name="trained", run_id="job-9", server=full_server.url, flush_interval=0.05
+    ) as run:
+        train(30, run=run, overflow_steps=(10, 11, 12))
+    assert run.id != "job-9" and run.url.endswith("/dashboard/runs/" + run.id + "?project=second")
+    [incident] = httpx.get(f"{full_server.url}/api/v1/runs/{run.id}/incidents").json()["data"]
+    assert incident["link"].endswith("/dashboard/runs/job-9?project=second&step=10")
+    page = browser_page
+    page.goto(f"{full_server.url}/dashboard/{incident['link'].split('/dashboard/', 1)[1]}")
+    page.get_by_text("trained", exact=True).wait_for(timeout=20_000)
+    _graph_has(page, "loss-graph", "data.some(t => t.x && t.x.length === 30)")
+    page.goto(f"{full_server.url}/dashboard/runs/job-9")  # the bare id: the run stored under it
+    page.get_by_text("empty", exact=True).wait_for(timeout=20_000)
+    assert page.problems == []
+
+
 def test_run_page_of_a_live_run_appends_new_points_and_keeps_the_zoom(full_server, browser_page):
     run = gradwatch.init(project="browser", name="live", server=full_server.url, flush_interval=0.05)
     for step in range(5):

@@ -7,6 +7,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -101,7 +102,7 @@ def test_overflow_burst_is_one_incident_with_the_nan_loss_as_cause(alert_server,
     assert drop["evidence"]["steps"] == [9, 31] and drop["evidence"]["values"] == [65536.0, 8192.0]
     assert drop["evidence"]["skip_steps"] == [10, 11, 12]
     assert drop["evidence"]["layers"] and set(drop["evidence"]["layers"]) <= LAYERS
-    assert drop["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=12"
+    assert drop["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?project={quote(drop['project'])}&step=12"
 
     nan = alerts["loss_non_finite"]
     assert (
@@ -374,6 +375,27 @@ def test_webhook_validation(api):
     assert api.post("/api/v1/webhooks/999/test").status_code == 404
 
 
+def test_a_webhook_names_the_run_as_its_project_does(alert_server, api, receiver):
+    """Issue 28: a run whose id another project had first is stored under a fresh id; its project's
+    webhook names it by the id the project asked for, with a link that names the project too (so that
+    it opens that run for any token: a token for every project takes the bare id for the other's)."""
+    assert api.post("/api/v1/runs", json={"project": "first", "id": "job-7"}).status_code == 201
+    hook = api.post("/api/v1/webhooks", json={"url": f"{receiver.url}/json", "project": "second"})
+    assert hook.status_code == 201, hook.text
+    with gradwatch.init(
+        project="second", run_id="job-7", server=alert_server.url, flush_interval=0.05
+    ) as run:
+        train(30, run=run, overflow_steps=(10, 11, 12))
+    assert run.id != "job-7"  # an open server names runs by the ids they are stored under
+    [request] = receiver.wait_for(1)
+    incident = request.json["incident"]
+    assert (incident["run_id"], incident["project"]) == ("job-7", "second")
+    assert incident["link"] == f"{PUBLIC_URL}/dashboard/runs/job-7?project=second&step=10"
+    opened = api.get("/api/v1/runs/job-7", params={"project": "second"}).json()
+    assert (opened["id"], opened["project"]) == (run.id, "second")
+    assert api.get("/api/v1/runs/job-7").json()["project"] == "first"
+
+
 def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_server, api, receiver):
     hooks = {}
     for fmt in ("json", "slack", "discord"):
@@ -401,7 +423,9 @@ def test_webhooks_in_three_formats_signed_with_a_test_and_a_delivery_log(alert_s
     incident = generic["incident"]
     assert set(incident["rules"]) == {"loss_non_finite", "scale_drop"} and incident["severity"] == "critical"
     assert (
-        incident["run_id"] == run_id and incident["link"] == f"{PUBLIC_URL}/dashboard/runs/{run_id}?step=10"
+        incident["run_id"] == run_id
+        and incident["link"]
+        == f"{PUBLIC_URL}/dashboard/runs/{run_id}?project={quote(incident['project'])}&step=10"
     )
     assert incident["cause"] and incident["next_steps"] and "step 10" in generic["text"]
     assert verify("s3cret", by_format["json"].headers, by_format["json"].body, now=time.time())

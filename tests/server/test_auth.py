@@ -327,7 +327,7 @@ def test_the_agent_keeps_its_id_when_another_project_has_it(api_server, tokens):
     assert run.stats.dropped_points == 0
     listed = httpx.get(f"{api_server.url}/api/v1/runs", headers=_auth(alpha), timeout=30).json()["data"]
     assert len(listed) == 1 and listed[0]["id"] == "shared-id"  # run ids are a project's own (issue 28)
-    assert run.id == "shared-id" and run.url.endswith("/dashboard/runs/shared-id")
+    assert run.id == "shared-id" and run.url.endswith("/dashboard/runs/shared-id?project=alpha")
     series = httpx.get(
         f"{api_server.url}/api/v1/runs/{listed[0]['id']}/series",
         params={"key": "loss"},
