@@ -212,9 +212,17 @@ def test_a_fast_loggers_finish_drains_everything_and_prints_progress(gate, tmp_p
 def test_a_small_finish_prints_nothing(gate, tmp_path, capsys):
     run = gradwatch.init(project="p", server=gate.url, spool_dir=tmp_path)
     _fast_logger(run, keys=3, steps=50)
+    started = time.monotonic()
     run.finish()
+    took = time.monotonic() - started
     assert run.stats.sent == 150
-    assert "gradwatch" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # The promise is about time: a finish done within PROGRESS_EVERY says nothing. (On a CI machine
+    # loaded past its cores, 150 points once took longer, and the progress line was then right.)
+    if took < PROGRESS_EVERY:
+        assert "gradwatch" not in err
+    else:
+        assert "gradwatch" not in err.replace(f"gradwatch: run {run.id}: uploading", "")
 
 
 def _refuse_batches(status: int, detail: str) -> Callable[[Request], Answer]:
