@@ -58,12 +58,16 @@ class LiveReads:
         """What is new for `cursor`, advancing the cursor past it (only once everything was read: a read
         that fails leaves it where it was). Raises NotFound once the run is gone."""
         with Session(self.engine) as session:
+            # One snapshot for the read's statements: else a batch committing between two of them
+            # comes half (its events without its points, or a status naming steps whose points come
+            # only with the next message). Under PostgreSQL's READ COMMITTED each statement sees its
+            # own; a read-only REPEATABLE READ never fails to serialize. On SQLite the driver begins
+            # no transaction for SELECTs; a deferred BEGIN pins one snapshot at the first (WAL), and a
+            # read-only transaction never asks for the write lock.
             if self.engine.dialect.name == "postgresql":
-                # One snapshot for the read's statements (SQLite's read transaction is one already).
-                # Under READ COMMITTED each statement sees its own: a batch committed between the
-                # points read and the status read was announced by a status naming steps whose points
-                # came only in the next message. A read-only REPEATABLE READ never fails to serialize.
                 session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            elif self.engine.dialect.name == "sqlite":
+                session.connection().exec_driver_sql("BEGIN")
             return _read_new(session, cursor, max_points, max_events)
 
 
@@ -199,10 +203,8 @@ def _read_new(
 ) -> LiveUpdate:
     """What is new for `cursor`, advancing the cursor past it (only once everything was read: a read
     that fails leaves it where it was). Raises NotFound once the run is gone."""
-    # The status first: it then never names a step whose points this read has not seen. On PostgreSQL
-    # the read is one snapshot (read_new); on SQLite each SELECT is its own (the driver begins no
-    # transaction for reads), and a batch committing between the points and a later status read made a
-    # status announce steps whose points came only with the next message.
+    # The status first: it then never names a step whose points this read has not seen, even in a
+    # session that is not one snapshot (read_new's are).
     status = _run_status(session, cursor.run_id)
     series, ranks = _series_and_ranks(session, cursor)
     points, last_steps, more = _new_points(session, cursor, series, ranks, max_points)
