@@ -67,9 +67,9 @@ def authorize_run(
 class RunNames:
     """Runs named in an answer as the caller names them. A token for one project calls its runs by the
     ids the project asked for; a run stored under another id (its name was another project's first:
-    Store.find_run) is shown under the asked-for id, also in the dashboard links an alert or incident
-    carries. Open servers and tokens for every project see the stored ids, unique on the server.
-    (Webhooks carry stored ids: their links must open the right run whoever follows them.)"""
+    Store.find_run) is shown under the asked-for id. Open servers and tokens for every project see the
+    stored ids, unique on the server. (Links an alert or incident carries name the project's own id
+    already, AlertEngine.link; those stored before links named it carry the stored id, rewritten here.)"""
 
     def __init__(self, store: Store, principal: Principal) -> None:
         self._store = store
