@@ -18,8 +18,14 @@ classes that were RuntimeErrors before the tree had a root stay RuntimeErrors to
     ├── TransportError           one send of the agent's failed (gradwatch._transport); retryable
     ├── GradwatchServerError     the store's errors, one HTTP status each (gradwatch.server.errors)
     ├── SchemaError              the database's schema is stale (gradwatch.server.database); a RuntimeError
-    └── ExposureRefused          an open server on a non-loopback address (gradwatch.server.serve); a
-                                 RuntimeError
+    ├── ExposureRefused          an open server on a non-loopback address (gradwatch.server.serve); a
+    │                            RuntimeError
+    ├── IngestLimited            a batch refused by an ingest limit, answered 413 or 429
+    │                            (gradwatch.server.ingest_limits)
+    ├── EgressRefused            a webhook host the server must not send to; a ValueError
+    │                            (gradwatch.server.alerts.egress)
+    └── HostNotPublic            a webhook host without a public address; an httpx.ConnectError, so that
+                                 its delivery is retried (gradwatch.server.alerts.egress)
 
 Warnings are not errors: GradwatchWarning is a UserWarning.
 """

@@ -76,6 +76,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._errors import GradwatchError
 from .._wire import VALUES_PER_EVENT, layer_name_values
 from .auth import Principal, bearer, hash_token
 from .deps import PrincipalDep
@@ -130,7 +131,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-class IngestLimited(Exception):
+class IngestLimited(GradwatchError):
     """A batch refused by a limit: `status` 413 or 429, `limit` its name, `retry_after` seconds (429)."""
 
     def __init__(self, status: int, limit: str, detail: str, retry_after: int | None = None) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from ..._errors import GradwatchError
+
 __all__ = [
     "ALLOW_PRIVATE_HINT",
     "EgressRefused",
@@ -53,7 +55,7 @@ _PRIVATE = tuple(
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
-class EgressRefused(ValueError):
+class EgressRefused(GradwatchError, ValueError):
     """A webhook host that is, or resolves to, an address the server must not send to."""
 
 
@@ -128,7 +130,7 @@ def resolve(
     return addresses
 
 
-class HostNotPublic(httpx.ConnectError):
+class HostNotPublic(httpx.ConnectError, GradwatchError):
     """A webhook host name that resolves to no public address: it does not resolve at all, or only to
     an address refused above. One message and one outcome (a retried delivery) for both, so that a
     webhook's delivery log does not tell its project's admins which of the server's internal names

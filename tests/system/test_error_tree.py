@@ -9,6 +9,7 @@ import builtins
 import importlib
 from pathlib import Path
 
+import httpx
 import pytest
 
 import gradwatch
@@ -40,6 +41,12 @@ IN_THE_TREE = {
     },
     "gradwatch.server.database": {"SchemaError": (RuntimeError,)},
     "gradwatch.server.serve": {"ExposureRefused": (RuntimeError,)},
+    "gradwatch.server.ingest_limits": {"IngestLimited": ()},
+    # A ValueError of the webhook checks; an httpx.ConnectError, so that its delivery is retried.
+    "gradwatch.server.alerts.egress": {
+        "EgressRefused": (ValueError,),
+        "HostNotPublic": (httpx.ConnectError,),
+    },
 }
 
 # Defined by the package but not GradwatchErrors, each with why.
@@ -48,15 +55,6 @@ OUTSIDE = {
     ("gradwatch.server.compression", "_Refused"): "private: caught where raised, answered as a status",
     ("gradwatch.server.routers.live", "_BadQuery"): "private: caught where raised, answered as a status",
     ("gradwatch.server.app", "_BodyTooLarge"): "private: caught where raised, answered as a 413",
-    ("gradwatch.server.ingest_limits", "IngestLimited"): "answered as a 413 or 429; not yet in the tree",
-    (
-        "gradwatch.server.alerts.egress",
-        "EgressRefused",
-    ): "a ValueError of the webhook checks; not yet in the tree",
-    (
-        "gradwatch.server.alerts.egress",
-        "HostNotPublic",
-    ): "must stay an httpx.ConnectError (a retried delivery)",
 }
 
 EXCEPTION_NAMES = {name for name, value in vars(builtins).items() if isinstance(value, type)}
