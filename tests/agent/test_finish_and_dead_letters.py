@@ -184,22 +184,24 @@ def _fast_logger(run: Any, keys: int = KEYS, steps: int = STEPS) -> int:
 
 
 def test_a_fast_loggers_finish_drains_everything_and_prints_progress(gate, tmp_path, capsys, caplog):
-    # Each batch is held until finish() begins, then 0.7 s on top of what the real server needs to
-    # store it: the whole upload (six batches, over 4.2 s) happens inside finish() and is longer than
+    # Each batch is held until finish() begins, then 2 s on top of what the real server needs to
+    # store it: the whole upload (six batches, over 12 s) happens inside finish() and is longer than
     # stall_timeout -- finish() goes on because every batch is progress.
     finishing = threading.Event()
-    gate.delay = lambda request: 0.7 if finishing.wait(60) else 0.0
+    # Each batch: 2 s held, plus the real server's time (up to ~2 s for 50,000 points on a loaded
+    # machine); stall_timeout 6 s leaves each batch room, and six batches (over 12 s) exceed it.
+    gate.delay = lambda request: 2.0 if finishing.wait(60) else 0.0
     run = gradwatch.init(project="p", server=gate.url, spool_dir=tmp_path)
     points = _fast_logger(run)
     started = time.monotonic()
     finishing.set()
-    run.finish(stall_timeout=3.0)
+    run.finish(stall_timeout=6.0)
     took = time.monotonic() - started
     print(f"finish took {took:.1f} s for {points:,} points in {run.stats.sent_batches} batches")
 
     assert run.stats.sent == points and run.stats.spooled == 0 and run.stats.queued == 0
     assert not (tmp_path / spool_file_name(run.id, 0)).exists()
-    assert took > 3.0  # past stall_timeout: the server kept making progress
+    assert took > 6.0  # past stall_timeout: the server kept making progress
     assert len(stored(gate.url, run.id, "k000")) == STEPS and len(stored(gate.url, run.id, "k099")) == STEPS
     lines = [line for line in capsys.readouterr().err.splitlines() if "uploading" in line]
     assert lines, "no progress line"
@@ -302,10 +304,18 @@ def test_a_poison_batch_is_dead_lettered_and_no_longer_blocks_the_batches_after_
     run = gradwatch.init(
         project="p", server=gate.url, spool_dir=tmp_path, max_backoff=0.05, flush_interval=0.02
     )
-    for step in range(60):
+    # The poison in a batch of its own steps, as in the 4xx test below: before it, wait until the
+    # first batch is stored (until then the sender holds everything, and a slow machine could merge
+    # the later steps into the poisoned batch); after it, until its first try.
+    for step in range(20):
         run.log({"x": float(step)}, step=step)
-        if step == 20:
-            run.log({"poison": 1.0}, step=step)
+    run._flush(None)
+    _wait_until(lambda: run.stats.sent >= 20)
+    run.log({"x": 20.0, "poison": 1.0}, step=20)
+    run._flush(None)
+    _wait_until(lambda: any("poison" in r.keys for r in gate.batches()))
+    for step in range(21, 60):
+        run.log({"x": float(step)}, step=step)
         time.sleep(0.005)
     run.finish()
 
@@ -436,13 +446,15 @@ def test_a_413_splits_the_batch_until_it_fits_and_a_single_step_too_large_is_dea
 
 
 def test_sync_leaves_a_batch_that_keeps_failing_for_later_and_goes_on(gate, tmp_path):
-    # An offline spool (a batch a second) with a poison batch in the middle: sync reports it and
-    # uploads the others.
-    run = gradwatch.init(project="p", mode="offline", spool_dir=tmp_path, flush_interval=0.05)
-    for step in range(30):
-        run.log({"x": float(step)} | ({"poison": 1.0} if step == 15 else {}), step=step)
-        time.sleep(0.1)
-    run.finish()
+    # An offline spool with a poison batch in the middle: sync reports it and uploads the others. Three
+    # offline sessions of one run, each its own batch (an offline run seals a batch a second, and a
+    # slow machine could merge all 30 steps into one).
+    run_id = f"offline-{time.monotonic_ns()}"
+    for steps in (range(15), range(15, 16), range(16, 30)):
+        run = gradwatch.init(project="p", run_id=run_id, mode="offline", spool_dir=tmp_path)
+        for step in steps:
+            run.log({"x": float(step)} | ({"poison": 1.0} if step == 15 else {}), step=step)
+        run.finish()
     gate.rule = _poisoned
     report = sync(tmp_path, gate.url, max_backoff=0.05, log=lambda _line: None)
     assert len(report.failed) == 1 and report.error is None and not report.complete

@@ -17,7 +17,7 @@ average 4-8 while the suite runs), and wall time alone showed one-off 70-220 ms 
 baseline with no server at all. Waiting on a socket, a file, a lock or the GIL still counts in full.
 The session's objects from before the loop are frozen (gc.freeze), so a full garbage collection of
 pytest's and other tests' objects (200-300 ms here) cannot land in a measured call.
-The bound, 250 ms, is generous on purpose: the sender threads can hold the GIL for a switch interval
+The bound, 500 ms, is generous on purpose: the sender threads can hold the GIL for a switch interval
 (5 ms) each, several times within one call, and a sender thread that the kernel preempts while it
 holds the GIL is not in our run_delay; measured maxima are 2-26 ms on a quiet machine. A call that
 blocked on the network or the disk -- what these tests exist to catch -- would take the fault's
@@ -53,7 +53,7 @@ from training import Reference, train
 import gradwatch
 from gradwatch._wire import wire_float
 
-MAX_IN_LOOP_SECONDS = 0.25
+MAX_IN_LOOP_SECONDS = 0.5
 STEPS = 300
 OVERFLOW_STEPS = (30, 31, 150)  # fp16 overflows: skipped steps and "skip" events to count
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,11 +46,25 @@ class Recorder:
             def log_message(self, *_args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def shutdown_request(self, request: Any) -> None:
+                super().shutdown_request(request)
+                recorder.closed += 1  # a connection this server has closed (idle, or the client's)
+
+        self.closed = 0
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05})
         self._thread.start()
+
+    def wait_closed(self, count: int = 1, timeout: float = 30.0) -> None:
+        """Until the server has closed `count` connections (the idle timeout's thread may run late on
+        a loaded machine: a fixed wait could send the next request before it did)."""
+        deadline = time.monotonic() + timeout
+        while self.closed < count:
+            assert time.monotonic() < deadline, f"{self.closed} of {count} connections closed"
+            time.sleep(0.02)
 
     def connections(self) -> int:
         return len({port for _, port in self.requests})
@@ -87,7 +102,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_and_the_batch_sen
     try:
         transport = HttpTransport(server.url)
         assert transport.send_batch("run-1", {"seq": 1, "scalars": []}) == {"ok": True}
-        threading.Event().wait(0.8)  # the server has closed the idle connection by now
+        server.wait_closed()  # the server has closed the idle connection
         assert transport.send_batch("run-1", {"seq": 2, "scalars": []}) == {"ok": True}
         transport.close()
         assert [json.loads(b)["seq"] for b in server.bodies] == [1, 2] and server.connections() == 2
@@ -122,7 +137,7 @@ def test_a_server_that_is_gone_is_a_retryable_error(no_proxy):
     transport = HttpTransport(server.url, timeout=2)
     assert transport.send_batch("run-1", {"seq": 1, "scalars": []}) == {"ok": True}
     server.close()
-    threading.Event().wait(0.5)  # its connection closed too: the retry finds no server
+    server.wait_closed()  # its connection closed too: the retry finds no server
     with pytest.raises(TransportError) as failed:
         transport.send_batch("run-1", {"seq": 2, "scalars": []})
     transport.close()

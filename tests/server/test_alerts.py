@@ -501,7 +501,11 @@ def test_a_blip_resolved_within_the_group_wait_is_never_sent_and_a_later_trigger
     hook = api.post("/api/v1/webhooks", json={"url": receiver.url, "project": "cool"}).json()
     run = api.post("/api/v1/runs", json={"project": "cool"}).json()
     scales = {0: 0.5, 1: 2.0, 2: 0.5, 3: 2.0, 200: 0.5}  # floor 1: fire, clear, again within cooldown, …
+    # The blip's incident waits on steps alone (a loaded machine once could have taken the 5 s wall-clock
+    # wait over the four batches); the incident at step 200 waits the usual 5 s.
+    incidents_of = alert_server.server.config.app.state.alerts.alert_engine.incidents
     for seq, (step, scale) in enumerate(scales.items()):
+        incidents_of.group_wait_s = 5.0 if step == 200 else 600.0
         batch = {"seq": seq, "scalars": [{"key": "amp/scale", "steps": [step], "values": [scale]}]}
         assert api.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
     alerts = api.get("/api/v1/alerts", params={"run_id": run["id"], "limit": 10}).json()["data"]

@@ -260,7 +260,7 @@ def test_half_open_connections_cannot_exhaust_the_server(sqlite_url, monkeypatch
             sock = socket.create_connection((where.hostname, where.port), timeout=5)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # never finished
             attackers.append(sock)
-        with httpx.Client(base_url=server.url, timeout=5) as client:
+        with httpx.Client(base_url=server.url, timeout=30) as client:  # a loaded machine: not 5 s
             for _ in range(5):
                 assert client.get("/healthz").status_code == 200
         closed = 0
@@ -430,8 +430,9 @@ def test_a_slow_or_huge_webhook_answer_holds_no_other_projects_delivery(database
                 assert api.post(f"/api/v1/webhooks/{hooks[name]['id']}/test").status_code == 202
             good.wait_for(1)
             waited = time.monotonic() - started
-            # The slow one costs its 2 s deadline at most, the huge one its first bytes: not 90 s.
-            assert waited < 10, waited
+            # The slow one costs its 2 s deadline at most, the huge one its first bytes: not 90 s (the
+            # bound is loose for a loaded machine; the failure it guards against is the 90 s).
+            assert waited < 30, waited
             deadline = time.monotonic() + 10
             while not (slow := api.get(f"/api/v1/webhooks/{hooks['slow']['id']}/deliveries").json()["data"])[
                 0

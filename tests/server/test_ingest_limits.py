@@ -442,7 +442,7 @@ def _small_limits(sqlite_url: str) -> Any:
         max_batch_points=1000,
         max_batch_values=5000,
         max_body_bytes=200_000,
-        ingest_points_per_s=100,
+        ingest_points_per_s=1,  # a slow refill: the 429 below must not depend on how long requests take
         ingest_burst_points=1500,
         alert_worker=False,
     )
