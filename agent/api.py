@@ -506,7 +506,9 @@ class Api:
             if exc.status != 404:
                 raise
             project, _, name = run.rpartition("/")  # "project/name", or a name alone (project "")
-            named = [r for r in self.runs(project or None, name=name, limit=RUNS_PAGE) if r.name == name]
+            # Every run whose name contains it (all pages: a sweep's names can hold it hundreds of
+            # times), then the exact ones.
+            named = [r for r in self.runs(project or None, name=name) if r.name == name]
             if len(named) == 1:
                 return named[0]
             if named:

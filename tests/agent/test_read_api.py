@@ -271,6 +271,16 @@ def test_run_by_id_or_by_name(served):
     assert missing.value.status == 404 and "does not exist" in missing.value.detail
 
 
+def test_a_name_is_looked_up_among_every_run_not_one_page(served, monkeypatch):
+    # A page of one run: the name's second run is on the second page (a sweep's 600 runs whose names
+    # contain the asked-for name once hid the exact one beyond the first page of 500).
+    monkeypatch.setattr(read_api, "RUNS_PAGE", 1)
+    api = Api(served["url"])
+    with pytest.raises(ApiError, match="2 runs are named 'fp16-run'"):
+        api.run("fp16-run")
+    assert api.run("ablation").id == served["crashed"].id
+
+
 # -- events and alerts -------------------------------------------------------------------------------
 
 
