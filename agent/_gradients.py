@@ -13,9 +13,11 @@ How:
   backward work (the all-reduce written back into .grad, the reduce-scatter into the sharded .grad)
   is done by then.
 - the per-layer L2 norms of the gradients are taken there, on their device (one foreach pass, no
-  sync), and divided by the loss scale the pass used when a GradScaler scaled it (the scale changes
-  only in scaler.update(), after the optimizer step). With gradient accumulation each pass measures
-  the sum so far and the last pass before the optimizer step is the step's.
+  sync). With gradient accumulation each pass measures the sum so far and the last pass before the
+  optimizer step is the step's. Under an enabled GradScaler (unless the optimizer is fused, or the
+  loop clips before unscale_) they are still scaled there, and a float32 sum of squares of S*g
+  overflows or underflows when S is far from 1: they are measured once after scaler.unscale_
+  instead, where they are unscaled and, by GradScaler's contract, not yet clipped (the Watcher).
 - the gradients' version counters (host integers, bumped by every in-place write: a clip's mul_, an
   unscale_) are noted with the measurement. At the optimizer step, a changed counter means something
   rewrote the gradients in between: a clip. Only then is a second pass taken, the post-clip norm.

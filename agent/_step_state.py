@@ -25,6 +25,8 @@ class StepState:
     pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
+    measure_at_unscale: bool = False  # still scaled at the end of backward: measured after unscale_
+    clipped_while_scaled: bool = False  # rewritten before unscale_ (a misuse): this step's norms are lost
     gradients_settled: bool = False  # the optimizer step (or the skip) came: no clip after it
     post_clip: Any = None  # the global norm after a clip rewrote the gradients (on the device)
     global_norm: Any = None  # the training framework's own pre-clip global norm (set_global_norm)

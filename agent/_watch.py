@@ -7,7 +7,8 @@ before (their exceptions propagate unchanged, ours never reach them).
 
 Where each signal comes from:
 - the end of each backward pass (see _gradients): the pre-clip, unscaled per-layer gradient norms
-  and from them grad/global_norm, however (or whether) the loop clips; the gradients' version
+  and from them grad/global_norm, however (or whether) the loop clips (under a GradScaler: after
+  unscale_, where they are unscaled and not yet clipped); the gradients' version
   counters, to see a clip later; the histograms of a run without a GradScaler; backward passes per
   step (amp/micro_batches).
 - optimizer step pre/post hooks: step counting without a scaler; the post-clip norm when the
@@ -155,6 +156,9 @@ class Watcher:
         self._misuse_reported: set[str] = set()
         self._missing_reported: tuple[str, ...] = ()  # the layers without a gradient last reported
         self._unmeasured_reported = False
+        # A clip of still-scaled gradients was seen: from then on they are measured at the end of
+        # backward, scaled (the only moment they are not yet clipped), not after unscale_.
+        self._clips_while_scaled = False
 
         self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
         self._handles.append(optimizer.register_step_post_hook(guard(self._post_step_hook)))
@@ -263,14 +267,36 @@ class Watcher:
 
     def _on_backward_end(self) -> None:
         """A backward pass has ended (see _gradients): measure the gradients as they are now, before
-        any clip. Under a GradScaler they are still scaled: the norms are divided by the scale the
-        pass used. A run without a scaler takes its sampled histograms here too (with one, after
-        unscale_: they are binned unscaled)."""
-        self._this_step.begun = True
+        any clip; under a GradScaler, note their versions and measure them after unscale_. A run
+        without a scaler takes its sampled histograms here too (with one, after unscale_: they are
+        binned unscaled)."""
+        this_step = self._this_step
+        this_step.begun = True
         grads = self._grads()
-        self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
+        if self._measures_at_unscale():
+            # Still scaled by S here, and their float32 sum of squares overflows once S*||g|| passes
+            # ~1.8e19 (a scaler that never meets an overflow, in fp32 or bf16, doubles S without end)
+            # or underflows at a tiny S. unscale_ comes before any clip (a clip before it is a misuse,
+            # told by the versions): measured after it, unscaled, once however many micro-batches.
+            this_step.pre_clip = None
+            this_step.measured_grads = grads
+            this_step.measured_at = _gradients.versions(grads)
+            this_step.measure_at_unscale = True
+        else:
+            self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
         if self.scaler is None and self._histograms_due():
             self._take_histograms(grads)
+
+    def _measures_at_unscale(self) -> bool:
+        """Whether this backward pass's gradients are measured after scaler.unscale_ rather than now:
+        under an enabled GradScaler that has not unscaled them yet, with a step that unscales (a
+        fused optimizer's step unscales inside its kernel), unless the loop clips before unscale_."""
+        return (
+            self.scaler_view is not None
+            and not self.fused
+            and not self._clips_while_scaled
+            and self._unscaled() is False
+        )
 
     def _unscaled(self) -> bool | None:
         view = self.scaler_view
@@ -296,6 +322,9 @@ class Watcher:
         if optimizer is not self.optimizer or measured_at is None or self.fused:
             return
         if _gradients.rewritten(measured_at, self._grads()):
+            if self._this_step.measure_at_unscale:
+                self._this_step.clipped_while_scaled = True  # not measured yet: this step's are lost
+                self._clips_while_scaled = True
             self._report_misuse(
                 "clip_before_unscale",
                 "the gradients were rewritten in place while still SCALED (before scaler.unscale_): a "
@@ -310,9 +339,9 @@ class Watcher:
         this_step = self._this_step
         this_step.begun = True
         grads = self._grads()
-        if this_step.pre_clip is None:
-            # No backward pass was seen (gradients assigned by hand): unscaled and not yet clipped
-            # here, as a clip of scaled gradients is a misuse.
+        if this_step.pre_clip is None and not this_step.clipped_while_scaled:
+            # Unscaled and not yet clipped here (a clip of scaled gradients is a misuse): measured after
+            # the backward passes of the step (measure_at_unscale), or after none (assigned by hand).
             self._measure(grads, scaled=False)
         if self._histograms_due() and this_step.histograms is None:
             self._take_histograms(grads)
@@ -328,6 +357,13 @@ class Watcher:
         if this_step.measured_at is None:
             return
         grads = self._grads()
+        if this_step.measure_at_unscale and this_step.pre_clip is None and not this_step.clipped_while_scaled:
+            # No unscale_ of this optimizer was seen (a step that did not unscale it): as backward
+            # left them, still scaled, they are measured now; rewritten since, they cannot be.
+            if _gradients.rewritten(this_step.measured_at, grads):
+                return
+            self._measure(grads, scaled=self._unscaled() is not True)
+            return
         if _gradients.rewritten(this_step.measured_at, grads):
             this_step.post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
 
@@ -341,7 +377,7 @@ class Watcher:
         elif this_step.pre_clip is not None:
             sink.add_scalar("grad/global_norm", step, _quantities.global_norm(this_step.pre_clip))
         else:
-            self._report_unmeasured(step)
+            self._report_unmeasured(step, this_step)
         if this_step.pre_clip is None:
             return
         if this_step.post_clip is not None:
@@ -350,20 +386,30 @@ class Watcher:
             sink.add_tensor("grad/norm", step, this_step.pre_clip)
             self._report_missing_gradients(this_step.measured_grads)
 
-    def _report_unmeasured(self, step: int) -> None:
+    def _report_unmeasured(self, step: int, this_step: StepState) -> None:
         if self._unmeasured_reported or not self.params:
             return
         self._unmeasured_reported = True
-        self.sink.add_event(
-            step,
-            "norms_unmeasured",
-            {
-                "reason": "no backward pass reached the watched parameters before this optimizer step "
+        if this_step.clipped_while_scaled:
+            reason = (
+                "the gradients were rewritten while still scaled, before scaler.unscale_ (see the "
+                "clip_before_unscale event), before they were measured: this step records no "
+                "grad/global_norm or grad/norm; later steps measure them at the end of backward"
+            )
+        elif this_step.measure_at_unscale:
+            reason = (
+                "the gradients were rewritten after backward and the GradScaler did not unscale them "
+                "for the watched optimizer before its step: their pre-clip norms cannot be told from "
+                "clipped ones, so grad/global_norm and grad/norm are not recorded for such steps"
+            )
+        else:
+            reason = (
+                "no backward pass reached the watched parameters before this optimizer step "
                 "(gradients assigned by hand?) and no GradScaler unscaled them: their pre-clip norms "
                 "cannot be told from clipped ones, so grad/global_norm and grad/norm are not recorded "
-                "for such steps",
-            },
-        )
+                "for such steps"
+            )
+        self.sink.add_event(step, "norms_unmeasured", {"reason": reason})
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
         """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a

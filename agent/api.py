@@ -497,17 +497,15 @@ class Api:
         return [RunInfo._from_json(self, r) for r in runs]
 
     def run(self, run: str) -> RunInfo:
-        """One run, by id; or by its exact name, when no run has that id and one run (of those the token
-        sees) has that name: "name" or "project/name". Several runs of that name: an ApiError listing
-        their ids."""
+        """One run, by id; or by its exact name (looked up among every run, not one page), when no run
+        has that id and one run (of those the token sees) has that name: "name" or "project/name".
+        Several runs of that name: an ApiError listing their ids."""
         try:
             return RunInfo._from_json(self, self._get(f"/api/v1/runs/{_segment(run)}"))
         except ApiError as exc:
             if exc.status != 404:
                 raise
             project, _, name = run.rpartition("/")  # "project/name", or a name alone (project "")
-            # Every run whose name contains it (all pages: a sweep's names can hold it hundreds of
-            # times), then the exact ones.
             named = [r for r in self.runs(project or None, name=name) if r.name == name]
             if len(named) == 1:
                 return named[0]

@@ -54,15 +54,20 @@ def _same(recorded, expected, rel=1e-5):
     return recorded == pytest.approx(expected, rel=rel)
 
 
-def _train(clip, precision, steps=8, accumulate=1, overflow_at=(), layer_norms_every=3, **init):
+def _train(
+    clip, precision, steps=8, accumulate=1, overflow_at=(), layer_norms_every=3, init_scale=2.0**12, **init
+):
     """TinyNet trained `steps` optimizer steps in `precision` (fp16: autocast and a real GradScaler;
-    bf16: autocast, no scaler; fp32) with `clip` (a CLIPS entry) after unscale_; returns the transport
-    and, per step, the reference: pre-clip per-layer and global norms, the post-clip global norm."""
+    bf16: autocast, no scaler; fp32; fp32-scaler: fp32 with a GradScaler from `init_scale`) with `clip`
+    (a CLIPS entry) after unscale_; returns the transport and, per step, the reference: pre-clip
+    per-layer and global norms, the post-clip global norm."""
     torch.manual_seed(0)
     model = TrappedNet()  # a step in overflow_at gives one layer (`trap`) an infinite gradient
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = (
-        torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) if precision == "fp16" else None
+        torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=3)
+        if precision in ("fp16", "fp32-scaler")
+        else None
     )
     transport = RecordingTransport()
     reference = []
@@ -75,7 +80,9 @@ def _train(clip, precision, steps=8, accumulate=1, overflow_at=(), layer_norms_e
             for _ in range(accumulate):
                 x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
                 with torch.autocast(
-                    "cpu", dtype=torch.float16 if scaler else torch.bfloat16, enabled=precision != "fp32"
+                    "cpu",
+                    dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+                    enabled=precision in ("fp16", "bf16"),
                 ):
                     loss = nn.functional.cross_entropy(model(x).float(), y) / accumulate
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -140,6 +147,57 @@ def test_accumulated_micro_batches_give_the_steps_summed_gradients(precision):
         assert _same(global_norms[step], expected["global"])
         assert all(_same(r, e) for r, e in zip(per_layer[step], expected["layers"], strict=True))
     assert transport.series("amp/micro_batches") == dict.fromkeys(range(5), 3.0)
+
+
+@pytest.mark.parametrize("init_scale", [2.0**66, 2.0**-80], ids=["huge-scale", "tiny-scale"])
+def test_a_loss_scale_far_from_one_leaves_the_norms_true(init_scale):
+    """A GradScaler that never meets an overflow (fp32 or bf16 gradients) doubles its scale without
+    end: scaled by 2^66, gradients are finite but their float32 sum of squares is not (it read inf,
+    and a non_finite alert fired on a healthy run); scaled by 2^-80 it underflows to 0. Measured
+    unscaled, they are true."""
+    transport, reference, _ = _train(
+        CLIPS["by-name"], "fp32-scaler", steps=6, layer_norms_every=1, init_scale=init_scale
+    )
+    assert transport.events("skip") == []  # a healthy run: the scaler skipped nothing
+    global_norms, per_layer = transport.series("grad/global_norm"), transport.vectors("grad/norm")
+    assert sorted(global_norms) == sorted(per_layer) == list(range(6))
+    for step, expected in enumerate(reference):
+        assert math.isfinite(expected["global"]) and expected["global"] > 0
+        assert _same(global_norms[step], expected["global"]), (step, global_norms[step], expected)
+        assert all(_same(r, e) for r, e in zip(per_layer[step], expected["layers"], strict=True)), step
+        assert _same(transport.series("grad/global_norm_post_clip")[step], expected["post"], rel=1e-4)
+
+
+def test_a_clip_before_unscale_loses_its_first_step_only_and_says_why():
+    """A misuse: clip_grad_norm_ of still-scaled gradients. Measured after unscale_, the first such
+    step's norms would be post-clip: it records none (an event says why), and the steps after it are
+    measured at the end of backward, scaled, before the clip."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    transport, reference = RecordingTransport(), []
+    generator = torch.Generator().manual_seed(0)
+    with gradwatch.init(project="true-numbers", transport=transport) as run:
+        run.watch(model, optimizer, scaler=scaler, layer_norms_every=1, dense_start_steps=0)
+        for _ in range(4):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scale = scaler.get_scale()
+            reference.append(
+                math.sqrt(sum((p.grad.double() / scale).norm().item() ** 2 for p in model.parameters()))
+            )
+            clip_grad_norm_(model.parameters(), MAX_NORM)  # before unscale_: the misuse
+            scaler.step(optimizer)
+            scaler.update()
+    assert transport.events("clip_before_unscale")
+    [unmeasured] = transport.events("norms_unmeasured")
+    assert unmeasured["step"] == 0 and "before scaler.unscale_" in unmeasured["data"]["reason"]
+    global_norms = transport.series("grad/global_norm")
+    assert sorted(global_norms) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert _same(global_norms[step], reference[step]), (step, global_norms[step], reference[step])
 
 
 def test_no_point_is_lost_when_the_run_flushes_mid_step():
