@@ -107,7 +107,7 @@ class Watcher:
             id(p): name
             for (_, p), name in zip(named, user_layer_names(model, [n for n, _ in named]), strict=True)
         }
-        self.params = _in_model_order(
+        self.params = _watch_start.in_model_order(
             [p for _, p in named],
             [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad],
         )
@@ -587,15 +587,3 @@ class Watcher:
             _watch_start.check_fp16_setup(
                 self.sink, model, self.params, self._local_params(), self._like, self._report_misuse
             )
-
-
-def _in_model_order(model_params: list[Any], trainable: list[Any]) -> list[Any]:
-    """The trainable parameters the optimizer holds, in the model's order (its param groups may list
-    them otherwise: a decay / no-decay split); any the model does not name follow, in the groups'
-    order. Each once, however often it is listed."""
-    wanted = {id(p): p for p in trainable}
-    ordered: dict[int, Any] = {}
-    for p in [*model_params, *trainable]:
-        if id(p) in wanted:
-            ordered.setdefault(id(p), p)
-    return list(ordered.values())

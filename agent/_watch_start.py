@@ -3,6 +3,7 @@
 - The fp16 setup of a run with a GradScaler: a model trained or stored in bfloat16 (the misuse
   bf16_model_in_fp16), and each layer's largest |weight| (param/max_abs, and their maximum for
   _derive, which tells weights_exceed_fp16 on the sender thread once the value has arrived).
+- The order of the watched parameters: the model's, whatever order the optimizer lists them in.
 - A distributed rank's "rank" event: who this rank is and how its gradients are laid out (the server
   reads it to list a run's ranks and to combine their values).
 """
@@ -93,3 +94,15 @@ def report_rank(sink: StepSink, parallelism: str, gradients: str, histograms: bo
             "histograms": histograms,
         },
     )
+
+
+def in_model_order(model_params: list[Any], trainable: list[Any]) -> list[Any]:
+    """The trainable parameters the optimizer holds, in the model's order (its param groups may list
+    them otherwise: a decay / no-decay split); any the model does not name follow, in the groups'
+    order. Each once, however often it is listed."""
+    wanted = {id(p): p for p in trainable}
+    ordered: dict[int, Any] = {}
+    for p in [*model_params, *trainable]:
+        if id(p) in wanted:
+            ordered.setdefault(id(p), p)
+    return list(ordered.values())
