@@ -21,7 +21,8 @@ class StepState:
     """The current step's observations, from its first backward pass (or scaled loss) to its end."""
 
     begun: bool = False  # a backward pass, a scaled loss or an unscale_ of this step was seen
-    backwards: int = 0  # backward passes that reached the last layer (gradient accumulation)
+    # Backward passes that reached each watched parameter (by id): their most is the step's passes.
+    layer_passes: dict[int, int] = field(default_factory=dict)
     pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
@@ -41,4 +42,4 @@ class StepState:
     @property
     def micro_batches(self) -> int:
         """Backward passes of the step, or else the losses scaled in it (0: neither was seen)."""
-        return self.backwards or self.loss_count
+        return max(self.layer_passes.values(), default=0) or self.loss_count

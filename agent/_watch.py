@@ -169,16 +169,13 @@ class Watcher:
             self._wrap(self.scaler, "scale", after=self._after_scale)
             self._wrap(self.scaler, "load_state_dict", after=self._after_scaler_load)
         try:
-            # The end of each backward pass (the gradients' measurement) and, from the last layer's
-            # hook alone, how many passes reach the model per step (gradient accumulation; a nested
-            # backward of reentrant checkpointing is not a micro-batch of its own).
-            backward_hook = guard(self._backward_end.hook)
-            for param in self.params[:-1]:
-                self._handles.append(param.register_post_accumulate_grad_hook(backward_hook))
-            if self.params:
-                self._handles.append(
-                    self.params[-1].register_post_accumulate_grad_hook(guard(self._on_last_layer_grad))
-                )
+            # The end of each backward pass (the gradients' measurement) and how many passes reach the
+            # model per step (gradient accumulation): the most passes any one layer saw, so a layer left
+            # without a gradient (an unused head) cannot hide them and a nested backward of reentrant
+            # checkpointing is not a micro-batch of its own (a layer's gradient accumulates once a pass).
+            layer_hook = guard(self._on_layer_grad)
+            for param in self.params:
+                self._handles.append(param.register_post_accumulate_grad_hook(layer_hook))
         except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
             sink.features.disable("gradient measurement at the end of backward", exc)
         guard(self._check_setup)(model)  # its observations go through the same sink as the step's
@@ -261,8 +258,9 @@ class Watcher:
     def _histograms_due(self) -> bool:
         return self.histograms_here and self.options.due(self.options.histograms_every, self.sink.step)
 
-    def _on_last_layer_grad(self, param: Any) -> None:
-        self._this_step.backwards += 1  # a host counter: the hook runs once per backward pass, no device work
+    def _on_layer_grad(self, param: Any) -> None:
+        passes = self._this_step.layer_passes  # host counters, no device work
+        passes[id(param)] = passes.get(id(param), 0) + 1
         self._backward_end.hook(param)
 
     def _on_backward_end(self) -> None:

@@ -549,3 +549,47 @@ def test_micro_batches_count_backward_passes_without_a_scaler():
         optimizer.zero_grad()
     run.finish()
     assert transport.series("amp/micro_batches") == {0: 4.0, 1: 4.0, 2: 4.0}
+
+
+class _UnusedHead(nn.Module):
+    """A model whose last layer in model order gets no gradient (an auxiliary or value head this loss
+    does not use), and whose body may be checkpointed (reentrant: a nested backward per pass)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.unused_head = nn.Linear(16, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            x = x.requires_grad_()
+            return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "reentrant-checkpoint"])
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["no-scaler", "grad-scaler"])
+def test_micro_batches_are_counted_when_the_last_layer_gets_no_gradient(with_scaler, checkpointed):
+    """The passes per step do not hang on one layer: a last layer left without a gradient (an unused
+    head) still gives amp/micro_batches, and a reentrant checkpoint's nested backward is no extra pass."""
+    transport = RecordingTransport()
+    run = gradwatch.init(project="t", transport=transport, flush_interval=0.05)
+    torch.manual_seed(0)
+    model = _UnusedHead(checkpointed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if with_scaler else None
+    run.watch(model, optimizer, scaler=scaler)
+    for accumulation in (1, 3, 2):
+        for _ in range(accumulation):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    run.finish()
+    assert model.unused_head.weight.grad is None
+    assert transport.series("amp/micro_batches") == {0: 1.0, 1: 3.0, 2: 2.0}
