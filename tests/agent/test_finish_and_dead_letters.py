@@ -297,6 +297,22 @@ def _poisoned(request: Request) -> Answer:
     return (500, "injected: this batch crashes the server") if "poison" in request.keys else None
 
 
+def _log_in_a_batch_of_its_own(run, gate, key: str, *, at: int, steps: int) -> None:
+    """Log x at steps 0..steps-1, with `key` beside it at step `at` alone in its batch: before it, wait
+    until the earlier steps are stored (until the first batch is, the sender holds everything, and a
+    slow machine merged every step into the one refused batch); after it, until the gate saw it."""
+    for step in range(at):
+        run.log({"x": float(step)}, step=step)
+    run._flush(None)
+    _wait_until(lambda: run.stats.sent >= at)
+    run.log({"x": float(at), key: 1.0}, step=at)
+    run._flush(None)
+    _wait_until(lambda: any(key in r.keys for r in gate.batches()))
+    for step in range(at + 1, steps):
+        run.log({"x": float(step)}, step=step)
+        time.sleep(0.005)
+
+
 def test_a_poison_batch_is_dead_lettered_and_no_longer_blocks_the_batches_after_it(gate, tmp_path, caplog):
     from gradwatch.dashboard.pages.run_views import run_header
 
@@ -304,19 +320,7 @@ def test_a_poison_batch_is_dead_lettered_and_no_longer_blocks_the_batches_after_
     run = gradwatch.init(
         project="p", server=gate.url, spool_dir=tmp_path, max_backoff=0.05, flush_interval=0.02
     )
-    # The poison in a batch of its own steps, as in the 4xx test below: before it, wait until the
-    # first batch is stored (until then the sender holds everything, and a slow machine could merge
-    # the later steps into the poisoned batch); after it, until its first try.
-    for step in range(20):
-        run.log({"x": float(step)}, step=step)
-    run._flush(None)
-    _wait_until(lambda: run.stats.sent >= 20)
-    run.log({"x": 20.0, "poison": 1.0}, step=20)
-    run._flush(None)
-    _wait_until(lambda: any("poison" in r.keys for r in gate.batches()))
-    for step in range(21, 60):
-        run.log({"x": float(step)}, step=step)
-        time.sleep(0.005)
+    _log_in_a_batch_of_its_own(run, gate, "poison", at=20, steps=60)
     run.finish()
 
     poisoned = [r for r in gate.batches() if "poison" in r.keys]
@@ -375,19 +379,7 @@ def test_a_4xx_refusal_is_dead_lettered_after_a_bounded_number_of_tries(gate, tm
     run = gradwatch.init(
         project="p", server=gate.url, spool_dir=tmp_path, max_backoff=0.05, flush_interval=0.02
     )
-    # The refused key in a batch of its own step: before it, wait until the run's first batch is
-    # stored (until then the sender holds everything, and a slow machine merged all 40 steps into the
-    # refused batch); after it, until its first refusal.
-    for step in range(10):
-        run.log({"x": float(step)}, step=step)
-    run._flush(None)
-    _wait_until(lambda: run.stats.sent >= 10)
-    run.log({"x": 10.0, "bad": 1.0}, step=10)
-    run._flush(None)
-    _wait_until(lambda: any("bad" in r.keys for r in gate.batches()))
-    for step in range(11, 40):
-        run.log({"x": float(step)}, step=step)
-        time.sleep(0.005)
+    _log_in_a_batch_of_its_own(run, gate, "bad", at=10, steps=40)
     run.finish()
 
     refused = [r for r in gate.batches() if "bad" in r.keys]
