@@ -4,9 +4,10 @@ Pure functions of plain host values (the steps, floats and lists of a Resolved p
 device, no watcher): skip events naming the layers whose gradients went non-finite, weights too large
 for fp16, the loss scale falling below 1, fp16 underflow / precision-loss / overflow and zero fractions
 from the gradient histograms, the safe-scale band, update ratios and rounded-away fractions with the
-skipped steps left out, the clip threshold, and parameters the optimizer does not hold (from the
-comparisons _coverage records). derive() applies them all to one packet;
-WatchDerivation binds it to one watched model and keeps the once-per-run state. The histogram
+skipped steps left out, what rewrote the gradients after backward (a clip's threshold), and
+parameters the optimizer does not hold (from the comparisons _coverage records). derive() applies
+them all to one packet; WatchDerivation binds it to one watched model and keeps the once-per-run
+state. The histogram
 arithmetic itself (fp16_fractions, safe_scale_band…) lives with the other quantities in _quantities.
 
 The agent-internal keys (leading "_") are recorded by the Watcher for this module only; they never
@@ -16,6 +17,7 @@ leave the process (Resolved.wire_fields drops them).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,7 @@ SCALE_BEFORE = "_amp/scale_before"  # the loss scale a step was taken with (befo
 UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
 CLIP_MAX_NORM = "grad/clip_max_norm"
 POST_CLIP_NORM = "grad/global_norm_post_clip"
+REWRITE_SPREAD = "_grad/rewrite_spread"  # per rewritten step: how unevenly the layers were scaled
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
 MAX_LAYERS_IN_EVENT = 50
 # + a token: per candidate of one _coverage comparison, 1.0 where its weights did not change
@@ -152,23 +155,116 @@ def scale_below_one_event(scalars: Scalars) -> Event | None:
     return None
 
 
-def clip_thresholds(scalars: Scalars, last: float | None) -> tuple[list[tuple[int, float]], float | None]:
-    """grad/clip_max_norm at the steps whose gradients a clip rewrote (POST_CLIP_NORM recorded), from
-    the pre- and post-clip global norms, and the threshold known after them.
+class GradientRewrites:
+    """What rewrote the gradients between the end of backward and the optimizer step, learned over
+    the steps from their global norms before (grad/global_norm) and after (POST_CLIP_NORM) and how
+    evenly each layer was scaled (REWRITE_SPREAD); one per watched model, on the sender thread.
 
-    A clip by the global norm multiplies every gradient by max_norm / (norm + 1e-6) when that is
-    below 1, so a step it cut gives max_norm = post * (norm + 1e-6) / norm (6 significant digits:
-    float32 rounding). A step it left as it was says nothing new: the last threshold seen (`last`,
-    from earlier packets) is repeated; before any, none is recorded."""
-    pre = dict(scalars.get("grad/global_norm", []))
-    thresholds = []
-    for step, post in scalars.get(POST_CLIP_NORM, []):
-        norm = pre.get(step)
-        if norm is not None and math.isfinite(norm) and math.isfinite(post) and 0 < post < norm * (1 - 1e-5):
-            last = float(f"{post * (norm + 1e-6) / norm:.6g}")
-        if last is not None:
-            thresholds.append((step, last))
-    return thresholds, last
+    - A clip by the global norm multiplies every gradient by max_norm / (norm + 1e-6) when that is
+      below 1: each layer alike, and every step it cuts ends at the same max_norm = post * (norm +
+      1e-6) / norm. Two cuts that agree (among the last eight) make it known (grad/clip_max_norm,
+      6 significant digits: float32 rounding); it is repeated on the steps it left as they were.
+    - A division by a constant after backward (gradient accumulation averaged as p.grad.div_(k))
+      scales each layer alike too, by the same factor on every step, ending at norms that vary: two
+      steps with one factor and different ends make it known. The norms recorded are then those
+      after it, what a clip after it sees (grad/global_norm and grad/norm times the factor).
+    - Anything else scales the layers unevenly (clip_grad_value_, a hand-written all-reduce, some
+      layers zeroed), or unevenly over the steps (a division by each step's token count): it is no
+      clip, so no max_norm is made up from it; the norms stay those backward left (an event says so).
+    A packet's own steps are judged with what all of them tell (the first cut gets the threshold its
+    second confirms); the steps of earlier packets stay as sent.
+    """
+
+    def __init__(self) -> None:
+        self.max_norm: float | None = None
+        self.factor: float | None = None  # a constant rescale after backward, once known
+        # (factor, post, max_norm) of the last cuts not yet explained: a clip's cuts and a rescale's
+        # steps may alternate (a clip that cuts some steps after a division)
+        self._candidates: deque[tuple[float, float, float]] = deque(maxlen=8)
+        self._reported: set[str] = set()
+
+    def apply(self, scalars: Scalars, vectors: Vectors) -> list[Event]:
+        pre = dict(scalars.get("grad/global_norm", []))
+        spread = dict(scalars.get(REWRITE_SPREAD, []))
+        rewrites = [
+            (step, pre[step], post, spread.get(step, 0.0))
+            for step, post in scalars.get(POST_CLIP_NORM, [])
+            if step in pre and math.isfinite(pre[step]) and pre[step] > 0 and math.isfinite(post)
+        ]
+        events = [self._learn(step, norm, post, uneven) for step, norm, post, uneven in rewrites]
+        even = {step: (norm, post) for step, norm, post, uneven in rewrites if uneven <= 1e-4}
+        if self.factor is not None and even:
+            _rescale(scalars, vectors, set(even), self.factor)
+        thresholds = []
+        for step, _ in scalars.get(POST_CLIP_NORM, []):
+            if step not in even or self.max_norm is None:
+                continue
+            norm, post = even[step]
+            norm *= self.factor or 1.0
+            if abs(post / norm - 1) <= 1e-5 or _close(_max_norm(norm, post), self.max_norm, 1e-4):
+                thresholds.append((step, self.max_norm))
+        if thresholds:
+            scalars[CLIP_MAX_NORM] = thresholds
+        return [event for event in events if event is not None]
+
+    def _learn(self, step: int, norm: float, post: float, uneven: float) -> Event | None:
+        if uneven > 1e-4:
+            return self._report_once(step, "gradients_rewritten", {"spread": uneven, "hint": _UNEVEN_HINT})
+        norm *= self.factor or 1.0
+        factor = post / norm
+        if abs(factor - 1) <= 1e-5 or post <= 0:
+            return None  # a clip that cut nothing (a multiply by 1.0), or everything zeroed
+        max_norm = _max_norm(norm, post)
+        if self.max_norm is not None and _close(max_norm, self.max_norm, 1e-4):
+            return None
+        if any(_close(max_norm, seen[2], 1e-4) for seen in self._candidates):
+            self.max_norm = max_norm
+        elif self.factor is None and any(
+            _close(factor, seen[0], 1e-5) and not _close(post, seen[1], 1e-3) for seen in self._candidates
+        ):
+            self.factor = factor
+            self._candidates.clear()  # their max_norm were taken before the rescale was known
+            return self._report_once(step, "gradients_rescaled", {"factor": factor, "hint": _RESCALE_HINT})
+        self._candidates.append((factor, post, max_norm))
+        return None
+
+    def _report_once(self, step: int, kind: str, data: dict[str, Any]) -> Event | None:
+        if kind in self._reported:
+            return None
+        self._reported.add(kind)
+        return {"step": step, "kind": kind, "data": data}
+
+
+_RESCALE_HINT = (
+    "after backward the gradients are multiplied by this same factor on every step (a division by the "
+    "accumulation steps?): grad/global_norm and grad/norm are the norms after it, as a clip after it "
+    "sees them, from this step's packet on; histograms stay binned as backward left the gradients"
+)
+_UNEVEN_HINT = (
+    "after backward the gradients were rewritten unevenly across layers (clip_grad_value_, a "
+    "hand-written all-reduce, some layers zeroed): no clip by the global norm, so no "
+    "grad/clip_max_norm is inferred; grad/global_norm and grad/norm are the norms backward left, "
+    "grad/global_norm_post_clip the norm the optimizer stepped with"
+)
+
+
+def _max_norm(norm: float, post: float) -> float:
+    return float(f"{post * (norm + 1e-6) / norm:.6g}")
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def _rescale(scalars: Scalars, vectors: Vectors, steps: set[int], factor: float) -> None:
+    scalars["grad/global_norm"] = [
+        (step, value * factor if step in steps else value) for step, value in scalars["grad/global_norm"]
+    ]
+    if "grad/norm" in vectors:
+        vectors["grad/norm"] = [
+            (step, [v * factor for v in norms] if step in steps else norms)
+            for step, norms in vectors["grad/norm"]
+        ]
 
 
 def histogram_fractions(
@@ -213,13 +309,14 @@ def derive(
     loss_scaling: bool,
     partial_norms: bool,
     report_scale_below_one: bool = True,
-    clip_threshold: list[float | None] | None = None,
+    rewrites: GradientRewrites | None = None,
 ) -> bool:
     """Add one packet's host-side quantities and events to `resolved`, in place; drop the update
     ratios of skipped steps. loss_scaling: the run uses a GradScaler (fp16 fractions are computed);
     partial_norms: this rank's norms cover its shard only (no clip threshold from them);
-    report_scale_below_one: look for the scale falling below 1; clip_threshold: a one-item list holding
-    the last clip threshold seen, read and updated here. Returns whether that event was added."""
+    report_scale_below_one: look for the scale falling below 1; rewrites: what rewrote the gradients
+    after backward, as learned from the earlier packets (updated here). Returns whether that event
+    was added."""
     scalars, vectors = resolved.scalars, resolved.vectors
     resolved.layers = list(layer_names)
     resolved.events.extend(oversized_weight_events(scalars))
@@ -234,10 +331,7 @@ def derive(
     if below_one is not None:
         resolved.events.append(below_one)
     if not partial_norms and POST_CLIP_NORM in scalars:
-        holder: list[float | None] = clip_threshold if clip_threshold is not None else [None]
-        thresholds, holder[0] = clip_thresholds(scalars, holder[0])
-        if thresholds:
-            scalars[CLIP_MAX_NORM] = thresholds
+        resolved.events.extend((rewrites or GradientRewrites()).apply(scalars, vectors))
     scale_at = dict(scalars.get(SCALE_BEFORE, [])) if loss_scaling else None
     fraction_vectors, fraction_scalars = histogram_fractions(resolved.matrices.get("grad/hist", []), scale_at)
     for key, rows in fraction_vectors.items():
@@ -250,11 +344,11 @@ def derive(
 class WatchDerivation:
     """derive() for one watched model, called by the sender thread on each packet (a Packet deriver).
 
-    Holds the once-per-run state: a `scale_below_one` event is reported once; the last clip
-    threshold seen is carried to the packets after it; `unheld` holds the candidates of the
-    optimizer-coverage comparisons in flight (written by the training thread before their values are
-    recorded, read and removed here). Set loss_scaling to
-    False when the loss scale cannot be read (the fp16 fractions would be taken at a wrong scale).
+    Holds the once-per-run state: a `scale_below_one` event is reported once; what rewrote the
+    gradients after backward (a clip's threshold) is carried to the packets after it; `unheld` holds
+    the candidates of the optimizer-coverage comparisons in flight (written by the training thread
+    before their values are recorded, read and removed here). Set loss_scaling to False when the
+    loss scale cannot be read (the fp16 fractions would be taken at a wrong scale).
     """
 
     def __init__(self, layer_names: Sequence[str], *, loss_scaling: bool, partial_norms: bool) -> None:
@@ -262,7 +356,7 @@ class WatchDerivation:
         self.loss_scaling = loss_scaling
         self.partial_norms = partial_norms
         self.scale_below_one_reported = False
-        self.clip_threshold: list[float | None] = [None]
+        self.rewrites = GradientRewrites()
         self.unheld: dict[int, UnheldCandidates] = {}
 
     def __call__(self, resolved: Resolved) -> None:
@@ -274,6 +368,6 @@ class WatchDerivation:
             loss_scaling=self.loss_scaling,
             partial_norms=self.partial_norms,
             report_scale_below_one=not self.scale_below_one_reported,
-            clip_threshold=self.clip_threshold,
+            rewrites=self.rewrites,
         ):
             self.scale_below_one_reported = True

@@ -90,6 +90,20 @@ def global_norm(per_layer: Any) -> Any:
     return torch.linalg.vector_norm(per_layer)
 
 
+def factor_spread(before: Any, after: Any) -> Any:
+    """How unevenly a rewrite of the gradients scaled the layers, from their norms before and after
+    it: (largest - smallest) / largest of the per-layer factors after/before, over the layers with a
+    finite, non-zero norm before (a 0-dim device tensor). 0 when every layer was scaled alike, as a
+    clip by the global norm or a division by a constant does; 0 when no layer counts."""
+    import torch
+
+    valid = torch.isfinite(before) & torch.isfinite(after) & (before > 0)
+    factors = torch.where(valid, after / torch.where(valid, before, torch.ones_like(before)), 0.0)
+    largest = factors.max() if factors.numel() else torch.zeros((), device=before.device)
+    smallest = torch.where(valid, factors, largest).min() if factors.numel() else largest
+    return torch.where(largest > 0, (largest - smallest) / largest, 0.0)
+
+
 class Snapshot:
     """Copies of the parameters and their norms, taken before an optimizer step (update ratio)."""
 

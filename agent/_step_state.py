@@ -30,6 +30,7 @@ class StepState:
     clipped_while_scaled: bool = False  # rewritten before unscale_ (a misuse): this step's norms are lost
     gradients_settled: bool = False  # the optimizer step (or the skip) came: no clip after it
     post_clip: Any = None  # the global norm after a clip rewrote the gradients (on the device)
+    rewrite_spread: Any = None  # how unevenly that rewrite scaled the layers (_quantities.factor_spread)
     global_norm: Any = None  # the training framework's own pre-clip global norm (set_global_norm)
     global_norm_given: bool = False  # set_global_norm() was called: no norm of our own
     optimizer_stepped: bool = False  # the optimizer's step ran (under a GradScaler: it was not skipped)

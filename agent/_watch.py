@@ -63,6 +63,7 @@ from ._coverage import OptimizerCoverage
 from ._derive import (  # the agent-internal keys this module records for _derive
     MAX_LAYERS_IN_EVENT,
     POST_CLIP_NORM,
+    REWRITE_SPREAD,
     SCALE_BEFORE,
     UNCHANGED_COUNTS,
     WatchDerivation,
@@ -362,8 +363,12 @@ class Watcher:
                 return
             self._measure(grads, scaled=self._unscaled() is not True)
             return
-        if _gradients.rewritten(this_step.measured_at, grads):
-            this_step.post_clip = _quantities.global_norm(_quantities.layer_norms(grads, self._like))
+        if _gradients.rewritten(this_step.measured_at, grads) and this_step.pre_clip is not None:
+            post = _quantities.layer_norms(
+                grads, self._like
+            )  # and how evenly each layer was scaled (_derive)
+            this_step.post_clip = _quantities.global_norm(post)
+            this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, post)
 
     def _record_gradient_norms(self, step: int) -> None:
         """grad/global_norm (and post-clip), and per-layer grad/norm on sampled and skipped steps,
@@ -380,6 +385,7 @@ class Watcher:
             return
         if this_step.post_clip is not None:
             sink.add_scalar(POST_CLIP_NORM, step, this_step.post_clip)
+            sink.add_scalar(REWRITE_SPREAD, step, this_step.rewrite_spread)
         if this_step.layer_norms_wanted or self.options.due(self.options.layer_norms_every, step):
             sink.add_tensor("grad/norm", step, this_step.pre_clip)
             self._report_missing_gradients(this_step.measured_grads)

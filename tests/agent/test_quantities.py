@@ -271,8 +271,8 @@ def test_host_derivation_is_a_function_of_host_values():
     assert resolved.vectors["update/ratio"] == [(0, [0.1, 0.2])], "a skipped step's ratios are dropped"
     [(step, fractions)] = resolved.vectors["update/rounded_away_frac"]
     assert step == 0 and fractions[0] == 0.25 and math.isnan(fractions[1])
-    # the threshold from the step it cut, carried to the step that says nothing new
-    assert resolved.scalars["grad/clip_max_norm"] == [(0, 1.0), (1, 1.0)]
+    # one cut does not tell a clip's threshold (a division after backward cuts alike): none yet
+    assert "grad/clip_max_norm" not in resolved.scalars
     assert resolved.vectors["grad/underflow_frac"] == [(0, [1.0, 1.0])]
     assert resolved.scalars["grad/global_underflow_frac"] == [(0, 1.0)]
     assert resolved.vectors["grad/zero_frac"] == [(0, [0.0, 0.0])]
@@ -289,31 +289,90 @@ def test_host_derivation_is_a_function_of_host_values():
     assert "grad/zero_frac" in unscaled.vectors and "grad/underflow_frac" not in unscaled.vectors
 
 
-def test_the_clip_threshold_is_inferred_once_a_clip_cuts_and_carried_across_packets():
+def _norms_packet(pre, post, spread=None, first_step=0, layers=None):
     from gradwatch._buffer import Resolved
+
+    steps = range(first_step, first_step + len(pre))
+    scalars = {
+        "grad/global_norm": list(zip(steps, pre, strict=True)),
+        "grad/global_norm_post_clip": list(zip(steps, post, strict=True)),
+    }
+    if spread is not None:
+        scalars["_grad/rewrite_spread"] = list(zip(steps, spread, strict=True))
+    vectors = {"grad/norm": list(zip(steps, layers, strict=True))} if layers is not None else {}
+    return Resolved(scalars=scalars, vectors=vectors, matrices={}, events=[])
+
+
+def _clipped(norm, max_norm):
+    return norm * min(1.0, max_norm / (norm + 1e-6))
+
+
+def test_the_clip_threshold_is_inferred_once_two_cuts_agree_and_carried_across_packets():
     from gradwatch._derive import WatchDerivation
 
-    def packet(pre, post):
-        return Resolved(
-            scalars={
-                "grad/global_norm": list(enumerate(pre)),
-                "grad/global_norm_post_clip": list(enumerate(post)),
-            },
-            vectors={},
-            matrices={},
-            events=[],
-        )
-
     derivation = WatchDerivation(["a"], loss_scaling=False, partial_norms=False)
-    uncut = packet([0.5, 0.7], [0.5, 0.7])  # a clip ran (the gradients were rewritten) but cut nothing
+    uncut = _norms_packet([0.5, 0.7], [0.5, 0.7])  # a clip ran (the gradients were rewritten) but cut nothing
     derivation(uncut)
     assert "grad/clip_max_norm" not in uncut.scalars  # the threshold is not known yet
-    cut = packet([0.5, 3.0], [0.5, 3.0 * (0.25 / (3.0 + 1e-6))])
-    derivation(cut)
-    assert cut.scalars["grad/clip_max_norm"] == [(1, 0.25)]
-    later = packet([0.1], [0.1])
+    one_cut = _norms_packet([0.5, 3.0], [0.5, _clipped(3.0, 0.25)], first_step=2)
+    derivation(one_cut)
+    assert "grad/clip_max_norm" not in one_cut.scalars  # one cut could be a division after backward
+    pre = [2.0, 0.1, 5.0]
+    second = _norms_packet(pre, [_clipped(n, 0.25) for n in pre], first_step=4)
+    derivation(second)
+    assert second.scalars["grad/clip_max_norm"] == [(4, 0.25), (5, 0.25), (6, 0.25)]
+    assert second.scalars["grad/global_norm"] == list(zip(range(4, 7), pre, strict=True)), (
+        "a clip's pre-clip norms stay"
+    )
+    later = _norms_packet([0.1], [0.1], first_step=7)
     derivation(later)
-    assert later.scalars["grad/clip_max_norm"] == [(0, 0.25)]
+    assert later.scalars["grad/clip_max_norm"] == [(7, 0.25)]
+    assert [e["kind"] for e in uncut.events + one_cut.events + second.events + later.events] == []
+
+
+def test_a_division_after_backward_is_no_clip_and_its_norms_are_those_after_it():
+    """p.grad.div_(4) after the micro-batches: every layer scaled alike by one factor, to norms that
+    vary. No max_norm is made up; the norms are those a clip after the division sees."""
+    from gradwatch._derive import WatchDerivation
+
+    derivation = WatchDerivation(["a", "b"], loss_scaling=False, partial_norms=False)
+    pre = [4.0, 2.0, 8.0, 6.0]
+    packet = _norms_packet(pre, [n / 4 for n in pre], spread=[0.0] * 4, layers=[[n, 0.0] for n in pre])
+    derivation(packet)
+    assert "grad/clip_max_norm" not in packet.scalars
+    assert packet.scalars["grad/global_norm"] == [(s, n / 4) for s, n in enumerate(pre)]
+    assert packet.vectors["grad/norm"] == [(s, [n / 4, 0.0]) for s, n in enumerate(pre)]
+    [event] = packet.events
+    assert event["kind"] == "gradients_rescaled" and event["step"] == 1 and event["data"]["factor"] == 0.25
+    # then a clip after the division: the cuts agree on its max_norm, on the divided norms
+    pre = [40.0, 4.0, 12.0, 2.0]
+    later = _norms_packet(pre, [_clipped(n / 4, 1.5) for n in pre], spread=[0.0] * 4, first_step=4)
+    derivation(later)
+    assert later.scalars["grad/global_norm"] == [(s + 4, n / 4) for s, n in enumerate(pre)]
+    assert later.scalars["grad/clip_max_norm"] == [(s + 4, 1.5) for s in range(4)]
+    assert later.events == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["uneven-layers", "a factor of its own each step"],
+)
+def test_a_rewrite_that_is_no_clip_by_the_global_norm_gives_no_threshold(case):
+    """clip_grad_value_, a hand-written all-reduce or some layers zeroed scale the layers unevenly; a
+    division by each step's token count scales them by a factor of its own each step: no clip."""
+    from gradwatch._derive import WatchDerivation
+
+    derivation = WatchDerivation(["a", "b"], loss_scaling=False, partial_norms=False)
+    pre = [4.0, 2.0, 8.0, 6.0, 3.0]
+    if case == "uneven-layers":
+        packet = _norms_packet(pre, [1.0] * 5, spread=[0.3] * 5)
+    else:
+        packet = _norms_packet(pre, [n / t for n, t in zip(pre, [510, 498, 505, 520, 490], strict=True)])
+    derivation(packet)
+    assert "grad/clip_max_norm" not in packet.scalars
+    assert packet.scalars["grad/global_norm"] == list(enumerate(pre)), "the norms backward left"
+    kinds = [e["kind"] for e in packet.events]
+    assert kinds == (["gradients_rewritten"] if case == "uneven-layers" else [])
 
 
 def test_a_watch_derivation_reports_the_scale_below_one_once():

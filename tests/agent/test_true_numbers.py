@@ -108,7 +108,9 @@ def _train(
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 def test_pre_clip_norms_on_every_step_whatever_the_clip(clip, precision):
     overflow_at = (5,) if precision == "fp16" else ()
-    transport, reference, names = _train(CLIPS[clip], precision, overflow_at=overflow_at)
+    # One packet (the clip's threshold is known from its second cut on, and given to the steps of
+    # the packet that tells it: the first cut too).
+    transport, reference, names = _train(CLIPS[clip], precision, overflow_at=overflow_at, flush_interval=600)
     assert transport.layers() == names
     global_norms = transport.series("grad/global_norm")
     assert sorted(global_norms) == list(range(8))
@@ -336,3 +338,86 @@ def test_twenty_watched_runs_with_everything_every_step_are_bit_identical_to_the
     watched = [_digest(watch=True) for _ in range(20)]
     assert watched == [unwatched] * 20
     assert torch.get_num_threads() == threads
+
+
+def _divide(parameters, by):
+    for p in parameters:
+        p.grad.div_(by)
+
+
+def _norm(parameters):
+    return math.sqrt(sum(p.grad.float().norm().item() ** 2 for p in parameters))
+
+
+def _train_rewriting(after_backward, steps=10, micro_batches=4):
+    """TinyNet in fp32, `micro_batches` backward passes of undivided losses per step, then
+    `after_backward(parameters, step)`, which rewrites the gradients as a loop does and returns the
+    norm a clip there would see. All in one packet. Returns the transport and those norms."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    transport, seen = RecordingTransport(), []
+    with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600) as run:
+        run.watch(model, optimizer, layer_norms_every=1, dense_start_steps=0)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            for _ in range(micro_batches):
+                x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+                nn.functional.cross_entropy(model(x), y).backward()
+            seen.append(after_backward(list(model.parameters()), step))
+            optimizer.step()
+    return transport, seen
+
+
+@pytest.mark.parametrize("then_clip", [False, True], ids=["divided", "divided-then-clipped"])
+def test_gradients_divided_after_backward_are_no_clip_and_are_recorded_as_divided(then_clip):
+    """Gradient accumulation averaged after backward (p.grad.div_(k)) rewrites the gradients as a clip
+    would: the norms recorded are those the clip after it sees (its return value), and no clip
+    threshold is made up from the division (it made clip_saturation fire on healthy runs)."""
+    max_norm = 0.3  # TinyNet's divided norms are about 0.24-0.34 over these steps: the clip cuts some
+
+    def divide_and_clip(parameters, _step):
+        _divide(parameters, 4)
+        if then_clip:
+            return float(clip_grad_norm_(parameters, max_norm))
+        return _norm(parameters)
+
+    transport, seen = _train_rewriting(divide_and_clip)
+    recorded = transport.series("grad/global_norm")
+    assert recorded == {step: pytest.approx(norm, rel=1e-5) for step, norm in enumerate(seen)}
+    per_layer = transport.vectors("grad/norm")
+    assert all(_same(math.sqrt(sum(v * v for v in per_layer[s])), norm) for s, norm in enumerate(seen))
+    [event] = transport.events("gradients_rescaled")
+    assert event["data"]["factor"] == pytest.approx(0.25, rel=1e-5)
+    thresholds = transport.series("grad/clip_max_norm")
+    if then_clip:
+        cuts = [step for step, norm in enumerate(seen) if norm > max_norm]
+        assert 2 <= len(cuts) <= len(seen) - 2, seen  # the clip cut some steps and left others
+        assert thresholds == {step: pytest.approx(max_norm, rel=1e-5) for step in range(len(seen))}
+    else:
+        assert thresholds == {}
+
+
+@pytest.mark.parametrize("rewrite", ["clip_grad_value_", "divided-by-tokens"])
+def test_a_rewrite_that_is_no_clip_by_the_global_norm_makes_up_no_threshold(rewrite):
+    """clip_grad_value_ scales each layer its own way; a division by each step's token count scales
+    them alike but by a factor of its own each step: neither has a max_norm, none is recorded."""
+    tokens = [509, 498, 517, 488, 503, 511, 495, 507, 500, 492]
+
+    def after_backward(parameters, step):
+        seen = _norm(parameters)
+        if rewrite == "clip_grad_value_":
+            torch.nn.utils.clip_grad_value_(parameters, 0.01)
+        else:
+            _divide(parameters, tokens[step])
+        return seen
+
+    transport, seen = _train_rewriting(after_backward)
+    assert transport.series("grad/clip_max_norm") == {}
+    # the norms backward left: for a clip by value, the pre-clip norms
+    assert transport.series("grad/global_norm") == {
+        step: pytest.approx(n, rel=1e-5) for step, n in enumerate(seen)
+    }
+    assert transport.events("gradients_rescaled") == []
+    assert len(transport.events("gradients_rewritten")) == (1 if rewrite == "clip_grad_value_" else 0)
