@@ -31,6 +31,8 @@ SCALE_BEFORE = "_amp/scale_before"  # the loss scale a step was taken with (befo
 UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
 CLIP_MAX_NORM = "grad/clip_max_norm"
 POST_CLIP_NORM = "grad/global_norm_post_clip"
+# per step of a fused optimizer under a GradScaler: the per-layer norms, kept for the skipped steps
+NORMS_IF_SKIPPED = "_grad/norm_if_skipped"
 REWRITE_SPREAD = "_grad/rewrite_spread"  # per rewritten step: how unevenly the layers were scaled
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
 MAX_LAYERS_IN_EVENT = 50
@@ -107,6 +109,15 @@ def unheld_parameter_events(vectors: Vectors, expected: dict[int, UnheldCandidat
 def skipped_steps(scalars: Scalars) -> set[int]:
     """The steps whose optimizer update was skipped (amp/skipped is 1)."""
     return {step for step, flag in scalars.get("amp/skipped", []) if flag >= 0.5}
+
+
+def _keep_skipped_steps_norms(vectors: Vectors, skipped: set[int]) -> None:
+    """grad/norm on every skipped step: a fused optimizer's steps send their per-layer norms aside
+    (NORMS_IF_SKIPPED: whether a step skipped was known on the device only); the skipped ones join
+    grad/norm (they name the non-finite layers), the others go no further."""
+    aside = [(step, norms) for step, norms in vectors.get(NORMS_IF_SKIPPED, []) if step in skipped]
+    if aside:
+        vectors["grad/norm"] = sorted([*vectors.get("grad/norm", []), *aside], key=lambda row: row[0])
 
 
 def skip_events(
@@ -321,6 +332,7 @@ def derive(
     resolved.layers = list(layer_names)
     resolved.events.extend(oversized_weight_events(scalars))
     skipped = skipped_steps(scalars)
+    _keep_skipped_steps_norms(vectors, skipped)
     resolved.events.extend(skip_events(skipped, scalars, vectors, layer_names))
     if "update/ratio" in vectors and skipped:
         vectors["update/ratio"] = [(s, v) for s, v in vectors["update/ratio"] if s not in skipped]

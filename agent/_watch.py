@@ -62,6 +62,7 @@ from . import _distributed, _gradients, _quantities, _watch_start
 from ._coverage import OptimizerCoverage
 from ._derive import (  # the agent-internal keys this module records for _derive
     MAX_LAYERS_IN_EVENT,
+    NORMS_IF_SKIPPED,
     POST_CLIP_NORM,
     REWRITE_SPREAD,
     SCALE_BEFORE,
@@ -389,6 +390,8 @@ class Watcher:
         if this_step.layer_norms_wanted or self.options.due(self.options.layer_norms_every, step):
             sink.add_tensor("grad/norm", step, this_step.pre_clip)
             self._report_missing_gradients(this_step.measured_grads)
+        elif self.fused and self.scaler_view is not None:  # whether it skipped is known on the device only
+            sink.add_tensor(NORMS_IF_SKIPPED, step, this_step.pre_clip)
 
     def _report_unmeasured(self, step: int, this_step: StepState) -> None:
         if self._unmeasured_reported or not self.params:

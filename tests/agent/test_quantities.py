@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from torch import nn
-from training import RecordingTransport, TinyNet, train
+from training import RecordingTransport, Reference, TinyNet, train
 
 import gradwatch
 from gradwatch import _quantities as q
@@ -151,12 +151,21 @@ def test_skipped_steps_are_excluded_from_update_ratios():
 
 
 def test_skip_detection_with_a_fused_optimizer():
+    """A fused optimizer's skip is known on the device only; its skipped steps still get their
+    per-layer norms (NaN/Inf, never dropped or 0), and the skip event names the non-finite layers."""
     transport = RecordingTransport()
+    reference = Reference()
     with _run(transport) as run:
-        train(8, run=run, overflow_steps=(2, 5), fused=True)
+        options = {"layer_norms_every": 100, "dense_start_steps": 0}  # steps 2 and 5 are not sampled
+        train(8, run=run, overflow_steps=(2, 5), fused=True, reference=reference, watch_options=options)
     skipped = [s for s, v in transport.series("amp/skipped").items() if v == 1.0]
     assert skipped == [2, 5]
-    assert [e["step"] for e in transport.events("skip")] == [2, 5]
+    skips = transport.events("skip")
+    assert [e["step"] for e in skips] == [2, 5]
+    assert sorted(transport.vectors("grad/norm")) == [0, 2, 5]
+    for event in skips:
+        assert event["data"]["non_finite_layers"] == reference.non_finite_layers[event["step"]]
+        assert event["data"]["non_finite_layers"]
 
 
 def test_scaler_update_with_an_explicit_new_scale():
