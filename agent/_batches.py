@@ -3,7 +3,8 @@
 Run.log_batch() files a step's batch ids (sample indices, file names, shard:offset…) in a bounded
 ring; nothing is sent per step. When the sender thread resolves a non-finite `loss` (the user's
 run.log) or `amp/loss` (the losses passed to scaler.scale), one `bad_batch` event at that step
-carries the ids logged for it, so the offending samples can be found and skipped on a rerun.
+carries the ids logged for it, so the offending samples can be found and skipped on a rerun; the
+steps after it whose loss is NaN only because its update put NaN into the weights are not named.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class BatchLog:
         self._lock = threading.Lock()
         self._ids: OrderedDict[int, list[BatchId]] = OrderedDict()
         self._reported: set[int] = set()  # steps with a bad_batch event (at most MAX_BAD_BATCH_EVENTS)
+        self._weights_poisoned = False  # the last loss was not finite and its update was applied
 
     def add(self, step: int, ids: list[BatchId]) -> None:
         """File `ids` under `step` (training thread); a step logged twice keeps both, up to the cap."""
@@ -99,14 +101,31 @@ class BatchLog:
             return None if kept is None else list(kept)
 
     def derive(self, resolved: Resolved) -> None:
-        """(sender thread) One `bad_batch` event per step whose loss or amp/loss is not finite."""
+        """(sender thread) One `bad_batch` event per step whose loss or amp/loss is not finite and
+        whose weights were not already: a non-finite loss whose update was applied (no GradScaler
+        skipped it, and its gradient norm is not known finite) puts NaN into the weights, so every
+        loss after it is NaN whatever its batch; those batches are not named, until a loss is
+        finite again."""
         if len(self._reported) >= MAX_BAD_BATCH_EVENTS:
             return
-        bad: dict[int, tuple[str, float]] = {}
+        losses: dict[int, tuple[str, float] | None] = {}
         for key in LOSS_KEYS:
             for step, value in resolved.scalar_points(key):
-                if not math.isfinite(value) and step not in bad and step not in self._reported:
-                    bad[step] = (key, value)
+                if losses.get(step) is None:
+                    losses[step] = None if math.isfinite(value) else (key, value)
+        skipped = {step for step, flag in resolved.scalar_points("amp/skipped") if flag >= 0.5}
+        finite_gradients = {
+            s for s, norm in resolved.scalar_points("grad/global_norm") if math.isfinite(norm)
+        }
+        bad: dict[int, tuple[str, float]] = {}
+        for step in sorted(losses):
+            culprit = losses[step]
+            if culprit is None:
+                self._weights_poisoned = False
+                continue
+            if not self._weights_poisoned and step not in self._reported:
+                bad[step] = culprit
+            self._weights_poisoned = step not in skipped and step not in finite_gradients
         for step in sorted(bad):
             if len(self._reported) >= MAX_BAD_BATCH_EVENTS:
                 break

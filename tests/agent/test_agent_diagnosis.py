@@ -353,6 +353,40 @@ def test_bad_batch_from_amp_loss_and_without_a_watcher():
     }
 
 
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["fp32", "grad-scaler"])
+def test_only_the_batch_that_put_nan_into_the_weights_is_named_not_those_after_it(with_scaler):
+    """Without a scaler, the NaN batch's update puts NaN into the weights and every loss after it is
+    NaN whatever its batch: only the culprit is named. With one, each bad batch's step is skipped (the
+    weights stay finite), so two bad batches in a row are both named."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    bad = (3, 4, 7) if with_scaler else (3,)
+    transport = RecordingTransport()
+    with _run(transport) as run:
+        run.watch(model, optimizer, scaler=scaler)
+        for step in range(10):
+            run.log_batch(f"batch-{step}")
+            x = torch.randn(4, 16)
+            if step in bad:
+                x[0, 0] = float("nan")  # one corrupt sample
+            loss = nn.functional.cross_entropy(model(x), torch.arange(4) % 4)
+            run.log({"loss": loss})
+            optimizer.zero_grad()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+    non_finite = [s for s, v in transport.series("loss").items() if isinstance(v, str)]
+    assert non_finite == (list(bad) if with_scaler else list(range(3, 10)))  # the weights are NaN from step 4
+    events = transport.events("bad_batch")
+    assert [(e["step"], e["data"]["ids"]) for e in events] == [(s, [f"batch-{s}"]) for s in bad]
+
+
 def test_batch_ids_are_bounded():
     transport = RecordingTransport()
     with _run(transport, flush_every_steps=10**9, flush_interval=3600) as run:
@@ -361,12 +395,12 @@ def test_batch_ids_are_bounded():
         assert run._batches.ids_at(0) is None  # left the ring: 1024 newer steps
         assert run._batches.ids_at(1) is None
         assert run._batches.ids_at(3) == [3]
-        for step in range(200):
-            run.log({"loss": float("nan")}, step=step)
+        for step in range(400):  # a bad batch every other step, each one a culprit
+            run.log({"loss": float("nan") if step % 2 == 0 else 1.0}, step=step)
     events = transport.events("bad_batch")
     assert len(events) == MAX_BAD_BATCH_EVENTS
-    assert [e["step"] for e in events] == list(range(MAX_BAD_BATCH_EVENTS))
-    assert events[3]["data"]["ids"] == [3]
+    assert [e["step"] for e in events] == list(range(0, 2 * MAX_BAD_BATCH_EVENTS, 2))
+    assert events[2]["data"]["ids"] == [4]
     assert events[0]["data"] == {"key": "loss", "value": "NaN", "ids": [], "ids_logged": False}
 
     ring = gradwatch.Run("p", transport=RecordingTransport())
