@@ -34,6 +34,10 @@ POST_CLIP_NORM = "grad/global_norm_post_clip"
 # per step of a fused optimizer under a GradScaler: the per-layer norms, kept for the skipped steps
 NORMS_IF_SKIPPED = "_grad/norm_if_skipped"
 REWRITE_SPREAD = "_grad/rewrite_spread"  # per rewritten step: how unevenly the layers were scaled
+# Once scaled gradients were rewritten before scaler.unscale_: their global norm just before it (÷S),
+# and how unevenly that rewrite scaled the layers, to tell a clip there (a misuse) from a division
+SCALED_REWRITE = "_grad/rewritten_before_unscale"
+SCALED_REWRITE_SPREAD = "_grad/rewritten_before_unscale_spread"
 MAX_ABS_WEIGHT = "_setup/max_abs_weight"  # the model's largest |weight|, once, when watching fp16 starts
 MAX_LAYERS_IN_EVENT = 50
 # + a token: per candidate of one _coverage comparison, 1.0 where its weights did not change
@@ -188,6 +192,7 @@ class GradientRewrites:
 
     def __init__(self) -> None:
         self.max_norm: float | None = None
+        self.max_norm_step: int | None = None  # the step that made max_norm known
         self.factor: float | None = None  # a constant rescale after backward, once known
         # (factor, post, max_norm) of the last cuts not yet explained: a clip's cuts and a rescale's
         # steps may alternate (a clip that cuts some steps after a division)
@@ -202,7 +207,7 @@ class GradientRewrites:
             for step, post in scalars.get(POST_CLIP_NORM, [])
             if step in pre and math.isfinite(pre[step]) and pre[step] > 0 and math.isfinite(post)
         ]
-        events = [self._learn(step, norm, post, uneven) for step, norm, post, uneven in rewrites]
+        events = self.learn(rewrites)
         even = {step: (norm, post) for step, norm, post, uneven in rewrites if uneven <= 1e-4}
         if self.factor is not None and even:
             _rescale(scalars, vectors, set(even), self.factor)
@@ -216,6 +221,17 @@ class GradientRewrites:
                 thresholds.append((step, self.max_norm))
         if thresholds:
             scalars[CLIP_MAX_NORM] = thresholds
+        return events
+
+    def known_max_norm(self) -> tuple[int, float] | None:
+        """(the step that made it known, max_norm), once two cuts agreed on one."""
+        if self.max_norm is None or self.max_norm_step is None:
+            return None
+        return self.max_norm_step, self.max_norm
+
+    def learn(self, rewrites: Sequence[tuple[int, float, float, float]]) -> list[Event]:
+        """Learn from (step, norm before, norm after, spread) of rewritten steps, in step order."""
+        events = [self._learn(step, norm, post, uneven) for step, norm, post, uneven in rewrites]
         return [event for event in events if event is not None]
 
     def _learn(self, step: int, norm: float, post: float, uneven: float) -> Event | None:
@@ -229,7 +245,7 @@ class GradientRewrites:
         if self.max_norm is not None and _close(max_norm, self.max_norm, 1e-4):
             return None
         if any(_close(max_norm, seen[2], 1e-4) for seen in self._candidates):
-            self.max_norm = max_norm
+            self.max_norm, self.max_norm_step = max_norm, step
         elif self.factor is None and any(
             _close(factor, seen[0], 1e-5) and not _close(post, seen[1], 1e-3) for seen in self._candidates
         ):
@@ -256,6 +272,45 @@ _UNEVEN_HINT = (
     "hand-written all-reduce, some layers zeroed): no clip by the global norm, so no "
     "grad/clip_max_norm is inferred; grad/global_norm and grad/norm are the norms backward left, "
     "grad/global_norm_post_clip the norm the optimizer stepped with"
+)
+
+
+def clip_before_unscale_events(scalars: Scalars, rewrites: GradientRewrites) -> list[Event]:
+    """`clip_before_unscale` (a misuse, once) when what rewrote the still-scaled gradients before
+    scaler.unscale_ (SCALED_REWRITE, once such a rewrite was seen) is a clip by the global norm: its
+    cuts, in the scaled gradients' units (× the step's scale), agree on one max_norm. A division there
+    (by the accumulation steps) is harmless: nothing is said (the norms after it are told apart with
+    the other rewrites, at the optimizer step)."""
+    if rewrites.max_norm is not None:
+        return []
+    pre, scale = dict(scalars.get("grad/global_norm", [])), dict(scalars.get(SCALE_BEFORE, []))
+    spread = dict(scalars.get(SCALED_REWRITE_SPREAD, []))
+    rows = [
+        (step, pre[step] * scale[step], norm * scale[step], spread.get(step, 0.0))
+        for step, norm in scalars.get(SCALED_REWRITE, [])
+        if step in pre
+        and step in scale
+        and all(map(math.isfinite, (pre[step], norm, scale[step])))
+        and pre[step] > 0
+    ]
+    rewrites.learn(rows)
+    known = rewrites.known_max_norm()
+    if known is None:
+        return []
+    step, max_norm = known
+    return [
+        {
+            "step": step,
+            "kind": "clip_before_unscale",
+            "data": {"max_norm": max_norm, "hint": CLIP_BEFORE_UNSCALE_HINT},
+        }
+    ]
+
+
+CLIP_BEFORE_UNSCALE_HINT = (
+    "the gradients are clipped while still SCALED (before scaler.unscale_): clip_grad_norm_ there "
+    "compares S*||g|| with max_norm, clips on nearly every step and shrinks the true gradient to "
+    "max_norm/S. Call scaler.unscale_(optimizer) before clipping."
 )
 
 
@@ -321,13 +376,14 @@ def derive(
     partial_norms: bool,
     report_scale_below_one: bool = True,
     rewrites: GradientRewrites | None = None,
+    scaled_rewrites: GradientRewrites | None = None,
 ) -> bool:
     """Add one packet's host-side quantities and events to `resolved`, in place; drop the update
     ratios of skipped steps. loss_scaling: the run uses a GradScaler (fp16 fractions are computed);
     partial_norms: this rank's norms cover its shard only (no clip threshold from them);
     report_scale_below_one: look for the scale falling below 1; rewrites: what rewrote the gradients
-    after backward, as learned from the earlier packets (updated here). Returns whether that event
-    was added."""
+    after backward, as learned from the earlier packets (updated here); scaled_rewrites: the same for
+    what rewrote still-scaled gradients before scaler.unscale_. Returns whether that event was added."""
     scalars, vectors = resolved.scalars, resolved.vectors
     resolved.layers = list(layer_names)
     resolved.events.extend(oversized_weight_events(scalars))
@@ -342,8 +398,12 @@ def derive(
     below_one = scale_below_one_event(scalars) if report_scale_below_one else None
     if below_one is not None:
         resolved.events.append(below_one)
+    if not partial_norms and SCALED_REWRITE in scalars and scaled_rewrites is not None:
+        resolved.events.extend(clip_before_unscale_events(scalars, scaled_rewrites))
     if not partial_norms and POST_CLIP_NORM in scalars:
         resolved.events.extend((rewrites or GradientRewrites()).apply(scalars, vectors))
+        if scaled_rewrites is not None and scaled_rewrites.max_norm is not None:
+            scalars.pop(CLIP_MAX_NORM, None)  # max_norm/S, a clip before unscale_'s: its event tells it
     scale_at = dict(scalars.get(SCALE_BEFORE, [])) if loss_scaling else None
     fraction_vectors, fraction_scalars = histogram_fractions(resolved.matrices.get("grad/hist", []), scale_at)
     for key, rows in fraction_vectors.items():
@@ -369,6 +429,7 @@ class WatchDerivation:
         self.partial_norms = partial_norms
         self.scale_below_one_reported = False
         self.rewrites = GradientRewrites()
+        self.scaled_rewrites = GradientRewrites()  # before scaler.unscale_: a clip there is a misuse
         self.unheld: dict[int, UnheldCandidates] = {}
 
     def __call__(self, resolved: Resolved) -> None:
@@ -381,5 +442,6 @@ class WatchDerivation:
             partial_norms=self.partial_norms,
             report_scale_below_one=not self.scale_below_one_reported,
             rewrites=self.rewrites,
+            scaled_rewrites=self.scaled_rewrites,
         ):
             self.scale_below_one_reported = True

@@ -21,8 +21,9 @@ class StepState:
     """The current step's observations, from its first backward pass (or scaled loss) to its end."""
 
     begun: bool = False  # a backward pass, a scaled loss or an unscale_ of this step was seen
-    # Backward passes that reached each watched parameter (by id): their most is the step's passes.
-    layer_passes: dict[int, int] = field(default_factory=dict)
+    # Backward passes that reached each watched parameter (by id), and a reference to the .grad they
+    # accumulated into: their most is the step's passes.
+    layer_passes: dict[int, tuple[int, Any]] = field(default_factory=dict)
     pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
@@ -40,7 +41,29 @@ class StepState:
     loss_sum: Any = None  # sum of the losses passed to scaler.scale (on the device)
     loss_count: int = 0
 
+    def unmeasured_reason(self) -> str:
+        """Why this step's gradient norms were not measured (the `norms_unmeasured` event)."""
+        if self.clipped_while_scaled:
+            return (
+                "the gradients were rewritten while still scaled, before scaler.unscale_ and before "
+                "they were measured (a clip there is a misuse, told by a clip_before_unscale event; a "
+                "division by the accumulation steps is not): this step records no grad/global_norm "
+                "or grad/norm; later steps measure them at the end of backward"
+            )
+        if self.measure_at_unscale:
+            return (
+                "the gradients were rewritten after backward and the GradScaler did not unscale them "
+                "for the watched optimizer before its step: their pre-clip norms cannot be told from "
+                "clipped ones, so grad/global_norm and grad/norm are not recorded for such steps"
+            )
+        return (
+            "no backward pass reached the watched parameters before this optimizer step "
+            "(gradients assigned by hand?) and no GradScaler unscaled them: their pre-clip norms "
+            "cannot be told from clipped ones, so grad/global_norm and grad/norm are not recorded "
+            "for such steps"
+        )
+
     @property
     def micro_batches(self) -> int:
         """Backward passes of the step, or else the losses scaled in it (0: neither was seen)."""
-        return max(self.layer_passes.values(), default=0) or self.loss_count
+        return max((count for count, _ in self.layer_passes.values()), default=0) or self.loss_count

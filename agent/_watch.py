@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
+from weakref import ref
 
 from . import _distributed, _gradients, _quantities, _watch_start
 from ._coverage import OptimizerCoverage
@@ -66,6 +67,8 @@ from ._derive import (  # the agent-internal keys this module records for _deriv
     POST_CLIP_NORM,
     REWRITE_SPREAD,
     SCALE_BEFORE,
+    SCALED_REWRITE,
+    SCALED_REWRITE_SPREAD,
     UNCHANGED_COUNTS,
     WatchDerivation,
 )
@@ -158,8 +161,8 @@ class Watcher:
         self._misuse_reported: set[str] = set()
         self._missing_reported: tuple[str, ...] = ()  # the layers without a gradient last reported
         self._unmeasured_reported = False
-        # A clip of still-scaled gradients was seen: from then on they are measured at the end of
-        # backward, scaled (the only moment they are not yet clipped), not after unscale_.
+        # A rewrite of still-scaled gradients was seen: from then on they are measured at the end of
+        # backward, scaled (the only moment they are not yet rewritten), and again before unscale_.
         self._clips_while_scaled = False
 
         self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
@@ -261,8 +264,13 @@ class Watcher:
         return self.histograms_here and self.options.due(self.options.histograms_every, self.sink.step)
 
     def _on_layer_grad(self, param: Any) -> None:
-        passes = self._this_step.layer_passes  # host counters, no device work
-        passes[id(param)] = passes.get(id(param), 0) + 1
+        # Host counters, no device work. A pass onto a .grad that was set to None since (a zero_grad
+        # between passes: another optimizer's step in a GAN loop) starts the count again.
+        passes, grad = self._this_step.layer_passes, param.grad
+        seen = passes.get(id(param))
+        passes[id(param)] = (
+            (seen[0] + 1, seen[1]) if seen is not None and seen[1]() is grad else (1, ref(grad))
+        )
         self._backward_end.hook(param)
 
     def _on_backward_end(self) -> None:
@@ -318,20 +326,26 @@ class Watcher:
         self.sink.add_tensor("grad/hist", self.sink.step, self._this_step.histograms)
 
     def _before_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
-        measured_at = self._this_step.measured_at
-        if optimizer is not self.optimizer or measured_at is None or self.fused:
+        this_step, grads = self._this_step, self._grads()
+        if optimizer is not self.optimizer or this_step.measured_at is None or self.fused:
             return
-        if _gradients.rewritten(measured_at, self._grads()):
-            if self._this_step.measure_at_unscale:
-                self._this_step.clipped_while_scaled = True  # not measured yet: this step's are lost
-                self._clips_while_scaled = True
-            self._report_misuse(
-                "clip_before_unscale",
-                "the gradients were rewritten in place while still SCALED (before scaler.unscale_): a "
-                "clip_grad_norm_ there compares S*||g|| with max_norm, clips on nearly every step and "
-                "shrinks the true gradient to max_norm/S. Call scaler.unscale_(optimizer) before "
-                "clipping.",
-            )
+        if not _gradients.rewritten(this_step.measured_at, grads):
+            return
+        if this_step.measure_at_unscale:
+            # Rewritten while scaled, before any measurement: a clip there is a misuse, a division by
+            # the accumulation steps is not. This step's norms are lost; later ones are measured at
+            # the end of backward and here, and the sender tells which (clip_before_unscale or none).
+            this_step.clipped_while_scaled = True
+            self._clips_while_scaled = True
+        elif this_step.pre_clip is not None:
+            per_layer = _quantities.layer_norms(grads, self._like)
+            scale = self.scaler_view.scale() if self.scaler_view is not None else None
+            if scale is not None:
+                per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
+                step = self.sink.step
+                self.sink.add_scalar(SCALED_REWRITE, step, _quantities.global_norm(per_layer))
+                spread = _quantities.factor_spread(this_step.pre_clip, per_layer)
+                self.sink.add_scalar(SCALED_REWRITE_SPREAD, step, spread)
 
     def _after_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
         if optimizer is not self.optimizer:
@@ -345,7 +359,8 @@ class Watcher:
             self._measure(grads, scaled=False)
         if self._histograms_due() and this_step.histograms is None:
             self._take_histograms(grads)
-        this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
+        if not self._clips_while_scaled:  # there, what was rewritten before unscale_ is seen at the step
+            this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
 
     def _settle_gradients(self) -> None:
         """The optimizer step (or the skip) has come: whatever clip there was is done. A gradient
@@ -397,26 +412,7 @@ class Watcher:
         if self._unmeasured_reported or not self.params:
             return
         self._unmeasured_reported = True
-        if this_step.clipped_while_scaled:
-            reason = (
-                "the gradients were rewritten while still scaled, before scaler.unscale_ (see the "
-                "clip_before_unscale event), before they were measured: this step records no "
-                "grad/global_norm or grad/norm; later steps measure them at the end of backward"
-            )
-        elif this_step.measure_at_unscale:
-            reason = (
-                "the gradients were rewritten after backward and the GradScaler did not unscale them "
-                "for the watched optimizer before its step: their pre-clip norms cannot be told from "
-                "clipped ones, so grad/global_norm and grad/norm are not recorded for such steps"
-            )
-        else:
-            reason = (
-                "no backward pass reached the watched parameters before this optimizer step "
-                "(gradients assigned by hand?) and no GradScaler unscaled them: their pre-clip norms "
-                "cannot be told from clipped ones, so grad/global_norm and grad/norm are not recorded "
-                "for such steps"
-            )
-        self.sink.add_event(step, "norms_unmeasured", {"reason": reason})
+        self.sink.add_event(step, "norms_unmeasured", {"reason": this_step.unmeasured_reason()})
 
     def _report_missing_gradients(self, grads: list[Any]) -> None:
         """A `no_gradient` event when the set of trainable layers whose .grad is None changes (a

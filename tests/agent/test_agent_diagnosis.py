@@ -630,3 +630,25 @@ def test_micro_batches_are_counted_when_the_last_layer_gets_no_gradient(with_sca
     run.finish()
     assert model.unused_head.weight.grad is None
     assert transport.series("amp/micro_batches") == {0: 1.0, 1: 3.0, 2: 2.0}
+
+
+def test_passes_whose_gradients_were_thrown_away_are_no_micro_batches():
+    """A GAN loop: the discriminator's backward also reaches the generator (no detach), then the
+    generator's gradients are set to None before its own backward. The watched generator's step
+    took one pass, not two; two backward passes after one zero_grad are two micro-batches."""
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(8, 16), nn.Linear(16, 1)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.01)
+    transport = RecordingTransport()
+    with _run(transport, flush_interval=0.05) as run:
+        run.watch(generator, opt_g)
+        for step in range(4):
+            opt_d.zero_grad()
+            discriminator(generator(torch.randn(4, 8))).mean().backward()  # reaches the generator too
+            opt_d.step()
+            opt_g.zero_grad()
+            for _ in range(1 if step < 2 else 2):  # then two micro-batches per generator step
+                (-discriminator(generator(torch.randn(4, 8)))).mean().backward()
+            opt_g.step()
+    assert transport.series("amp/micro_batches") == {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}

@@ -185,8 +185,11 @@ def test_clip_before_unscale_is_reported():
     transport = RecordingTransport()
     with _run(transport) as run:
         train(3, run=run, clip="before_unscale")
+    # Told once the cuts of the scaled gradients agree on one max_norm: step 0's rewrite came before
+    # any measurement (a division there would be harmless), steps 1 and 2 are measured and agree.
     [event] = transport.events("clip_before_unscale")
-    assert event["step"] == 0 and "unscale_" in event["data"]["hint"]
+    assert event["step"] == 2 and "unscale_" in event["data"]["hint"]
+    assert event["data"]["max_norm"] == 1.0
 
 
 def test_scale_below_one_is_reported_once():

@@ -349,24 +349,34 @@ def _norm(parameters):
     return math.sqrt(sum(p.grad.float().norm().item() ** 2 for p in parameters))
 
 
-def _train_rewriting(after_backward, steps=10, micro_batches=4):
+def _train_rewriting(after_backward, steps=10, micro_batches=4, scaler=False):
     """TinyNet in fp32, `micro_batches` backward passes of undivided losses per step, then
     `after_backward(parameters, step)`, which rewrites the gradients as a loop does and returns the
-    norm a clip there would see. All in one packet. Returns the transport and those norms."""
+    norm a clip there would see. With `scaler`, a GradScaler scales the losses and after_backward
+    gets `unscale` (scaler.unscale_ of the optimizer) to call. All in one packet. Returns the
+    transport and those norms."""
     torch.manual_seed(0)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     generator = torch.Generator().manual_seed(0)
     transport, seen = RecordingTransport(), []
     with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600) as run:
-        run.watch(model, optimizer, layer_norms_every=1, dense_start_steps=0)
+        run.watch(model, optimizer, scaler=grad_scaler, layer_norms_every=1, dense_start_steps=0)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             for _ in range(micro_batches):
                 x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
-                nn.functional.cross_entropy(model(x), y).backward()
-            seen.append(after_backward(list(model.parameters()), step))
-            optimizer.step()
+                loss = nn.functional.cross_entropy(model(x), y)
+                (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+            if grad_scaler is None:
+                seen.append(after_backward(list(model.parameters()), step))
+                optimizer.step()
+                continue
+            unscale = lambda: grad_scaler.unscale_(optimizer)  # noqa: E731
+            seen.append(after_backward(list(model.parameters()), step, unscale=unscale))
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
     return transport, seen
 
 
@@ -421,3 +431,35 @@ def test_a_rewrite_that_is_no_clip_by_the_global_norm_makes_up_no_threshold(rewr
     }
     assert transport.events("gradients_rescaled") == []
     assert len(transport.events("gradients_rewritten")) == (1 if rewrite == "clip_grad_value_" else 0)
+
+
+@pytest.mark.parametrize("then_clip", [False, True], ids=["divided", "divided-then-clipped"])
+def test_scaled_gradients_divided_before_unscale_are_no_misuse_and_are_recorded_as_divided(then_clip):
+    """Under a GradScaler, p.grad.div_(k) of the still-scaled gradients before scaler.unscale_ is
+    harmless (a division commutes with the unscale), unlike a clip there: no clip_before_unscale
+    misuse is told, and the norms are those after the division. The first step's rewrite comes before
+    any measurement: its norms are lost (said once); the later steps' are right."""
+    max_norm = 0.3
+
+    def divide_unscale_and_clip(parameters, _step, unscale):
+        _divide(parameters, 4)
+        unscale()
+        if then_clip:
+            return float(clip_grad_norm_(parameters, max_norm))
+        return _norm(parameters)
+
+    transport, seen = _train_rewriting(divide_unscale_and_clip, scaler=True)
+    assert transport.events("clip_before_unscale") == []
+    [unmeasured] = transport.events("norms_unmeasured")
+    assert (
+        unmeasured["step"] == 0
+        and "division by the accumulation steps is not" in unmeasured["data"]["reason"]
+    )
+    recorded = transport.series("grad/global_norm")
+    assert recorded == {step: pytest.approx(norm, rel=1e-5) for step, norm in enumerate(seen) if step > 0}
+    thresholds = transport.series("grad/clip_max_norm")
+    if then_clip:
+        assert 2 <= len([n for n in seen if n > max_norm]) <= len(seen) - 2, seen
+        assert thresholds == {step: pytest.approx(max_norm, rel=1e-5) for step in range(1, len(seen))}
+    else:
+        assert thresholds == {}
