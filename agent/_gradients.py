@@ -47,6 +47,13 @@ def rewritten(before: Versions, grads: Sequence[Any]) -> bool:
     return versions(grads) != before
 
 
+def only_removed(before: Versions, grads: Sequence[Any]) -> bool:
+    """Whether the only change since `before` is gradients set to None (some layers left out of the
+    step by hand): every other gradient is the same tensor at the same version."""
+    now = versions(grads)
+    return now != before and all(n is None or n == b for n, b in zip(now, before, strict=True))
+
+
 class BackwardEnd:
     """Calls `on_end()` once at the end of each backward pass that reaches a watched parameter, after
     the other end-of-backward callbacks (DDP, FSDP) of that pass.

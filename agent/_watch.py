@@ -379,12 +379,16 @@ class Watcher:
                 return
             self._measure(grads, scaled=self._unscaled() is not True)
             return
-        if _gradients.rewritten(this_step.measured_at, grads) and this_step.pre_clip is not None:
-            post = _quantities.layer_norms(
-                grads, self._like
-            )  # and how evenly each layer was scaled (_derive)
-            this_step.post_clip = _quantities.global_norm(post)
-            this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, post)
+        if not _gradients.rewritten(this_step.measured_at, grads) or this_step.pre_clip is None:
+            return
+        after = _quantities.layer_norms(grads, self._like)
+        if _gradients.only_removed(this_step.measured_at, grads):
+            # Some .grad set to None by hand (layers left out of this step), the others untouched: no
+            # clip. The norms are those the optimizer sees (none for them: a no_gradient event).
+            this_step.pre_clip, this_step.measured_grads = after, grads
+            return
+        this_step.post_clip = _quantities.global_norm(after)  # and how evenly each layer was scaled
+        this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, after)
 
     def _record_gradient_norms(self, step: int) -> None:
         """grad/global_norm (and post-clip), and per-layer grad/norm on sampled and skipped steps,

@@ -463,3 +463,27 @@ def test_scaled_gradients_divided_before_unscale_are_no_misuse_and_are_recorded_
         assert thresholds == {step: pytest.approx(max_norm, rel=1e-5) for step in range(1, len(seen))}
     else:
         assert thresholds == {}
+
+
+def test_gradients_set_to_none_after_backward_are_left_out_not_taken_for_a_clip():
+    """A layer left out of some steps by hand (its .grad set to None after backward): the norms are
+    those the optimizer sees, without it; it is told as a layer without a gradient, and no clip."""
+    dropped_at = range(3, 7)
+
+    def drop_the_head_on_some_steps(parameters, step):
+        if step in dropped_at:
+            parameters[-2].grad = None  # out.weight
+            parameters[-1].grad = None  # out.bias
+        return _norm([p for p in parameters if p.grad is not None])
+
+    transport, seen = _train_rewriting(drop_the_head_on_some_steps)
+    assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
+    per_layer = transport.vectors("grad/norm")
+    assert all(per_layer[s][-2:] == [0.0, 0.0] for s in dropped_at)
+    assert all(min(per_layer[s]) > 0 for s in range(10) if s not in dropped_at)
+    assert [(e["step"], e["data"]["layers"]) for e in transport.events("no_gradient")] == [
+        (3, ["out.weight", "out.bias"]),
+        (7, []),
+    ]
+    assert transport.series("grad/global_norm_post_clip") == {}
+    assert transport.events("gradients_rewritten") == [] and transport.series("grad/clip_max_norm") == {}
