@@ -212,8 +212,13 @@ class GradientRewrites:
         if self.factor is not None and even:
             _rescale(scalars, vectors, set(even), self.factor)
         thresholds = []
+        judged = {step for step, *_ in rewrites}
         for step, _ in scalars.get(POST_CLIP_NORM, []):
-            if step not in even or self.max_norm is None:
+            if self.max_norm is None:
+                break
+            if step not in judged:  # a non-finite step says nothing of the clip: it stays as it was
+                thresholds.append((step, self.max_norm))
+            if step not in even:
                 continue
             norm, post = even[step]
             norm *= self.factor or 1.0

@@ -336,9 +336,9 @@ def test_the_clip_threshold_is_inferred_once_two_cuts_agree_and_carried_across_p
     assert second.scalars["grad/global_norm"] == list(zip(range(4, 7), pre, strict=True)), (
         "a clip's pre-clip norms stay"
     )
-    later = _norms_packet([0.1], [0.1], first_step=7)
+    later = _norms_packet([0.1, math.inf], [0.1, math.nan], first_step=7)  # step 8 overflowed
     derivation(later)
-    assert later.scalars["grad/clip_max_norm"] == [(7, 0.25)]
+    assert later.scalars["grad/clip_max_norm"] == [(7, 0.25), (8, 0.25)]
     assert [e["kind"] for e in uncut.events + one_cut.events + second.events + later.events] == []
 
 
