@@ -329,8 +329,10 @@ class Watcher:
         this_step, grads = self._this_step, self._grads()
         if optimizer is not self.optimizer or this_step.measured_at is None or self.fused:
             return
-        if not _gradients.rewritten(this_step.measured_at, grads):
-            return
+        if not _gradients.rewritten(this_step.measured_at, grads) or _gradients.only_removed(
+            this_step.measured_at, grads
+        ):
+            return  # untouched, or some set to None (layers left out of the step): no clip
         if this_step.measure_at_unscale:
             # Rewritten while scaled, before any measurement: a clip there is a misuse, a division by
             # the accumulation steps is not. This step's norms are lost; later ones are measured at

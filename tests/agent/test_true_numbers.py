@@ -465,18 +465,24 @@ def test_scaled_gradients_divided_before_unscale_are_no_misuse_and_are_recorded_
         assert thresholds == {}
 
 
-def test_gradients_set_to_none_after_backward_are_left_out_not_taken_for_a_clip():
+@pytest.mark.parametrize("scaler", [False, True], ids=["fp32", "grad-scaler-unscaled-by-its-step"])
+def test_gradients_set_to_none_after_backward_are_left_out_not_taken_for_a_clip(scaler):
     """A layer left out of some steps by hand (its .grad set to None after backward): the norms are
-    those the optimizer sees, without it; it is told as a layer without a gradient, and no clip."""
+    those the optimizer sees, without it; it is told as a layer without a gradient, and no clip (nor,
+    under a GradScaler whose step unscales, a clip before unscale_)."""
     dropped_at = range(3, 7)
 
-    def drop_the_head_on_some_steps(parameters, step):
+    def drop_the_head_on_some_steps(parameters, step, unscale=None):
         if step in dropped_at:
             parameters[-2].grad = None  # out.weight
             parameters[-1].grad = None  # out.bias
-        return _norm([p for p in parameters if p.grad is not None])
+        kept = [p.grad for p in parameters if p.grad is not None]
+        if unscale is not None:  # not called: scaler.step unscales; the reference is unscaled here
+            return math.sqrt(sum((g.float().norm().item() / 2.0**10) ** 2 for g in kept))
+        return math.sqrt(sum(g.float().norm().item() ** 2 for g in kept))
 
-    transport, seen = _train_rewriting(drop_the_head_on_some_steps)
+    transport, seen = _train_rewriting(drop_the_head_on_some_steps, scaler=scaler)
+    assert transport.events("clip_before_unscale") == [] and transport.events("norms_unmeasured") == []
     assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
     per_layer = transport.vectors("grad/norm")
     assert all(per_layer[s][-2:] == [0.0, 0.0] for s in dropped_at)
