@@ -95,6 +95,16 @@ def test_too_few_layers_or_several_outliers_are_not_judged_and_observations_are_
     assert [step for step, _ in findings_of(verdicts)] == [60]
 
 
+def test_a_layer_once_nan_is_compared_again_once_finite():
+    """NaN weights (then a resume from a checkpoint before them) are no zero-initialised layer: the
+    layer is left out of that observation only, and its 100x learning rate is still named later."""
+    rule = make_rule("update_ratio_outlier")
+    steps = [ratios(0, embed=math.nan), ratios(20, embed=4.9)]
+    verdicts, _ = feed(rule, steps, LAYERS)
+    [(step, finding)] = findings_of(verdicts)
+    assert step == 20 and finding.evidence["layers"] == ["embed.weight"]
+
+
 def test_update_ratio_outlier_is_a_default_rule_and_validates():
     assert "update_ratio_outlier" in DEFAULT_RULES
     for params, message in (({"factor": 1}, "factor must be greater than 1"), ({"gap": 0.5}, "at least 1")):

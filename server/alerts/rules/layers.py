@@ -296,9 +296,10 @@ class UpdateRatioOutlier(_PersistentLayers[UpdateRatioOutlierState]):
     group whose learning rate is 100x the others' (a typo in the embedding's lr) shows as that layer's
     ratio ~100x the median layer's.
 
-    Like is compared with like: a layer whose ratio was ever non-finite had all-zero weights when it was
+    Like is compared with like: a layer whose ratio was ever +inf had all-zero weights when it was
     measured (a zero-initialised bias or LayerNorm shift, a LoRA B); its ratio is large while it grows
-    from zero, by design, so it is left out for the rest of the run. Layers with a ratio of 0 (no update)
+    from zero, by design, so it is left out for the rest of the run. A NaN ratio (weights or update not
+    finite) leaves the layer out of that observation only. Layers with a ratio of 0 (no update)
     are left out too. The outliers must be few (at most `max_outlier_fraction` of the compared layers,
     at least one) and stand apart: every other layer's ratio at most 1/`gap` of the smallest outlier's, so
     a class of layers spread over a range (small-init adapters, biases) is not taken for one layer set
@@ -332,9 +333,11 @@ class UpdateRatioOutlier(_PersistentLayers[UpdateRatioOutlierState]):
         row = data.vectors.get("update/ratio")
         if row is None or state["fired"]:
             return None
-        zero_weights = set(state["zero_weights"]) | {i for i, v in enumerate(row) if not math.isfinite(v)}
+        # +inf: weights all zero before the step (left out for the run); NaN: weights or update not
+        # finite at this observation only (a run resumed from a checkpoint before it is finite again).
+        zero_weights = set(state["zero_weights"]) | {i for i, v in enumerate(row) if v == math.inf}
         state["zero_weights"] = sorted(zero_weights)
-        compared = [(i, v) for i, v in enumerate(row) if i not in zero_weights and v > 0]
+        compared = [(i, v) for i, v in enumerate(row) if i not in zero_weights and math.isfinite(v) and v > 0]
         outliers: dict[int, float] = {}
         median = 0.0
         if len(compared) >= self.min_layers:
