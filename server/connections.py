@@ -27,6 +27,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .client_address import DEFAULT_IPV6_PREFIX_LENGTH, client_key
+
 HEAD_TIMEOUT_S = 15.0
 HEAD_WAITING_PER_ADDRESS = 256  # connections of one client address still waiting for their request head
 _RESERVED_DESCRIPTORS = 128  # for the database, log files, webhooks and the listening sockets
@@ -59,7 +61,8 @@ class GuardedH11Protocol(H11Protocol):
         if by_address is None:
             by_address = self.server_state.gradwatch_waiting_by_address = {}  # type: ignore[attr-defined]
         peer = transport.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) and peer else None
+        prefix = getattr(self.server_state, "gradwatch_ipv6_prefix_length", DEFAULT_IPV6_PREFIX_LENGTH)
+        address = client_key(peer[0], prefix) if isinstance(peer, tuple) and peer else None
         self._same_address: dict[GuardedH11Protocol, None] = by_address.setdefault(address, {})
         self._by_address: dict[Any, dict[GuardedH11Protocol, None]] = by_address
         self._address = address

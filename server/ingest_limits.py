@@ -79,6 +79,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._errors import GradwatchError
 from .._wire import VALUES_PER_EVENT, layer_name_values
 from .auth import Principal, bearer, hash_token
+from .client_address import DEFAULT_IPV6_PREFIX_LENGTH, client_key
 from .deps import PrincipalDep
 from .settings import Settings
 
@@ -233,8 +234,11 @@ class IngestLimits:
         max_batch_points: int = 100_000,
         max_batch_values: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
+        ipv6_prefix_length: int = DEFAULT_IPV6_PREFIX_LENGTH,
     ) -> None:
-        """0 turns a limit off. burst_points: what a full bucket holds (at least one point)."""
+        """0 turns a limit off. burst_points: what a full bucket holds (at least one point).
+        ipv6_prefix_length: an IPv6 client without a token is one tenant per network of that many
+        bits (server.client_address)."""
         for name, value in (
             ("concurrency", concurrency),
             ("points_per_s", points_per_s),
@@ -252,6 +256,7 @@ class IngestLimits:
         self.max_batch_points = int(max_batch_points)
         self.max_batch_values = int(max_batch_values)
         self._clock = clock
+        self.ipv6_prefix_length = ipv6_prefix_length
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         self._known_tokens: OrderedDict[str, str] = OrderedDict()  # token hash -> tenant key
 
@@ -263,15 +268,18 @@ class IngestLimits:
             settings.ingest_burst_points,
             settings.max_batch_points,
             settings.max_batch_values,
+            ipv6_prefix_length=settings.ipv6_prefix_length,
         )
 
     # -- who is asking --------------------------------------------------------------------------
 
-    @staticmethod
-    def principal_key(principal: Principal, client_host: str | None) -> str:
+    def principal_key(self, principal: Principal, client_host: str | None) -> str:
         if principal.token_id is not None:
             return f"token:{principal.token_id}"
-        return f"address:{client_host or 'unknown'}"
+        return self._address_key(client_host)
+
+    def _address_key(self, client_host: str | None) -> str:
+        return f"address:{client_key(client_host, self.ipv6_prefix_length) or 'unknown'}"
 
     def learn(self, token: str | None, key: str) -> None:
         """Remember that `token` authenticated as tenant `key`, so its next requests are its own."""
@@ -293,7 +301,7 @@ class IngestLimits:
             key = self._known_tokens.get(hash_token(token))
             if key is not None:
                 return key
-        return f"address:{client_host or 'unknown'}"
+        return self._address_key(client_host)
 
     # -- state ----------------------------------------------------------------------------------
 

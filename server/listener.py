@@ -34,6 +34,8 @@ from typing import Any
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
+from .client_address import DEFAULT_IPV6_PREFIX_LENGTH, client_key
+
 logger = logging.getLogger("uvicorn.error")
 
 ACCEPTS_PER_TURN = 16  # new connections handed to asyncio per turn of the event loop
@@ -73,11 +75,18 @@ class GuardedListener(socket.socket):
     accepts_per_turn = ACCEPTS_PER_TURN
     refusals_per_turn = REFUSALS_PER_TURN
 
-    def __init__(self, listening: socket.socket, per_address: int, trusted: TrustedProxies) -> None:
+    def __init__(
+        self,
+        listening: socket.socket,
+        per_address: int,
+        trusted: TrustedProxies,
+        ipv6_prefix_length: int = DEFAULT_IPV6_PREFIX_LENGTH,
+    ) -> None:
         super().__init__(fileno=listening.detach())
         self.per_address = per_address
         self.trusted = trusted
-        self.held: dict[str, int] = {}  # open connections per capped client address
+        self.ipv6_prefix_length = ipv6_prefix_length
+        self.held: dict[str, int] = {}  # open connections per capped client (an IPv6 one by its network)
         self.refused = 0  # connections closed at accept, over their address's most (for tests, logs)
         self._accepted = 0
         self._refused_this_turn = 0
@@ -89,8 +98,9 @@ class GuardedListener(socket.socket):
             if self._accepted == 0 and self._refused_this_turn == 0:
                 # Runs at the start of the loop's next turn, before that turn's readiness callbacks.
                 asyncio.get_running_loop().call_soon(self._next_turn)
-            host = address[0] if isinstance(address, tuple) else ""
-            capped = bool(self.per_address) and host not in self.trusted
+            peer = address[0] if isinstance(address, tuple) else ""
+            capped = bool(self.per_address) and peer not in self.trusted
+            host = client_key(peer, self.ipv6_prefix_length) or ""
             if capped and self.held.get(host, 0) >= self.per_address:
                 self._refused_this_turn += 1
                 self.refused += 1
@@ -204,10 +214,16 @@ class GuardedServer(uvicorn.Server):
     descriptor is served as uvicorn serves it). connections_per_address: 0 for no cap."""
 
     def __init__(
-        self, config: uvicorn.Config, connections_per_address: int = CONNECTIONS_PER_ADDRESS
+        self,
+        config: uvicorn.Config,
+        connections_per_address: int = CONNECTIONS_PER_ADDRESS,
+        ipv6_prefix_length: int = DEFAULT_IPV6_PREFIX_LENGTH,
     ) -> None:
         super().__init__(config)
         self.connections_per_address = connections_per_address
+        self.ipv6_prefix_length = ipv6_prefix_length
+        # read by server.connections' protocol: its heads waiting are counted per client the same way
+        self.server_state.gradwatch_ipv6_prefix_length = ipv6_prefix_length  # type: ignore[attr-defined]
         self.listeners: list[GuardedListener] = []
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -221,7 +237,10 @@ class GuardedServer(uvicorn.Server):
             logger.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
             sys.exit(STARTUP_FAILURE)
         trusted = TrustedProxies(config.forwarded_allow_ips if config.proxy_headers else [])
-        self.listeners = [GuardedListener(sock, self.connections_per_address, trusted) for sock in bound]
+        self.listeners = [
+            GuardedListener(sock, self.connections_per_address, trusted, self.ipv6_prefix_length)
+            for sock in bound
+        ]
         try:
             await super().startup(list(self.listeners))
         except BaseException:  # the app's startup failed (or exited): its sockets go with it

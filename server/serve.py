@@ -82,7 +82,7 @@ class BackgroundServer:
             app, host=host, port=port, log_level="warning", lifespan="on", **connections.uvicorn_options()
         )
         redact_tokens_in_logs()
-        self.server = GuardedServer(config, settings.connections_per_address)
+        self.server = GuardedServer(config, settings.connections_per_address, settings.ipv6_prefix_length)
         self.url = url
         self._thread = threading.Thread(target=self.server.run, name="gradwatch-server", daemon=True)
 
@@ -171,6 +171,6 @@ def serve_forever(settings: Settings, host: str, port: int, insecure: bool = Fal
     # What a user opens: uvicorn's own line names only the address it binds.
     print(f"gradwatch: the dashboard is at {url}/dashboard/ (the API at {url}/api/v1)", flush=True)
     try:
-        GuardedServer(config, settings.connections_per_address).run()
+        GuardedServer(config, settings.connections_per_address, settings.ipv6_prefix_length).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C/SIGINT after its graceful shutdown
         pass

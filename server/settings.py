@@ -53,6 +53,19 @@ def limit_from_env(variable: str, default: float) -> float:
     return int(number) if number.is_integer() else number
 
 
+def ipv6_prefix_length_from_env(variable: str, default: int) -> int:
+    """An IPv6 prefix length from the environment: a whole number from 1 to 128; ValueError naming a
+    bad value."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= 128:
+        raise ValueError(
+            f"{variable} must be a whole number from 1 to 128 (bits of an IPv6 address), got {value!r}"
+        )
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the server needs to know; nothing is read from the environment after this is built."""
@@ -81,6 +94,11 @@ class Settings:
     # Raise it for many ranks behind one NAT address; 0: no cap. Env: GRADWATCH_CONNECTIONS_PER_ADDRESS.
     connections_per_address: int = field(
         default_factory=lambda: int(limit_from_env("GRADWATCH_CONNECTIONS_PER_ADDRESS", 256))
+    )
+    # How much of an IPv6 client's address the per-client caps count it by (server.client_address): its
+    # /64 by default (one host holds one); 128 for each address. Env: GRADWATCH_IPV6_PREFIX_LENGTH.
+    ipv6_prefix_length: int = field(
+        default_factory=lambda: ipv6_prefix_length_from_env("GRADWATCH_IPV6_PREFIX_LENGTH", 64)
     )
     # Public base URL of the dashboard, used in links (alerts, CLI output).
     public_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"

@@ -233,3 +233,86 @@ def test_the_server_caps_one_addresss_connections_and_serves_everyone_else(sqlit
         for sock in held:
             sock.close()
         server.stop()
+
+
+class _PresentedAs(GuardedListener):
+    """Real connections (from 127.0.0.2) presented to the cap as coming from `peers`, one each, in
+    order: only ::1 is on a loopback here, so two addresses of one IPv6 /64 cannot connect for real."""
+
+    def __init__(self, *args, peers, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.peers = iter(peers)
+
+    def _accept(self):
+        fd, _ = super()._accept()
+        return fd, (next(self.peers), 0, 0, 0)
+
+
+@pytest.mark.parametrize("prefix", [64, 128])
+def test_an_ipv6_client_is_capped_by_its_network_not_by_each_address_it_can_choose(prefix):
+    """One IPv6 host holds a whole /64 and may use any address of it per connection: the cap counts
+    it by its /64 (the default), or by each address when told so (GRADWATCH_IPV6_PREFIX_LENGTH=128)."""
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    same_64 = [f"2001:db8:1:2::{i:x}" for i in range(1, 6)]
+    peers = [*same_64, "2001:db8:1:3::1", "::ffff:127.0.0.9"]
+    listener = _PresentedAs(bound, 3, TrustedProxies(""), prefix, peers=peers)
+    listener.listen(64)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+
+    async def accept_all() -> list[socket.socket]:
+        kept = []
+        await asyncio.sleep(0.2)  # the kernel has completed the connects
+        for _ in range(10):
+            while True:
+                try:
+                    kept.append(listener.accept()[0])
+                except BlockingIOError:
+                    break
+            await asyncio.sleep(0)
+        return kept
+
+    clients = []
+    try:
+        for _ in peers:  # one at a time: each real connection meets its presented address in order
+            clients.append(_connect(port))
+        kept = asyncio.run(accept_all())
+        if prefix == 64:
+            assert listener.refused == 2 and len(kept) == 5
+            assert listener.held == {"2001:db8:1:2::/64": 3, "2001:db8:1:3::/64": 1, "127.0.0.9": 1}
+        else:
+            assert listener.refused == 0 and len(kept) == 7
+            assert listener.held == {**dict.fromkeys(same_64, 1), "2001:db8:1:3::1": 1, "127.0.0.9": 1}
+        for connection in kept:
+            connection.close()
+        assert listener.held == {}
+    finally:
+        for client in clients:
+            client.close()
+        listener.close()
+
+
+def test_client_keys_and_the_prefix_setting(monkeypatch):
+    from gradwatch.server.client_address import client_key
+    from gradwatch.server.ingest_limits import IngestLimits
+    from gradwatch.server.settings import Settings
+
+    assert client_key("203.0.113.9") == "203.0.113.9" and client_key(None) is None
+    assert client_key("2001:db8:1:2:aaaa:bbbb:cccc:dddd") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:2:aaaa::1", 56) == "2001:db8:1::/56"
+    assert client_key("2001:db8::1", 128) == "2001:db8::1" and client_key("::ffff:10.0.0.1") == "10.0.0.1"
+    assert client_key("fe80::1%eth0") == "fe80::/64" and client_key("/tmp/gw.sock") == "/tmp/gw.sock"
+    limits = IngestLimits()  # an IPv6 client without a token: one tenant per /64
+    assert limits.request_key(None, "2001:db8:1:2::1") == limits.request_key(None, "2001:db8:1:2::ff")
+    assert limits.request_key(None, "2001:db8:1:2::1") != limits.request_key(None, "2001:db8:1:3::1")
+    assert Settings().ipv6_prefix_length == 64
+    monkeypatch.setenv("GRADWATCH_IPV6_PREFIX_LENGTH", "128")
+    assert Settings().ipv6_prefix_length == 128
+    assert IngestLimits.from_settings(Settings()).ipv6_prefix_length == 128
+    for bad in ("0", "129", "64.5", "x"):
+        monkeypatch.setenv("GRADWATCH_IPV6_PREFIX_LENGTH", bad)
+        with pytest.raises(
+            ValueError, match="GRADWATCH_IPV6_PREFIX_LENGTH must be a whole number from 1 to 128"
+        ):
+            Settings()
