@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from training import HostSyncs, RecordingTransport, Reference, TinyNet, train
+from training import HostSyncs, RecordingTransport, Reference, TinyNet, backward_and_step, train
 
 import gradwatch
 from gradwatch import GradwatchWarning
@@ -374,13 +374,7 @@ def test_only_the_batch_that_put_nan_into_the_weights_is_named_not_those_after_i
             loss = nn.functional.cross_entropy(model(x), torch.arange(4) % 4)
             run.log({"loss": loss})
             optimizer.zero_grad()
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
+            backward_and_step(loss, optimizer, scaler)
     non_finite = [s for s, v in transport.series("loss").items() if isinstance(v, str)]
     assert non_finite == (list(bad) if with_scaler else list(range(3, 10)))  # the weights are NaN from step 4
     events = transport.events("bad_batch")

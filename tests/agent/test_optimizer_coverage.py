@@ -6,7 +6,7 @@ as DeepSpeed and FSDP1 hold them) must give no event, and the check adds no host
 import pytest
 import torch
 from torch import nn
-from training import HostSyncs, RecordingTransport
+from training import HostSyncs, RecordingTransport, backward_and_step
 
 import gradwatch
 from gradwatch._coverage import CONFIRM_AFTER_STEPS, DENSE_CHECK_EVERY
@@ -187,14 +187,7 @@ def test_the_check_adds_no_host_sync_to_the_step(monkeypatch, scaler):
         syncs = HostSyncs(monkeypatch, "step")
         for _ in range(30):
             model.zero_grad(set_to_none=True)
-            loss = model(x).square().mean()
-            if grad_scaler is not None:
-                grad_scaler.scale(loss).backward()
-                grad_scaler.step(optimizer)
-                grad_scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
+            backward_and_step(model(x).square().mean(), optimizer, grad_scaler)
         step_syncs = syncs.counts["step"]
         syncs.phase = "finish"
     assert step_syncs == (30 if scaler else 0)  # GradScaler.step's own found_inf read, not ours

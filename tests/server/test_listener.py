@@ -128,27 +128,29 @@ def test_a_connection_collected_without_close_gives_its_place_and_its_descriptor
         listener.close()
 
 
+async def _accept_all(listener: GuardedListener) -> list[socket.socket]:
+    """What the listener accepts over ten turns of the event loop, once the kernel has the connects."""
+    kept = []
+    await asyncio.sleep(0.2)
+    for _ in range(10):
+        while True:
+            try:
+                kept.append(listener.accept()[0])
+            except BlockingIOError:
+                break
+        await asyncio.sleep(0)
+    return kept
+
+
 def test_an_address_over_its_most_connections_is_closed_at_accept_and_a_closed_one_gives_its_place_back():
     listener = _listening(per_address=3, trusted="127.0.0.1")
     port = listener.getsockname()[1]
-
-    async def accept_all() -> list[socket.socket]:
-        kept = []
-        await asyncio.sleep(0.2)  # the kernel has completed the connects
-        for _ in range(10):
-            while True:
-                try:
-                    kept.append(listener.accept()[0])
-                except BlockingIOError:
-                    break
-            await asyncio.sleep(0)
-        return kept
 
     flood = [_connect(port) for _ in range(5)]
     others = [_connect(port, "127.0.0.3"), _connect(port, "127.0.0.1"), _connect(port, "127.0.0.1")]
     trusted = [_connect(port, "127.0.0.1") for _ in range(4)]
     try:
-        kept = asyncio.run(accept_all())
+        kept = asyncio.run(_accept_all(listener))
         by_address = sorted(connection.getpeername()[0] for connection in kept)
         assert by_address == ["127.0.0.1"] * 6 + ["127.0.0.2"] * 3 + ["127.0.0.3"]  # proxies: no cap
         assert listener.refused == 2
@@ -160,7 +162,7 @@ def test_an_address_over_its_most_connections_is_closed_at_accept_and_a_closed_o
         next(c for c in kept if c.getpeername()[0] == "127.0.0.2").close()
         assert listener.held["127.0.0.2"] == 2
         again = _connect(port)
-        kept += asyncio.run(accept_all())
+        kept += asyncio.run(_accept_all(listener))
         assert listener.held["127.0.0.2"] == 3 and listener.refused == 2
         again.close()
         for connection in kept:
@@ -261,23 +263,11 @@ def test_an_ipv6_client_is_capped_by_its_network_not_by_each_address_it_can_choo
     listener.setblocking(False)
     port = listener.getsockname()[1]
 
-    async def accept_all() -> list[socket.socket]:
-        kept = []
-        await asyncio.sleep(0.2)  # the kernel has completed the connects
-        for _ in range(10):
-            while True:
-                try:
-                    kept.append(listener.accept()[0])
-                except BlockingIOError:
-                    break
-            await asyncio.sleep(0)
-        return kept
-
     clients = []
     try:
         for _ in peers:  # one at a time: each real connection meets its presented address in order
             clients.append(_connect(port))
-        kept = asyncio.run(accept_all())
+        kept = asyncio.run(_accept_all(listener))
         if prefix == 64:
             assert listener.refused == 2 and len(kept) == 5
             assert listener.held == {"2001:db8:1:2::/64": 3, "2001:db8:1:3::/64": 1, "127.0.0.9": 1}

@@ -114,6 +114,17 @@ def _global_norm(model: nn.Module) -> float:
     return torch.linalg.vector_norm(torch.stack(norms)).item()
 
 
+def backward_and_step(loss: torch.Tensor, optimizer: Any, scaler: Any = None) -> None:
+    """The loop's end of a step as written with and without a GradScaler: backward, then the step."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
 class RecordingTransport:
     """A Transport that keeps what it is sent, for agent unit tests (no network)."""
 
