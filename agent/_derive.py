@@ -181,7 +181,8 @@ class GradientRewrites:
       6 significant digits: float32 rounding); it is repeated on the steps it left as they were.
     - A division by a constant after backward (gradient accumulation averaged as p.grad.div_(k))
       scales each layer alike too, by the same factor on every step, ending at norms that vary: two
-      steps with one factor and different ends make it known. The norms recorded are then those
+      steps with one factor and different ends make it known, or one whose factor is 1/k of its k
+      micro-batches. The norms recorded are then those
       after it, what a clip after it sees (grad/global_norm and grad/norm times the factor).
     - Anything else scales the layers unevenly (clip_grad_value_, a hand-written all-reduce, some
       layers zeroed), or unevenly over the steps (a division by each step's token count): it is no
@@ -197,6 +198,7 @@ class GradientRewrites:
         # (factor, post, max_norm) of the last cuts not yet explained: a clip's cuts and a rescale's
         # steps may alternate (a clip that cuts some steps after a division)
         self._candidates: deque[tuple[float, float, float]] = deque(maxlen=8)
+        self._micro_batches: dict[int, float] = {}  # the packet's amp/micro_batches
         self._reported: set[str] = set()
 
     def apply(self, scalars: Scalars, vectors: Vectors) -> list[Event]:
@@ -207,6 +209,7 @@ class GradientRewrites:
             for step, post in scalars.get(POST_CLIP_NORM, [])
             if step in pre and math.isfinite(pre[step]) and pre[step] > 0 and math.isfinite(post)
         ]
+        self._micro_batches = dict(scalars.get("amp/micro_batches", []))
         events = self.learn(rewrites)
         even = {step: (norm, post) for step, norm, post, uneven in rewrites if uneven <= 1e-4}
         if self.factor is not None and even:
@@ -249,10 +252,16 @@ class GradientRewrites:
         max_norm = _max_norm(norm, post)
         if self.max_norm is not None and _close(max_norm, self.max_norm, 1e-4):
             return None
+        micro_batches = self._micro_batches.get(step, 1.0)
         if any(_close(max_norm, seen[2], 1e-4) for seen in self._candidates):
             self.max_norm, self.max_norm_step = max_norm, step
-        elif self.factor is None and any(
-            _close(factor, seen[0], 1e-5) and not _close(post, seen[1], 1e-3) for seen in self._candidates
+        elif self.factor is None and (
+            # 1/k of a step of k micro-batches is a division by them, at once (a clip's coefficient
+            # does not fall on it), or two steps with one factor and different ends
+            (micro_batches >= 2 and _close(factor, 1 / micro_batches, 1e-5))
+            or any(
+                _close(factor, seen[0], 1e-5) and not _close(post, seen[1], 1e-3) for seen in self._candidates
+            )
         ):
             self.factor = factor
             self._candidates.clear()  # their max_norm were taken before the rescale was known

@@ -356,6 +356,12 @@ def test_a_division_after_backward_is_no_clip_and_its_norms_are_those_after_it()
     assert packet.vectors["grad/norm"] == [(s, [n / 4, 0.0]) for s, n in enumerate(pre)]
     [event] = packet.events
     assert event["kind"] == "gradients_rescaled" and event["step"] == 1 and event["data"]["factor"] == 0.25
+    # A step of 4 micro-batches divided by 4 tells it alone (the first packet of a slow run)
+    alone = WatchDerivation(["a", "b"], loss_scaling=False, partial_norms=False)
+    first = _norms_packet([4.0], [1.0], spread=[0.0])
+    first.scalars["amp/micro_batches"] = [(0, 4.0)]
+    alone(first)
+    assert first.scalars["grad/global_norm"] == [(0, 1.0)] and "grad/clip_max_norm" not in first.scalars
     # then a clip after the division: the cuts agree on its max_norm, on the divided norms
     pre = [40.0, 4.0, 12.0, 2.0]
     later = _norms_packet(pre, [_clipped(n / 4, 1.5) for n in pre], spread=[0.0] * 4, first_step=4)

@@ -349,19 +349,20 @@ def _norm(parameters):
     return math.sqrt(sum(p.grad.float().norm().item() ** 2 for p in parameters))
 
 
-def _train_rewriting(after_backward, steps=10, micro_batches=4, scaler=False):
+def _train_rewriting(after_backward, steps=10, micro_batches=4, scaler=False, flush_every_steps=None):
     """TinyNet in fp32, `micro_batches` backward passes of undivided losses per step, then
     `after_backward(parameters, step)`, which rewrites the gradients as a loop does and returns the
     norm a clip there would see. With `scaler`, a GradScaler scales the losses and after_backward
-    gets `unscale` (scaler.unscale_ of the optimizer) to call. All in one packet. Returns the
-    transport and those norms."""
+    gets `unscale` (scaler.unscale_ of the optimizer) to call. All in one packet, unless
+    flush_every_steps. Returns the transport and those norms."""
     torch.manual_seed(0)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     generator = torch.Generator().manual_seed(0)
     transport, seen = RecordingTransport(), []
-    with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600) as run:
+    flushes = {"flush_every_steps": flush_every_steps} if flush_every_steps else {}
+    with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600, **flushes) as run:
         run.watch(model, optimizer, scaler=grad_scaler, layer_norms_every=1, dense_start_steps=0)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
@@ -493,3 +494,17 @@ def test_gradients_set_to_none_after_backward_are_left_out_not_taken_for_a_clip(
     ]
     assert transport.series("grad/global_norm_post_clip") == {}
     assert transport.events("gradients_rewritten") == [] and transport.series("grad/clip_max_norm") == {}
+
+
+def test_a_division_by_the_micro_batches_is_known_from_its_first_step():
+    """Each step flushed in a packet of its own (a slow real run): a factor of exactly 1/k on a step
+    of k micro-batches is a division by them from the first step, not a clip."""
+
+    def divide(parameters, _step):
+        _divide(parameters, 4)
+        return _norm(parameters)
+
+    transport, seen = _train_rewriting(divide, flush_every_steps=1)
+    assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
+    [event] = transport.events("gradients_rescaled")
+    assert event["step"] == 0 and transport.series("grad/clip_max_norm") == {}
