@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from weakref import ref
 
 if TYPE_CHECKING:
     from ._gradients import Versions
@@ -22,8 +23,9 @@ class StepState:
 
     begun: bool = False  # a backward pass, a scaled loss or an unscale_ of this step was seen
     # Backward passes that reached each watched parameter (by id), and a reference to the .grad they
-    # accumulated into: their most is the step's passes.
+    # accumulated into: their most is the step's passes. pass_layers: those the running pass reached.
     layer_passes: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    pass_layers: dict[int, Any] = field(default_factory=dict)
     pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
@@ -40,6 +42,21 @@ class StepState:
     histograms: Any = None  # grad/hist (on the device), when taken
     loss_sum: Any = None  # sum of the losses passed to scaler.scale (on the device)
     loss_count: int = 0
+
+    def count_pass(self) -> None:
+        """A backward pass ended: each parameter it reached has one more pass, once however often its
+        gradient accumulated in it (a weight shared by blocks that a reentrant checkpoint recomputes
+        accumulates once per nested backward). A .grad replaced since the last pass (set to None in
+        between: another optimizer's zero_grad in a GAN loop) starts its count again."""
+        for key, param in self.pass_layers.items():
+            grad, seen = param.grad, self.layer_passes.get(key)
+            if grad is None:
+                continue
+            if seen is not None and seen[1]() is grad:
+                self.layer_passes[key] = (seen[0] + 1, seen[1])
+            else:
+                self.layer_passes[key] = (1, ref(grad))
+        self.pass_layers.clear()
 
     def unmeasured_reason(self) -> str:
         """Why this step's gradient norms were not measured (the `norms_unmeasured` event)."""

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
-from weakref import ref
 
 from . import _distributed, _gradients, _quantities, _watch_start
 from ._coverage import OptimizerCoverage
@@ -264,13 +263,7 @@ class Watcher:
         return self.histograms_here and self.options.due(self.options.histograms_every, self.sink.step)
 
     def _on_layer_grad(self, param: Any) -> None:
-        # Host counters, no device work. A pass onto a .grad that was set to None since (a zero_grad
-        # between passes: another optimizer's step in a GAN loop) starts the count again.
-        passes, grad = self._this_step.layer_passes, param.grad
-        seen = passes.get(id(param))
-        passes[id(param)] = (
-            (seen[0] + 1, seen[1]) if seen is not None and seen[1]() is grad else (1, ref(grad))
-        )
+        self._this_step.pass_layers[id(param)] = param  # host work only: counted when the pass ends
         self._backward_end.hook(param)
 
     def _on_backward_end(self) -> None:
@@ -280,6 +273,7 @@ class Watcher:
         binned unscaled)."""
         this_step = self._this_step
         this_step.begun = True
+        this_step.count_pass()
         grads = self._grads()
         if self._measures_at_unscale():
             # Still scaled by S here, and their float32 sum of squares overflows once S*||g|| passes

@@ -646,3 +646,34 @@ def test_passes_whose_gradients_were_thrown_away_are_no_micro_batches():
                 (-discriminator(generator(torch.randn(4, 8)))).mean().backward()
             opt_g.step()
     assert transport.series("amp/micro_batches") == {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}
+
+
+class _SharedBlock(nn.Module):
+    """One block applied three times (ALBERT-like weight sharing), each call under a reentrant
+    checkpoint: the block's weights accumulate a gradient in each of three nested backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_()
+        for _ in range(3):
+            x = torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.block(h)), x, use_reentrant=True)
+        return self.head(x)
+
+
+def test_a_weight_shared_by_checkpointed_blocks_counts_one_pass_not_one_per_use():
+    transport = RecordingTransport()
+    torch.manual_seed(0)
+    model = _SharedBlock()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _run(transport, flush_interval=0.05) as run:
+        run.watch(model, optimizer)
+        for accumulation in (1, 2, 1):
+            for _ in range(accumulation):
+                nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert transport.series("amp/micro_batches") == {0: 1.0, 1: 2.0, 2: 1.0}
