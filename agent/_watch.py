@@ -432,9 +432,10 @@ class Watcher:
 
     # -- optimizer hooks --------------------------------------------------------------------------
 
-    def _pre_step_hook(self, optimizer: Any, *_: Any) -> None:
+    def _pre_step_hook(self, optimizer: Any, args: Any = (), kwargs: Any = None) -> None:
         self._this_step.optimizer_stepped = True
-        self._settle_gradients()
+        if not (args or (kwargs or {}).get("closure")):  # else the closure's backward and clip are to come
+            self._settle_gradients()
         self._check_coverage(self.sink.step, self.sink)
         if self.options.due(self.options.update_ratio_every, self.sink.step):
             self._this_step.snapshot = _quantities.snapshot(self._local_params(), reuse=self._spent_snapshot)

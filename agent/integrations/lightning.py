@@ -4,8 +4,10 @@
     trainer = L.Trainer(precision="16-mixed", callbacks=[GradwatchCallback(project="llm")])
 
 Watches the LightningModule with the trainer's first optimizer (and the precision plugin's GradScaler
-when there is one), records the training loss each batch (kept on the device) and finishes the run at
-the end of fit. Pass run= to use a run you created yourself (it is then not finished here).
+when there is one), records each optimizer step's training loss (kept on the device: with
+accumulate_grad_batches=k, the sum of its k micro-batch losses as Lightning passes them on, each
+divided by k: their mean) and finishes the run at the end of fit. Pass run= to use a run you created
+yourself (it is then not finished here).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class GradwatchCallback(pl.Callback):
         self._owns_run = run is None
         self._init = init
         self._watch_options = watch_options or {}
+        self._step_loss: Any = None  # the running step's micro-batch losses so far (on the device)
+        self._steps_seen: int | None = (
+            None  # the run's step counter at the last batch end (None: not watching)
+        )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self.run is None:
@@ -37,6 +43,7 @@ class GradwatchCallback(pl.Callback):
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.run.watch(pl_module, trainer.optimizers[0], scaler=scaler, **self._watch_options)
+        self._steps_seen = self.run.step
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -44,9 +51,18 @@ class GradwatchCallback(pl.Callback):
         if self.run is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None and hasattr(loss, "detach"):
-            # The optimizer step of this batch has run: the loss belongs to the step before the counter.
+        if loss is None or not hasattr(loss, "detach"):
+            return
+        if self._steps_seen is None:  # nothing watched: no step counter moves, the batch is the step
             self.run.log({"loss": loss.detach()}, step=max(self.run.step - 1, 0))
+            return
+        loss = loss.detach()
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        if self.run.step != self._steps_seen:
+            # This batch's optimizer step ran (a micro-batch that only accumulated leaves the counter):
+            # the loss belongs to the step before the counter.
+            self.run.log({"loss": self._step_loss}, step=max(self.run.step - 1, 0))
+            self._step_loss, self._steps_seen = None, self.run.step
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.run is not None and self._owns_run:

@@ -60,10 +60,15 @@ def test_hugging_face_trainer_callback(tmp_path):
     assert len(transport.vectors("grad/norm")[0]) == len(layers)
 
 
-def test_lightning_callback(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_callback(tmp_path, accumulate):
+    """Lightning steps through optimizer.step(closure): the clip inside the closure is still seen (the
+    post-clip norm, max_norm); with accumulation each step's loss is the mean of its micro-batches'."""
     import lightning.pytorch as pl
 
     from gradwatch.integrations.lightning import GradwatchCallback
+
+    losses: list[float] = []
 
     class Tiny(pl.LightningModule):
         def __init__(self):
@@ -72,13 +77,15 @@ def test_lightning_callback(tmp_path):
 
         def training_step(self, batch, _index):
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+            losses.append(float(loss))
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(128, 8), 10 * torch.randn(128, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     transport = RecordingTransport()
     run = gradwatch.init(project="lightning", transport=transport)
@@ -90,14 +97,25 @@ def test_lightning_callback(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        gradient_clip_val=1.0,
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=accumulate,
         default_root_dir=str(tmp_path),
         callbacks=[GradwatchCallback(run=run)],
     )
     trainer.fit(Tiny(), loader)
     run.finish()
-    assert list(transport.series("loss")) == list(range(6))
+    recorded = transport.series("loss")
+    assert list(recorded) == list(range(6))
+    for step, loss in recorded.items():  # bf16: the loss as the model computed it, to bf16's precision
+        mean = sum(losses[step * accumulate : (step + 1) * accumulate]) / accumulate
+        assert loss == pytest.approx(mean, rel=1e-2)
     assert list(transport.series("grad/global_norm")) == list(range(6))
+    assert transport.series("amp/micro_batches") == dict.fromkeys(range(6), float(accumulate))
+    assert transport.series("grad/global_norm_post_clip") == {
+        s: pytest.approx(0.5, rel=1e-3) for s in range(6)
+    }
+    thresholds = transport.series("grad/clip_max_norm")
+    assert thresholds and all(value == pytest.approx(0.5, rel=1e-5) for value in thresholds.values())
     assert transport.series("lr")[0] == pytest.approx(1e-2)
 
 

@@ -508,3 +508,32 @@ def test_a_division_by_the_micro_batches_is_known_from_its_first_step():
     assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
     [event] = transport.events("gradients_rescaled")
     assert event["step"] == 0 and transport.series("grad/clip_max_norm") == {}
+
+
+def test_a_closure_passed_to_the_optimizer_step_is_measured_before_its_clip():
+    """optimizer.step(closure) (Lightning's automatic optimization, LBFGS): the step's pre-hook runs
+    before the closure's backward and clip; the clip is still seen (post-clip norm, max_norm)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    transport, seen = RecordingTransport(), []
+
+    def closure():
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        seen.append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        return loss
+
+    with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600) as run:
+        run.watch(model, optimizer)
+        for _ in range(6):
+            optimizer.step(closure)
+    assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
+    assert transport.series("grad/global_norm_post_clip") == {
+        s: pytest.approx(MAX_NORM, rel=1e-4) for s in range(6)
+    }
+    assert transport.series("grad/clip_max_norm") == {s: pytest.approx(MAX_NORM, rel=1e-5) for s in range(6)}
+    assert transport.series("amp/micro_batches") == dict.fromkeys(range(6), 1.0)
