@@ -4,8 +4,10 @@
     trainer = Trainer(..., callbacks=[GradwatchCallback(project="llm", name="qlora-7b")])
 
 Watches the model and the Trainer's optimizer (and Accelerate's GradScaler under fp16) from
-on_train_begin, forwards the Trainer's logs (loss, learning_rate, grad_norm…) and finishes the run
-at the end of training. Pass run= to use a run you created yourself (it is then not finished here).
+on_train_begin, forwards the Trainer's logs as hf/* (loss, learning_rate, grad_norm…) at the step
+they describe, the last one done, the loss also as `loss` (the Trainer's mean over its logging
+window: what the loss charts and alerts read), and finishes the run at the end of training. Pass
+run= to use a run you created yourself (it is then not finished here).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class GradwatchCallback(TrainerCallback):
         self._owns_run = run is None
         self._init = init
         self._watch_options = watch_options or {}
+        self._watching = False  # the run counts the Trainer's optimizer steps
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **_: Any
@@ -38,6 +41,7 @@ class GradwatchCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)
         if model is not None and torch_optimizer is not None:
             self.run.watch(model, torch_optimizer, scaler=scaler, **self._watch_options)
+            self._watching = True
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any
@@ -47,8 +51,13 @@ class GradwatchCallback(TrainerCallback):
         numeric = {
             f"hf/{k}": v for k, v in logs.items() if not isinstance(v, bool) and isinstance(v, numbers.Real)
         }
+        if "hf/loss" in numeric:
+            numeric["loss"] = numeric["hf/loss"]
         if numeric:
-            self.run.log(numeric)
+            # The Trainer logs after its optimizer step: the step done is the one before the counter
+            # (the watched run's, else the Trainer's own global_step, which counts from 1).
+            done = self.run.step if self._watching else getattr(state, "global_step", 0)
+            self.run.log(numeric, step=max(done - 1, 0))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.run is not None and self._owns_run:

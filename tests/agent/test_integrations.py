@@ -54,7 +54,12 @@ def test_hugging_face_trainer_callback(tmp_path):
     assert list(norms) == list(range(6))
     hf_norms = [entry["grad_norm"] for entry in logged if "grad_norm" in entry]
     assert [norms[s] for s in range(6)] == pytest.approx(hf_norms, rel=1e-5)  # the clip's own norm, reused
-    assert transport.series("hf/loss") and transport.series("lr")
+    # The Trainer's logs land at the step they describe (its grad_norm is that step's grad/global_norm),
+    # the loss also as `loss`, which the loss charts and alerts read.
+    assert transport.series("hf/grad_norm") == {s: pytest.approx(norms[s], rel=1e-5) for s in range(6)}
+    hf_losses = [entry["loss"] for entry in logged if "loss" in entry]
+    assert transport.series("loss") == {s: pytest.approx(hf_losses[s]) for s in range(6)}
+    assert transport.series("hf/loss") == transport.series("loss") and transport.series("lr")
     layers = transport.layers()
     assert "transformer.h.0.attn.c_attn.weight" in layers
     assert len(transport.vectors("grad/norm")[0]) == len(layers)
