@@ -83,11 +83,15 @@ def stack_per_layer(values: Sequence[Any], like: Any) -> Any:
     return torch.stack(list(values))
 
 
-def global_norm(per_layer: Any) -> Any:
-    """The global L2 norm from per-layer L2 norms (sqrt of the sum of squares)."""
+def global_norm(per_layer: Any, squared_rest: Any = None) -> Any:
+    """The global L2 norm from per-layer L2 norms (sqrt of the sum of squares), with the squared norm
+    of gradients that have no layer of their own (`squared_rest`, a 0-dim tensor) when given."""
     import torch
 
-    return torch.linalg.vector_norm(per_layer)
+    norm = torch.linalg.vector_norm(per_layer)
+    if squared_rest is None:
+        return norm
+    return (norm.square() + squared_rest.to(norm.device, non_blocking=True)).sqrt()
 
 
 def factor_spread(before: Any, after: Any) -> Any:

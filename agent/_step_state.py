@@ -27,6 +27,7 @@ class StepState:
     layer_passes: dict[int, tuple[int, Any]] = field(default_factory=dict)
     pass_layers: dict[int, Any] = field(default_factory=dict)
     pre_clip: Any = None  # per-layer unscaled norms of the last backward pass (on the device)
+    unwatched_sq: Any = None  # the squared norm of the unwatched trainable parameters' gradients (_unwatched)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
     measure_at_unscale: bool = False  # still scaled at the end of backward: measured after unscale_

@@ -74,6 +74,7 @@ from ._derive import (  # the agent-internal keys this module records for _deriv
 from ._names import user_layer_names
 from ._scaler import SCALE, ScalerView
 from ._step_state import StepState
+from ._unwatched import UnwatchedParameters
 from ._watch_options import WatchOptions
 
 if TYPE_CHECKING:
@@ -172,12 +173,15 @@ class Watcher:
             self._wrap(self.scaler, "update", after=self._after_update)
             self._wrap(self.scaler, "scale", after=self._after_scale)
             self._wrap(self.scaler, "load_state_dict", after=self._after_scaler_load)
+        layer_hook = guard(self._on_layer_grad)
+        self._unwatched = UnwatchedParameters(
+            model, optimizer, self.params, layer_hook, self._handles, enabled=self._dtensor is None
+        )
         try:
             # The end of each backward pass (the gradients' measurement) and how many passes reach the
             # model per step (gradient accumulation): the most passes any one layer saw, so a layer left
             # without a gradient (an unused head) cannot hide them and a nested backward of reentrant
             # checkpointing is not a micro-batch of its own (a layer's gradient accumulates once a pass).
-            layer_hook = guard(self._on_layer_grad)
             for param in self.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(layer_hook))
         except (AttributeError, RuntimeError) as exc:  # a torch or tensor subclass without the hook
@@ -274,6 +278,9 @@ class Watcher:
         this_step = self._this_step
         this_step.begun = True
         this_step.count_pass()
+        unwatched = self._unwatched.changed()
+        if unwatched:  # unfrozen since watching started, or added with add_param_group
+            self.sink.add_event(self.sink.step, "params_unwatched", self._unwatched.event_data(unwatched))
         grads = self._grads()
         if self._measures_at_unscale():
             # Still scaled by S here, and their float32 sum of squares overflows once S*||g|| passes
@@ -306,11 +313,11 @@ class Watcher:
 
     def _measure(self, grads: list[Any], scaled: bool) -> None:
         per_layer = _quantities.layer_norms(grads, self._like)
-        if scaled:
-            scale = self.scaler_view.scale() if self.scaler_view is not None else None
-            if scale is not None:
-                per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
+        scale = self.scaler_view.scale() if scaled and self.scaler_view is not None else None
+        if scale is not None:
+            per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
         this_step = self._this_step
+        this_step.unwatched_sq = self._unwatched.squared_norm(self._like, scale)
         this_step.pre_clip = per_layer
         this_step.measured_grads = grads
         this_step.measured_at = _gradients.versions(grads)
@@ -383,7 +390,10 @@ class Watcher:
             # clip. The norms are those the optimizer sees (none for them: a no_gradient event).
             this_step.pre_clip, this_step.measured_grads = after, grads
             return
-        this_step.post_clip = _quantities.global_norm(after)  # and how evenly each layer was scaled
+        unwatched_sq = self._unwatched.squared_norm(self._like)
+        this_step.post_clip = _quantities.global_norm(
+            after, unwatched_sq
+        )  # and how evenly each layer was scaled
         this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, after)
 
     def _record_gradient_norms(self, step: int) -> None:
@@ -394,7 +404,9 @@ class Watcher:
             if this_step.global_norm is not None:
                 sink.add_scalar("grad/global_norm", step, this_step.global_norm)
         elif this_step.pre_clip is not None:
-            sink.add_scalar("grad/global_norm", step, _quantities.global_norm(this_step.pre_clip))
+            sink.add_scalar(
+                "grad/global_norm", step, _quantities.global_norm(this_step.pre_clip, this_step.unwatched_sq)
+            )
         else:
             self._report_unmeasured(step, this_step)
         if this_step.pre_clip is None:
@@ -421,14 +433,8 @@ class Watcher:
         if missing == self._missing_reported:
             return
         self._missing_reported = missing
-        self.sink.add_event(
-            self.sink.step,
-            "no_gradient",
-            {
-                "layers": list(missing[:MAX_LAYERS_IN_EVENT]),
-                "count": len(missing),
-            },
-        )
+        data = {"layers": list(missing[:MAX_LAYERS_IN_EVENT]), "count": len(missing)}
+        self.sink.add_event(self.sink.step, "no_gradient", data)
 
     # -- optimizer hooks --------------------------------------------------------------------------
 

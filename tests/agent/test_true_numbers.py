@@ -537,3 +537,39 @@ def test_a_closure_passed_to_the_optimizer_step_is_measured_before_its_clip():
     }
     assert transport.series("grad/clip_max_norm") == {s: pytest.approx(MAX_NORM, rel=1e-5) for s in range(6)}
     assert transport.series("amp/micro_batches") == dict.fromkeys(range(6), 1.0)
+
+
+@pytest.mark.parametrize("how", ["unfrozen", "add_param_group"])
+def test_parameters_trainable_only_after_watch_count_in_the_global_norm(how):
+    """Progressive unfreezing: a backbone frozen when run.watch() is called and unfrozen at step 4
+    (the optimizer held it, or gets it then with add_param_group). grad/global_norm is still the norm
+    the clip returns over every gradient; the per-layer values keep the layers watched from the start,
+    and an event names the parameters that have none."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    backbone = [model.inp.weight, model.inp.bias]
+    for p in backbone:
+        p.requires_grad_(False)
+    held = model.parameters() if how == "unfrozen" else [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(held, lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    transport, seen = RecordingTransport(), []
+    with gradwatch.init(project="true-numbers", transport=transport, flush_interval=600) as run:
+        run.watch(model, optimizer, layer_norms_every=1, dense_start_steps=0)
+        for step in range(8):
+            if step == 4:
+                for p in backbone:
+                    p.requires_grad_(True)
+                if how == "add_param_group":
+                    optimizer.add_param_group({"params": backbone})
+            optimizer.zero_grad(set_to_none=True)
+            x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            nn.functional.cross_entropy(model(x), y).backward()
+            seen.append(float(clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e6)))
+            optimizer.step()
+    assert transport.series("grad/global_norm") == {s: pytest.approx(n, rel=1e-5) for s, n in enumerate(seen)}
+    assert transport.layers() == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    assert all(len(v) == 4 for v in transport.vectors("grad/norm").values())
+    [event] = transport.events("params_unwatched")
+    assert event["step"] == 4 and event["data"]["layers"] == ["inp.weight", "inp.bias"]
+    assert transport.events("no_gradient") == []
