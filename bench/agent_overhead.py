@@ -334,8 +334,13 @@ def free_port() -> int:
 # (owner, attribute, label, top_level). Top-level entries are what torch's hooks and gradwatch's wrappers
 # call on the training thread; they do not nest in one another, so their sum is gradwatch's time there.
 INSTRUMENTED = [
-    ("gradients.BackwardEnd", "hook", "BackwardEnd.hook (each parameter's post-accumulate hook)", True),
-    ("watch.Watcher", "_on_last_layer_grad", "  Watcher._on_last_layer_grad (the last layer's hook)", False),
+    (
+        "watch.Watcher",
+        "_on_layer_grad",
+        "Watcher._on_layer_grad (each parameter's post-accumulate hook)",
+        True,
+    ),
+    ("gradients.BackwardEnd", "hook", "  BackwardEnd.hook (queues the end of backward)", False),
     ("watch.Watcher", "_on_backward_end", "Watcher._on_backward_end (end of backward: pre-clip norms)", True),
     ("watch.Watcher", "_before_unscale", "Watcher._before_unscale (before scaler.unscale_)", True),
     ("watch.Watcher", "_after_unscale", "Watcher._after_unscale (after scaler.unscale_)", True),
@@ -346,7 +351,7 @@ INSTRUMENTED = [
     ("watch.Watcher", "_after_update", "Watcher._after_update (after scaler.update)", True),
     ("run.Run", "log", "Run.log", True),
     ("watch.Watcher", "_settle_gradients", "  Watcher._settle_gradients (post-clip norm)", False),
-    ("watch.Watcher", "_finish_step", "  Watcher._finish_step", False),
+    ("watch.Watcher", "_end_step", "  Watcher._end_step", False),
     ("run.Run", "_flush", "  Run._flush (every 1 s)", False),
     ("buffer.StepBuffer", "take", "    StepBuffer.take (flatten + one copy)", False),
     ("quantities", "layer_norms", "  _quantities.layer_norms", False),
