@@ -198,7 +198,6 @@ class GradientRewrites:
         # (factor, post, max_norm) of the last cuts not yet explained: a clip's cuts and a rescale's
         # steps may alternate (a clip that cuts some steps after a division)
         self._candidates: deque[tuple[float, float, float]] = deque(maxlen=8)
-        self._micro_batches: dict[int, float] = {}  # the packet's amp/micro_batches
         self._reported: set[str] = set()
 
     def apply(self, scalars: Scalars, vectors: Vectors) -> list[Event]:
@@ -209,8 +208,7 @@ class GradientRewrites:
             for step, post in scalars.get(POST_CLIP_NORM, [])
             if step in pre and math.isfinite(pre[step]) and pre[step] > 0 and math.isfinite(post)
         ]
-        self._micro_batches = dict(scalars.get("amp/micro_batches", []))
-        events = self.learn(rewrites)
+        events = self.learn(rewrites, dict(scalars.get("amp/micro_batches", [])))
         even = {step: (norm, post) for step, norm, post, uneven in rewrites if uneven <= 1e-4}
         if self.factor is not None and even:
             _rescale(scalars, vectors, set(even), self.factor)
@@ -237,12 +235,23 @@ class GradientRewrites:
             return None
         return self.max_norm_step, self.max_norm
 
-    def learn(self, rewrites: Sequence[tuple[int, float, float, float]]) -> list[Event]:
-        """Learn from (step, norm before, norm after, spread) of rewritten steps, in step order."""
-        events = [self._learn(step, norm, post, uneven) for step, norm, post, uneven in rewrites]
+    def learn(
+        self,
+        rewrites: Sequence[tuple[int, float, float, float]],
+        micro_batches: dict[int, float] | None = None,
+    ) -> list[Event]:
+        """Learn from (step, norm before, norm after, spread) of rewritten steps, in step order, and
+        each step's micro-batches (amp/micro_batches) where known."""
+        counts = micro_batches or {}
+        events = [
+            self._learn(step, norm, post, uneven, counts.get(step, 1.0))
+            for step, norm, post, uneven in rewrites
+        ]
         return [event for event in events if event is not None]
 
-    def _learn(self, step: int, norm: float, post: float, uneven: float) -> Event | None:
+    def _learn(
+        self, step: int, norm: float, post: float, uneven: float, micro_batches: float
+    ) -> Event | None:
         if uneven > 1e-4:
             return self._report_once(step, "gradients_rewritten", {"spread": uneven, "hint": _UNEVEN_HINT})
         norm *= self.factor or 1.0
@@ -252,7 +261,6 @@ class GradientRewrites:
         max_norm = _max_norm(norm, post)
         if self.max_norm is not None and _close(max_norm, self.max_norm, 1e-4):
             return None
-        micro_batches = self._micro_batches.get(step, 1.0)
         if any(_close(max_norm, seen[2], 1e-4) for seen in self._candidates):
             self.max_norm, self.max_norm_step = max_norm, step
         elif self.factor is None and (

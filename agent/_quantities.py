@@ -34,11 +34,12 @@ FP16_SMALLEST_NORMAL = 2.0**-14  # below this it loses precision (subnormal)
 FP16_MAX = 65504.0  # above this it becomes inf
 
 
-def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
+def layer_norms(tensors: Sequence[Any], like: Any, divide_by: Any = None) -> Any:
     """L2 norm of each tensor, in float32, stacked into one 1-d tensor (one value per layer).
 
     `tensors` may contain None (a layer without a gradient this step): its norm is 0.
-    `like`: a tensor on the device the result should live on.
+    `like`: a tensor on the device the result should live on. `divide_by`: a device scalar (the loss
+    scale of still-scaled gradients) the norms are divided by, on the device.
     """
     import torch
 
@@ -46,7 +47,10 @@ def layer_norms(tensors: Sequence[Any], like: Any) -> Any:
     if not present:
         return torch.zeros(len(tensors), dtype=torch.float32, device=like.device)
     norms = iter(float32_norms(present))
-    return stack_per_layer([next(norms) if t is not None else None for t in tensors], like)
+    per_layer = stack_per_layer([next(norms) if t is not None else None for t in tensors], like)
+    if divide_by is None:
+        return per_layer
+    return per_layer / divide_by.to(per_layer.device, non_blocking=True)
 
 
 def float32_norms(tensors: Sequence[Any]) -> list[Any]:

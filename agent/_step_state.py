@@ -31,7 +31,7 @@ class StepState:
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
     measure_at_unscale: bool = False  # still scaled at the end of backward: measured after unscale_
-    clipped_while_scaled: bool = False  # rewritten before unscale_ (a misuse): this step's norms are lost
+    rewritten_while_scaled: bool = False  # rewritten before unscale_ (a misuse): this step's norms are lost
     gradients_settled: bool = False  # the optimizer step (or the skip) came: no clip after it
     post_clip: Any = None  # the global norm after a clip rewrote the gradients (on the device)
     rewrite_spread: Any = None  # how unevenly that rewrite scaled the layers (_quantities.factor_spread)
@@ -61,7 +61,7 @@ class StepState:
 
     def unmeasured_reason(self) -> str:
         """Why this step's gradient norms were not measured (the `norms_unmeasured` event)."""
-        if self.clipped_while_scaled:
+        if self.rewritten_while_scaled:
             return (
                 "the gradients were rewritten while still scaled, before scaler.unscale_ and before "
                 "they were measured (a clip there is a misuse, told by a clip_before_unscale event; a "

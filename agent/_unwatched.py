@@ -78,10 +78,7 @@ class UnwatchedParameters:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return None
-        norms = _quantities.layer_norms(grads, like)
-        if scale is not None:
-            norms = norms / scale.to(norms.device, non_blocking=True)
-        return norms.square().sum()
+        return _quantities.layer_norms(grads, like, divide_by=scale).square().sum()
 
     def event_data(self, names: list[str]) -> dict[str, Any]:
         return {

@@ -163,7 +163,7 @@ class Watcher:
         self._unmeasured_reported = False
         # A rewrite of still-scaled gradients was seen: from then on they are measured at the end of
         # backward, scaled (the only moment they are not yet rewritten), and again before unscale_.
-        self._clips_while_scaled = False
+        self._rewrites_while_scaled = False
 
         self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
         self._handles.append(optimizer.register_step_post_hook(guard(self._post_step_hook)))
@@ -303,7 +303,7 @@ class Watcher:
         return (
             self.scaler_view is not None
             and not self.fused
-            and not self._clips_while_scaled
+            and not self._rewrites_while_scaled
             and self._unscaled() is False
         )
 
@@ -312,10 +312,8 @@ class Watcher:
         return view.unscaled(self.optimizer) if view is not None else None
 
     def _measure(self, grads: list[Any], scaled: bool) -> None:
-        per_layer = _quantities.layer_norms(grads, self._like)
         scale = self.scaler_view.scale() if scaled and self.scaler_view is not None else None
-        if scale is not None:
-            per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
+        per_layer = _quantities.layer_norms(grads, self._like, divide_by=scale)
         this_step = self._this_step
         this_step.unwatched_sq = self._unwatched.squared_norm(self._like, scale)
         this_step.pre_clip = per_layer
@@ -327,9 +325,10 @@ class Watcher:
         self.sink.add_tensor("grad/hist", self.sink.step, self._this_step.histograms)
 
     def _before_unscale(self, optimizer: Any, *_: Any, **__: Any) -> None:
-        this_step, grads = self._this_step, self._grads()
+        this_step = self._this_step
         if optimizer is not self.optimizer or this_step.measured_at is None or self.fused:
             return
+        grads = self._grads()
         if not _gradients.rewritten(this_step.measured_at, grads) or _gradients.only_removed(
             this_step.measured_at, grads
         ):
@@ -338,13 +337,12 @@ class Watcher:
             # Rewritten while scaled, before any measurement: a clip there is a misuse, a division by
             # the accumulation steps is not. This step's norms are lost; later ones are measured at
             # the end of backward and here, and the sender tells which (clip_before_unscale or none).
-            this_step.clipped_while_scaled = True
-            self._clips_while_scaled = True
-        elif this_step.pre_clip is not None:
-            per_layer = _quantities.layer_norms(grads, self._like)
-            scale = self.scaler_view.scale() if self.scaler_view is not None else None
+            this_step.rewritten_while_scaled = True
+            self._rewrites_while_scaled = True
+        elif this_step.pre_clip is not None and self.scaler_view is not None:
+            scale = self.scaler_view.scale()
             if scale is not None:
-                per_layer = per_layer / scale.to(per_layer.device, non_blocking=True)
+                per_layer = _quantities.layer_norms(grads, self._like, divide_by=scale)
                 step = self.sink.step
                 self.sink.add_scalar(SCALED_REWRITE, step, _quantities.global_norm(per_layer))
                 spread = _quantities.factor_spread(this_step.pre_clip, per_layer)
@@ -356,13 +354,13 @@ class Watcher:
         this_step = self._this_step
         this_step.begun = True
         grads = self._grads()
-        if this_step.pre_clip is None and not this_step.clipped_while_scaled:
+        if this_step.pre_clip is None and not this_step.rewritten_while_scaled:
             # Unscaled and not yet clipped here (a clip of scaled gradients is a misuse): measured after
             # the backward passes of the step (measure_at_unscale), or after none (assigned by hand).
             self._measure(grads, scaled=False)
         if self._histograms_due() and this_step.histograms is None:
             self._take_histograms(grads)
-        if not self._clips_while_scaled:  # there, what was rewritten before unscale_ is seen at the step
+        if not self._rewrites_while_scaled:  # there, what was rewritten before unscale_ is seen at the step
             this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
 
     def _settle_gradients(self) -> None:
@@ -375,7 +373,11 @@ class Watcher:
         if this_step.measured_at is None:
             return
         grads = self._grads()
-        if this_step.measure_at_unscale and this_step.pre_clip is None and not this_step.clipped_while_scaled:
+        if (
+            this_step.measure_at_unscale
+            and this_step.pre_clip is None
+            and not this_step.rewritten_while_scaled
+        ):
             # No unscale_ of this optimizer was seen (a step that did not unscale it): as backward
             # left them, still scaled, they are measured now; rewritten since, they cannot be.
             if _gradients.rewritten(this_step.measured_at, grads):
@@ -390,10 +392,8 @@ class Watcher:
             # clip. The norms are those the optimizer sees (none for them: a no_gradient event).
             this_step.pre_clip, this_step.measured_grads = after, grads
             return
-        unwatched_sq = self._unwatched.squared_norm(self._like)
-        this_step.post_clip = _quantities.global_norm(
-            after, unwatched_sq
-        )  # and how evenly each layer was scaled
+        # The norm the optimizer steps with, and how evenly the rewrite scaled each layer (_derive).
+        this_step.post_clip = _quantities.global_norm(after, self._unwatched.squared_norm(self._like))
         this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, after)
 
     def _record_gradient_norms(self, step: int) -> None:
