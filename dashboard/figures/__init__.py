@@ -4,7 +4,9 @@
                  resume markers (add_resume_markers)
     layers       per-layer heatmaps (layer × step), as plain dicts: one image each
     histograms   a layer's |g| histogram at a step and over steps, with fp16's limits at the scale
-    _common      what they share: reading API values, the house layout, the empty figure, step marker
+    _common      what they share: reading API values, the house layout, the empty figure, step marker,
+                 log axes labelled with their numbers
+    _image_grid  where a heatmap's cells go in its image: columns of steps, the row each cell shows
 
 A `series` argument is the API's series object, {"steps": [int...], "values": [...]}, where a value is a
 number, one of the strings "NaN" / "Infinity" / "-Infinity", or null. Non-finite and missing values

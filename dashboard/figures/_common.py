@@ -53,6 +53,25 @@ def format_scale(scale: Any) -> str:
     return f"{number:.4g}"
 
 
+def log_axis(exponentformat: str = "e") -> dict[str, Any]:
+    """A log axis (layout settings) whose every tick label is the number it stands at.
+
+    plotly.js labels the ticks between powers of ten ("D1"/"D2" ticks, e.g. 0.2 and 0.5) with their
+    leading digit alone by default, so 0.5 reads "5" beside a line at 0.5; "complete" labels write
+    them out like the powers of ten. exponentformat "e": 0.5, 20, 0.01, 5e-3, 2e+3 (|exponent| > 2);
+    "B" for counts: 500, 2k, 1M."""
+    return {"type": "log", "minorloglabels": "complete", "exponentformat": exponentformat}
+
+
+def format_count(count: float) -> str:
+    """A count for a tick label: 1, 10, 100, 1k, 10k, 2.5M… (3 significant digits)."""
+    rounded = float(f"{count:.3g}")  # first, so 999,999 is "1M", not "1e+03k"
+    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(rounded) >= divisor:
+            return f"{rounded / divisor:.3g}{suffix}"
+    return f"{rounded:.3g}"
+
+
 def empty_figure(title: str, message: str = NO_DATA_TEXT, *, uirevision: str = "gradwatch") -> go.Figure:
     """A blank figure with `message` in the middle, for series that have no points (yet)."""
     # Unvalidated: its values are fixed here (plotly's checks take ~30 ms a figure).

@@ -15,9 +15,11 @@ from ._common import (
     LINE_COLOR,
     empty_figure,
     finite_or_none,
+    format_count,
     format_scale,
     is_int,
     is_step,
+    log_axis,
     new_figure,
     positive_points,
 )
@@ -118,9 +120,8 @@ def histogram_figure(
     figure.layout.xaxis.update(
         title={"text": "log2 |g| (unscaled)"}, range=[low - 2, high + 1], dtick=4 if high - low > 24 else 2
     )
-    figure.layout.yaxis.update(
-        title={"text": "values"}, type="log" if max(counts, default=0) > 1000 else "linear"
-    )
+    counts_axis = log_axis("B") if max(counts, default=0) > 1000 else {"type": "linear"}
+    figure.layout.yaxis.update(title={"text": "values"}, **counts_axis)
     # A subtitle, which plotly.js lays out below the title (a second line of the title's own text,
     # "<br><sup>…</sup>", is pushed above it by the title's top anchor and cut off at the top edge).
     figure.layout.title.subtitle = {
@@ -137,7 +138,8 @@ def histogram_time_figure(
     *,
     uirevision: str = "gradwatch",
 ) -> go.Figure:
-    """One layer's |g| histograms over steps: exponent × step heatmap of log10(count).
+    """One layer's |g| histograms over steps: exponent × step heatmap of log10(count), its colour bar
+    labelled in counts at powers of ten (1, 10, 100, 1k…; the ends' counts when under a decade).
 
     With the loss-scale series, fp16's underflow and overflow limits at each step's scale are drawn
     as step-shaped lines (values beyond them would flush to zero / become inf when scaled).
@@ -154,6 +156,7 @@ def histogram_time_figure(
     z = [
         [round(math.log10(counts[i]), 3) if counts[i] > 0 else None for _, counts, _, _ in rows] for i in kept
     ]
+    text = [[f"{counts[i]:,}" for _, counts, _, _ in rows] for i in kept]
     figure = new_figure(title, uirevision)
     figure.add_trace(
         {
@@ -163,11 +166,16 @@ def histogram_time_figure(
             "z": z,
             "customdata": [[exponents[i]] * len(steps) for i in kept],
             "colorscale": "Blues",
-            "colorbar": {"title": {"text": "count", "side": "right"}, "thickness": 12, "tickprefix": "1e"},
+            "colorbar": {
+                "title": {"text": "count", "side": "right"},
+                "thickness": 12,
+                **_count_ticks([counts[i] for _, counts, _, _ in rows for i in kept if counts[i] > 0]),
+            },
+            "text": text,
             "hoverongaps": False,
             "name": "count",
             "hovertemplate": "step %{x}<br>|g| in [2^(%{customdata}-1), 2^%{customdata})"
-            "<br>count 10^%{z:.2f}<extra></extra>",
+            "<br>count %{text}<extra></extra>",
         }
     )
     scale_steps, scale_values = positive_points(scale_series)
@@ -189,6 +197,23 @@ def histogram_time_figure(
     figure.layout.yaxis.update(title={"text": "log2 |g|"}, range=[low - 1, high])
     figure.layout.xaxis.update(showgrid=False)
     return figure
+
+
+def _count_ticks(counts: list[int]) -> dict[str, Any]:
+    """The ticks of a colour bar of log10(count) (the heatmap's z, to 3 decimals) for these counts
+    (> 0): at the powers of ten among them, labelled as counts (1, 10, 100, 1k…), at most 8; with
+    fewer than two powers of ten, also at the smallest and largest count."""
+    if not counts:
+        return {}
+    low, high = min(counts), max(counts)
+    first, last = math.ceil(round(math.log10(low), 3)), math.floor(round(math.log10(high), 3))
+    stride = max(1, math.ceil((last - first + 1) / 8))
+    exponents = range(first, last + 1, stride)
+    ticks = {float(e): format_count(10**e) for e in exponents}
+    if len(ticks) < 2:  # under about a decade: the ends too, as the counts they are
+        ticks |= {round(math.log10(count), 3): f"{count:,}" for count in (low, high)}
+    tickvals = sorted(ticks)
+    return {"tickvals": tickvals, "ticktext": [ticks[value] for value in tickvals]}
 
 
 def _exponents(histograms: Mapping[str, Any] | None) -> list[int]:

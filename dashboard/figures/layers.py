@@ -13,8 +13,10 @@ validate and deep-copy every cell (~0.6 s per heatmap on every refresh).
 Traces, by uid: "cells" (the image), "live-cells" (a heatmap trace, empty until a live run's new
 steps are appended to it as columns: `layer_heatmap_columns`, `live.append_columns_patch`),
 "colour-scale" (an invisible point that carries the colour bar: an image has none),
-"non-finite-NaN" / "-Infinity" / "--Infinity" (red markers over such cells, which are also red in
-the image) and "non-finite-steps" (a red column over a step where every layer is non-finite).
+"non-finite-NaN" / "-Infinity" / "--Infinity" (red markers over such cells, at their own steps) and
+"non-finite-steps" (a red column over a step where every layer is non-finite). The image is red at a
+non-finite cell only where its columns are one step wide; it never holds one over the steps after
+it (a skipped step is one step: `_image_grid`).
 
 Non-finite values are alarms, except +inf where the quantity gives it a meaning of its own
 (`infinity_means`): update/ratio is +inf where the weights were zero before the step (the ratio is
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ._common import base_layout_dict, empty_figure_dict, is_step
+from ._image_grid import cell_rows, grid, take_cells
 
 NON_FINITE_CELL_COLOR = "#ef4444"
 NON_FINITE_KINDS = ("NaN", "Infinity", "-Infinity")
@@ -50,9 +53,6 @@ MAX_TICK_LABEL_CHARS = 40
 HEATMAP_LABEL_CHAR_PX = 6  # the width of a tick label's character at 10 px, generously
 HEATMAP_MAX_LABEL_PX = 16 + HEATMAP_LABEL_CHAR_PX * MAX_TICK_LABEL_CHARS
 HEATMAP_RIGHT_PX = 90  # room for the colour bar, so plotly need not redraw to make it
-# At most this many image columns: no more than a wide screen's plot has pixels. The API sends at
-# most 500 steps; irregular steps are laid on a regular grid (`_grid`) of at most this width.
-MAX_IMAGE_COLUMNS = 1200
 # plotly's Viridis; the image's palette and the colour bar's scale are made from the same stops.
 VIRIDIS = (
     "#440154",
@@ -112,8 +112,9 @@ def layer_heatmap_figure(
     value_range: fixed colour range (in value units), e.g. (0, 1) for fractions; None: from the data.
     infinity_means: what +inf stands for in this quantity when it is not an alarm (hover text, e.g.
         "undefined: the weight was zero"): such cells are blank; None: +inf is an alarm like NaN.
-    Hover: the layer's name, the step and the value. NaN/±Inf cells are red, with red square markers
-    (hover "<layer> NaN at step N"); a step where every layer is non-finite is one red column.
+    Hover: the layer's name, the step and the value. NaN/±Inf cells get red square markers at their
+    own steps (hover "<layer> NaN at step N"); a step where every layer is non-finite, one red
+    column. In the image, such a cell holds the layer's value before it (`_image_grid`).
     Layer names are escaped; more layers than fit get thinned tick labels (every name stays in hover).
     The figure's "meta" holds what live appends need: {"colour_range": [low, high]}.
     """
@@ -125,15 +126,17 @@ def layer_heatmap_figure(
     height = heatmap_height(len(layers))
     colour = colour_values(matrix.values, log_scale=log_scale)
     low, high = _colour_range(colour, value_range, log_scale)
-    x0, dx, columns, centred = _grid(steps)
+    x0, dx, columns, centred = grid(steps)
     # Hover shows a column's centre as its step: when that is not the step drawn there, the text
     # says which it is (not for downsampled answers, whose steps stand for buckets anyway).
     exact = centred or bool(vectors and vectors.get("downsampled"))
     alarms = alarm_cells(matrix, infinity_means)
     bad_cells, bad_steps = non_finite_cells(matrix, alarms)
-    # One column per grid step; image rows are layers (first at the top, y = 0).
-    palette_index = _palette_indices(colour[columns], alarms[columns], low, high).T
-    texts = _cell_texts(matrix, columns, None if exact else steps, infinity_means)
+    # One column per grid step; image rows are layers (first at the top, y = 0). A non-finite
+    # value is red in its own step's cell alone (`cell_rows`), and marked by non_finite_traces.
+    rows, red = cell_rows(steps, columns, x0, dx, alarms)
+    palette_index = _palette_indices(take_cells(colour, rows, math.nan), red, low, high).T
+    texts = _cell_texts(matrix, rows, columns, exact, infinity_means)
     traces: list[dict[str, Any]] = [
         {
             "type": "image",
@@ -271,7 +274,8 @@ def layer_heatmap_columns(
     live["z"] = [
         [None if math.isnan(value) else round(value, 4) for value in row] for row in colour.T.tolist()
     ]
-    live["hovertext"] = _cell_texts(matrix, everything, None, infinity_means)
+    own_rows = np.broadcast_to(np.arange(len(everything))[:, None], matrix.values.shape)
+    live["hovertext"] = _cell_texts(matrix, own_rows, everything, True, infinity_means)
     bad_cells, bad_steps = non_finite_cells(matrix, alarm_cells(matrix, infinity_means))
     return [live, *non_finite_traces(bad_cells, bad_steps, len(names), 8)]
 
@@ -466,29 +470,6 @@ def _colour_range(
     return (low, high) if high > low else (low - 0.5, high + 0.5)
 
 
-def _grid(steps: list[int]) -> tuple[float, float, list[int], bool]:
-    """(x of the first column's centre, column width in steps, the row drawn in each column,
-    whether every row's column is centred on its step).
-
-    An image's columns are equally wide. Steps close to equally spaced (the API's downsampling
-    gives the first step of equal buckets; an agent sampling every N steps records every Nth) are
-    one column each, each step within its column; otherwise columns as wide as the closest two
-    steps (at most MAX_IMAGE_COLUMNS of them), each showing the last step at or before its right
-    edge."""
-    if len(steps) == 1:
-        return float(steps[0]), 1.0, [0], True
-    at = np.asarray(steps, dtype=np.float64)
-    dx = (at[-1] - at[0]) / (len(at) - 1)
-    off_centre = np.abs(at - (at[0] + np.arange(len(at)) * dx))
-    if off_centre.max() < dx / 2:
-        return float(at[0]), float(dx), list(range(len(steps))), bool(off_centre.max() == 0)
-    dx = max(float(np.diff(at).min()), (at[-1] - at[0]) / (MAX_IMAGE_COLUMNS - 1))
-    count = math.floor((at[-1] - at[0]) / dx + 0.5) + 1  # the last column's right edge past the last step
-    right_edges = at[0] + (np.arange(count) + 0.5) * dx
-    rows = np.searchsorted(at, right_edges, side="right") - 1
-    return float(at[0]), dx, [int(row) for row in rows], False
-
-
 def _palette() -> np.ndarray:
     stops = np.array([[int(colour[i : i + 2], 16) for i in (1, 3, 5)] for colour in VIRIDIS], np.float64)
     positions = np.linspace(0, 1, len(VIRIDIS))
@@ -502,23 +483,29 @@ def _palette() -> np.ndarray:
     return palette
 
 
-def _palette_indices(colour: np.ndarray, alarms: np.ndarray, low: float, high: float) -> np.ndarray:
-    """Columns × layers of palette indices: the colour scale, red for alarms (alarm_cells), blank for
-    no colour (no value, no log, a +inf that is not an alarm)."""
+def _palette_indices(colour: np.ndarray, red: np.ndarray, low: float, high: float) -> np.ndarray:
+    """Columns × layers of palette indices: the colour scale, red where `red` (cell_rows': alarms in
+    their own step's cell), blank for no colour (no value, no log, a +inf that is not an alarm)."""
     with np.errstate(invalid="ignore"):
         scaled = np.clip(np.round((colour - low) / (high - low) * (_LEVELS - 1)), 0, _LEVELS - 1)
     indices = np.where(np.isnan(colour), _BLANK, scaled).astype(np.uint8)
-    indices[alarms] = _RED
+    indices[red] = _RED
     return indices
 
 
 def _cell_texts(
-    matrix: LayerMatrix, columns: list[int], steps: list[int] | None, infinity_means: str | None = None
+    matrix: LayerMatrix,
+    rows: np.ndarray,
+    columns: list[int],
+    exact: bool,
+    infinity_means: str | None = None,
 ) -> list[list[str]]:
     """Hover text per cell, one row per layer, one entry per column: the value to 3 significant
-    digits ("" where the API had none, `infinity_means` for +inf when given); with `steps` (an
-    irregular grid), the step it was recorded at."""
-    values, missing = matrix.values[columns].T, matrix.missing[columns].T
+    digits of the matrix row the cell shows (`rows`: columns × layers, as cell_rows gives; "" where
+    the API had no value or the cell no row, `infinity_means` for +inf when given), and the step it
+    was recorded at: in every cell when the grid is not `exact`, else only where a cell shows
+    another row than its column's (`columns`: the row each column shows)."""
+    values, missing = take_cells(matrix.values, rows, math.nan).T, take_cells(matrix.missing, rows, True).T
     # str.format over whole rows (~0.2 µs a cell); the rare non-finite and missing cells after.
     texts = [list(map("{:.3g}".format, row)) for row in values.tolist()]
     infinity_text = None if infinity_means is None else html.escape(infinity_means)
@@ -526,9 +513,16 @@ def _cell_texts(
         texts[row][column] = _value_text(
             float(values[row, column]), bool(missing[row, column]), infinity_text
         )
-    if steps is not None:
-        at = [f" (step {steps[row]})" for row in columns]
+    if not exact:
+        at = [f" (step {matrix.steps[row]})" for row in columns]
         texts = [[text + suffix for text, suffix in zip(row, at, strict=True)] for row in texts]
+    # Cells that show an earlier row than their column's (in place of a non-finite value) say which.
+    for layer, column in zip(*np.nonzero(rows.T != np.asarray(columns)[None, :]), strict=True):
+        shown, text = rows[column, layer], ""
+        if shown >= 0:
+            text = _value_text(float(values[layer, column]), bool(missing[layer, column]), infinity_text)
+            text += f" (step {matrix.steps[shown]})"
+        texts[layer][column] = text
     return texts
 
 

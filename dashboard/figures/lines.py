@@ -23,12 +23,14 @@ from ._common import (
     COMPARE_COLORS,
     FIGURE_HEIGHT_PX,
     LINE_COLOR,
+    NO_DATA_TEXT,
     POST_CLIP_COLOR,
     empty_figure,
     finite_or_none,
     format_scale,
     is_step,
     layer_names,
+    log_axis,
     new_figure,
     non_finite_of,
     positive_points,
@@ -72,7 +74,7 @@ def grad_norm_figure(
         figure.data[0].name = "pre-clip"
     else:  # only the post-clip norm so far: replace the "no data yet" placeholder
         figure = new_figure("Gradient norm (global, unscaled)", uirevision)
-        figure.layout.yaxis.update(title={"text": "‖g‖₂"}, type="log" if log_y else "linear")
+        figure.layout.yaxis.update(title={"text": "‖g‖₂"}, **_y_type(log_y))
     figure.add_trace(
         {
             "type": "scatter",
@@ -110,6 +112,7 @@ def scale_figure(
     skip_events: Sequence[Mapping[str, Any]] | None = None,
     safe_band: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] | None = None,
     *,
+    empty_text: str = NO_DATA_TEXT,
     uirevision: str = "gradwatch",
 ) -> go.Figure:
     """Loss scale S per step on a log2 axis (ticks 2^k), each skipped step a red x at S before the skip.
@@ -120,12 +123,13 @@ def scale_figure(
     safe_band: the (amp/safe_scale_min, amp/safe_scale_max) series: scales at which no gradient would
     underflow or overflow in fp16. Known only at histogram steps, so it is shaded behind the scale as
     a step-shaped band, each value held until the next histogram step (the last up to the last step).
+    empty_text: what the chart says when it has nothing to draw (e.g. that the run has no GradScaler).
     """
     title = "Loss scale"
     steps, values = positive_points(scale_series)
     skips = _skip_markers(skip_events or (), steps, values)
     if not any(value is not None for value in values) and not skips:
-        return empty_figure(title, uirevision=uirevision)
+        return empty_figure(title, empty_text, uirevision=uirevision)
 
     figure = new_figure(title, uirevision)
     band = _band_points(*(safe_band or (None, None)), last_step=max(steps, default=None))
@@ -227,7 +231,7 @@ def compare_figure(
         )
     if not drawn:
         return empty_figure(title, uirevision=uirevision)
-    figure.layout.yaxis.update(title={"text": title}, type="log" if log_y else "linear")
+    figure.layout.yaxis.update(title={"text": title}, **_y_type(log_y))
     figure.update_layout(showlegend=True, height=FIGURE_HEIGHT_PX + 100)
     return figure
 
@@ -288,10 +292,15 @@ def _scalar_figure(
             "hovertemplate": "step %{x}<br>" + y_title + " %{y:.6g}<extra></extra>",
         }
     )
-    figure.layout.yaxis.update(title={"text": y_title}, type="log" if log_y else "linear")
+    figure.layout.yaxis.update(title={"text": y_title}, **_y_type(log_y))
     if non_finite:
         _add_non_finite_markers(figure, non_finite)
     return figure
+
+
+def _y_type(log_y: bool) -> dict[str, Any]:
+    """A y axis' type, a log one with every tick labelled by its number (`log_axis`)."""
+    return log_axis() if log_y else {"type": "linear"}
 
 
 def _add_non_finite_markers(figure: go.Figure, points: list[tuple[int, str]]) -> None:

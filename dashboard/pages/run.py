@@ -37,7 +37,7 @@ from .. import doorbell, figures, live, verdict
 from ..api_client import ApiClient, ApiError, RunNotFound
 from ..callbacks import PageCallbacks, services
 from ..views import GRAPH_CONFIG, error_banner, keep_view, run_status
-from . import run_layers
+from . import run_layers, run_views
 from .run_layers import LAYER_HEATMAPS, heatmap_cursor_id
 from .run_views import AGENT_HEALTH_KEYS, EVENTS_TABLE_ROWS, events_table, run_details, run_header, world_size
 
@@ -202,7 +202,7 @@ def refresh_run(
         return {**updates, **charts, "cursor": {**new_cursor, "run": signature}}
     marker = figures.step_marker_shapes(selected_step)
     drawn = {name: fetched[name] for name in SERIES_KEYS}
-    charts = _line_charts(drawn, skips, run_id, resumes)
+    charts = _line_charts(drawn, skips, run_id, resumes, run_views.scaler_empty_text(run))
     return {
         **updates,
         **{graph_id: keep_view(_with_shapes(figure, marker)) for graph_id, figure in charts.items()},
@@ -568,13 +568,16 @@ def _line_charts(
     skips: list[dict[str, Any]],
     run_id: str,
     resumes: list[dict[str, Any]] | None = None,
+    no_scale_text: str = figures.NO_DATA_TEXT,
 ) -> dict[str, go.Figure]:
     """The LINE_CHARTS by graph id, from the SERIES_KEYS series (by name), skip events and resume
-    events (a dotted line on every chart where the run continued from a checkpoint)."""
+    events (a dotted line on every chart where the run continued from a checkpoint); the loss scale
+    chart says `no_scale_text` when it has nothing to draw."""
+    band = (series["safe_min"], series["safe_max"])
     charts = {
         "loss-graph": figures.loss_figure(series["loss"], uirevision=run_id),
         "scale-graph": figures.scale_figure(
-            series["scale"], skips, (series["safe_min"], series["safe_max"]), uirevision=run_id
+            series["scale"], skips, band, empty_text=no_scale_text, uirevision=run_id
         ),
         "grad-norm-graph": figures.grad_norm_figure(
             series["grad_norm"], series["grad_norm_post_clip"], uirevision=run_id

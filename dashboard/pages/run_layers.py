@@ -26,6 +26,7 @@ from .. import figures, live
 from ..api_client import ApiError
 from ..callbacks import PageCallbacks, services
 from ..views import keep_view
+from .run_views import scaler_empty_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,6 +63,8 @@ LAYER_HEATMAPS = {
         None,
     ),
 }
+# The heatmaps of what only a run with a GradScaler records (fp16 fractions need a loss scale).
+SCALER_HEATMAPS = frozenset({"underflow-heatmap"})
 HEATMAP_CURSOR_SUFFIX = "-cursor"
 SCALE_KEY = "amp/scale"
 MAX_PICKED_OPTIONS = 40  # the layer picker's options at a time (see picker_options)
@@ -116,6 +119,8 @@ def refresh_heatmap(
         infinity_means=infinity_means,
         uirevision=run_id,
     )
+    if not figure["data"] and graph_id in SCALER_HEATMAPS:
+        figure = _without_scaler(figure, run_id, title)
     marker = figures.step_marker_shapes(selected_step)
     if marker and figure["data"]:
         figure["layout"]["shapes"] = marker
@@ -310,6 +315,18 @@ def _append(
         new, label, log_scale=log_scale, colour_range=(low, high), infinity_means=infinity_means
     )
     return live.append_columns_patch(cursor, traces)
+
+
+def _without_scaler(figure: dict[str, Any], run_id: str, title: str) -> dict[str, Any]:
+    """A heatmap with no data (`figure`), or, for a run that has no GradScaler and so never has any,
+    one that says so (the run read once more: only while the heatmap has nothing to draw)."""
+    try:
+        text = scaler_empty_text(services().api.get_run(run_id))
+    except ApiError:
+        return figure
+    if text == figures.NO_DATA_TEXT:
+        return figure
+    return figures.empty_figure_dict(title, text, uirevision=run_id)
 
 
 def _advanced(cursor: dict[str, Any], new: dict[str, Any], signature: Any) -> dict[str, Any]:

@@ -5,6 +5,8 @@
     run_details    config and metadata as JSON text, folded away
     events_table   the timeline: events (a skip streak is one row) and alerts, latest step first, each
                    step a button that marks it on the charts
+    scaler_empty_text  what the loss-scale charts say without points: "no data yet", or that the
+                   run has no GradScaler
 
 Every user-supplied string (names, config, hints, layer names) is passed as a component's children or a
 title attribute, which React renders as text, never as HTML.
@@ -35,6 +37,7 @@ __all__ = [
     "events_table",
     "run_details",
     "run_header",
+    "scaler_empty_text",
     "world_size",
 ]
 
@@ -47,12 +50,28 @@ AGENT_HEALTH_KEYS = {
     "dead-lettered": "agent/dead_lettered",  # sent only once a batch was (the agent's dead-letter file)
 }
 _SHOWN_WHEN_KNOWN = frozenset({"dead-lettered"})  # left out of the line until the agent reports it
+NO_SCALER_TEXT = "not applicable: this run has no GradScaler"
 
 
 def world_size(run: dict[str, Any]) -> int:
     """How many processes the run has (its metadata's world_size); 1 when it does not say."""
     size = (run.get("metadata") or {}).get("world_size")
     return size if isinstance(size, int) and not isinstance(size, bool) else 1
+
+
+def scaler_empty_text(run: dict[str, Any]) -> str:
+    """What a chart of what only a GradScaler gives (the loss scale, fp16 underflow) says when it has
+    no points: NO_SCALER_TEXT for a run that has ended with steps recorded but never a loss scale
+    (its summary's scale, the latest amp/scale: the agent records it every step under a GradScaler),
+    else "no data yet" (a running run's first scale may be on its way)."""
+    last_step = run.get("last_step")
+    stepped = isinstance(last_step, int) and not isinstance(last_step, bool)
+    summary = run.get("summary")
+    # An older server's run may not say its scale: then nothing is known.
+    never_scaled = isinstance(summary, dict) and "scale" in summary and summary["scale"] is None
+    if run.get("status") != "running" and stepped and never_scaled:
+        return NO_SCALER_TEXT
+    return figures.NO_DATA_TEXT
 
 
 def run_header(run: dict[str, Any], health: dict[str, Any], ranks: dict[str, Any] | None = None) -> html.Div:

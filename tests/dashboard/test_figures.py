@@ -150,6 +150,21 @@ def test_grad_norm_uses_a_log_axis_while_the_marker_axis_stays_linear():
     assert figures.grad_norm_figure(series, log_y=False).layout.yaxis.type == "linear"
 
 
+def test_log_axes_label_every_tick_with_its_number_not_its_leading_digit():
+    # Under a decade or two, plotly.js ticks 1, 2, 5 (or every digit) between the powers of ten and
+    # labels them "2", "5" by default: a post-clip norm at 0.5 sat beside a "5". "complete" labels
+    # read 0.5, 2, 20; exponentformat "e" writes the small and the large ones 5e-3, 2e+3.
+    norms = {"steps": [0, 1, 2], "values": [0.4, 0.5, 3.0]}
+    post_clip_only = figures.grad_norm_figure(None, norms)
+    loss_compare = figures.compare_figure([("a", norms)], "grad/global_norm", log_y=True)
+    for figure in (figures.grad_norm_figure(norms, norms), post_clip_only, loss_compare):
+        yaxis = figure.layout.yaxis
+        assert (yaxis.type, yaxis.minorloglabels, yaxis.exponentformat) == ("log", "complete", "e")
+        assert yaxis.tickmode is None and yaxis.dtick is None  # plotly's ticks for every zoom
+    linear = figures.grad_norm_figure(norms, log_y=False).layout.yaxis
+    assert linear.type == "linear" and linear.minorloglabels is None
+
+
 def test_grad_norm_draws_pre_and_post_clip():
     pre = {"steps": [0, 1, 2], "values": [3.0, "NaN", 0.5]}
     post = {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}

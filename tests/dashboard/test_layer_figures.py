@@ -8,7 +8,7 @@ import struct
 import zlib
 
 import pytest
-from dashboard_support import GRAD_NORMS, HISTOGRAMS, annotation_texts, trace_named
+from dashboard_support import GRAD_NORMS, HISTOGRAMS, annotation_texts, histogram_counts, trace_named
 
 from gradwatch.dashboard import figures
 from gradwatch.dashboard.figures import layers
@@ -48,10 +48,15 @@ def test_layer_heatmap_is_one_image_with_layers_top_down_and_real_values_in_hove
     assert (image["x0"], image["dx"], image["y0"], image["dy"]) == (0, 10, 0, 1)  # a column per step
     palette, rows = png_pixels(image["source"])
     assert len(rows) == 2 and len(rows[0]) == 3  # one pixel per cell: layers × steps
-    # log10 colours: 1, 10, 100 span the scale; a zero has no log (blank); NaN is red.
+    # log10 colours: 1, 10, 100 span the scale; a zero has no log (blank). The NaN at step 20 is a
+    # red marker at its step: its 10-step-wide column holds the layer's value before it (blank 0).
     assert palette[rows[0][0]] == (0x44, 0x01, 0x54, 255) and palette[rows[0][2]] == (0xFD, 0xE7, 0x25, 255)
-    assert palette[rows[1][1]][3] == 0 and palette[rows[1][2]] == (0xEF, 0x44, 0x44, 255)
-    assert image["hovertext"] == [["1", "10", "100"], ["10", "0", "Na&#78;"]]  # shown as "NaN"
+    assert palette[rows[1][1]][3] == 0 and palette[rows[1][2]][3] == 0
+    assert image["hovertext"] == [["1", "10", "100"], ["10", "0", "0 (step 10)"]]
+    assert (traces_by_uid(figure)["non-finite-NaN"]["x"], traces_by_uid(figure)["non-finite-NaN"]["y"]) == (
+        [20],
+        [1],
+    )
     assert image["hoverinfo"] == "x+y+text+name"  # step, layer name (the axis' alias), value
     yaxis = figure["layout"]["yaxis"]
     assert yaxis["type"] == "linear" and "autorange" not in yaxis  # the placeholder's: reversed
@@ -94,6 +99,56 @@ def test_layer_heatmap_marks_non_finite_cells_with_their_layer_and_step():
         and "Infinit&#121; at step" in infinity["hovertemplate"]
     )
     assert "hovertext" not in nan
+
+
+RED = (0xEF, 0x44, 0x44, 255)
+
+
+def red_steps(figure):
+    """Per image row (layer), the steps its red pixels cover: columns × the column width."""
+    image = figure["data"][0]
+    palette, rows = png_pixels(image["source"])
+    return [sum(palette[index] == RED for index in row) * image["dx"] for row in rows]
+
+
+# Per-layer norms as the agent records them: every 4 steps during the first 200, every 20 after, and
+# on each skipped step (206: fc1.weight overflowed; 267: every layer did).
+SAMPLED = [*range(0, 200, 4), *range(200, 320, 20)]
+SKIPPED = {206: ["Infinity", 0.5, 0.6], 267: ["NaN", "NaN", "NaN"]}
+WITH_SKIPS = {
+    "layers": ["fc1.weight", "fc1.bias", "head.weight"],
+    "steps": sorted([*SAMPLED, *SKIPPED]),
+    "values": [SKIPPED.get(step, [1.0 + step / 100, 0.5, 0.6]) for step in sorted([*SAMPLED, *SKIPPED])],
+}
+
+
+def test_a_skipped_step_between_samples_is_marked_at_its_own_step_not_held_until_the_next():
+    figure = figures.layer_heatmap_figure(WITH_SKIPS, "g", "‖g‖")
+
+    image = figure["data"][0]
+    assert image["dx"] == 4  # columns 4 steps wide: a red cell would draw one skipped step as four
+    assert red_steps(figure) == [0, 0, 0]  # nor held over the steps up to the next sample (220, 280)
+    column_210 = round((210 - image["x0"]) / image["dx"])  # after the skip at 206, before 220
+    assert image["hovertext"][0][column_210] == "3 (step 200)"  # the last value that was recorded
+    assert image["hovertext"][1][column_210] == "0.5 (step 206)"  # a finite layer's own value holds
+    # The skips are marked at their own steps: a marker on the layer, a column over every layer.
+    markers = traces_by_uid(figure)
+    assert (markers["non-finite-Infinity"]["x"], markers["non-finite-Infinity"]["y"]) == ([206], [0])
+    assert markers["non-finite-steps"]["x"] == [267, 267, None]
+
+
+def test_a_non_finite_cell_is_red_in_the_image_only_one_step_wide():
+    every_step = {"layers": ["a", "b"], "steps": list(range(10)), "values": [[1.0, 2.0]] * 10}
+    every_step["values"] = [*every_step["values"][:5], ["NaN", 2.0], *every_step["values"][6:]]
+    figure = figures.layer_heatmap_figure(every_step, "g", "‖g‖")
+
+    assert figure["data"][0]["dx"] == 1 and red_steps(figure) == [1, 0]  # exactly its own step
+    palette, rows = png_pixels(figure["data"][0]["source"])
+    assert palette[rows[0][5]] == RED and figure["data"][0]["hovertext"][0][5] == "Na&#78;"
+    gap = {**every_step, "steps": [0, 1, 2, 3, 4, 5, 12, 13, 14, 15]}  # irregular: columns 1 step wide
+    gapped = figures.layer_heatmap_figure(gap, "g", "‖g‖")
+    assert gapped["data"][0]["dx"] == 1 and red_steps(gapped) == [1, 0]  # not held over 6…11
+    assert gapped["data"][0]["hovertext"][0][6:8] == ["1 (step 4)", "1 (step 4)"]
 
 
 def test_a_step_where_every_layer_is_non_finite_is_one_red_column():
@@ -296,6 +351,34 @@ def test_histogram_over_time_is_an_exponent_by_step_heatmap_with_the_limits():
     assert rows[-10] == [2.0, None] and rows[-12] == [None, 2.0]  # log10 of the counts
     underflow = trace_named(figure, "fp16 underflow")
     assert list(underflow.y) == [-40.0, -39.0, None]
+
+
+def test_histogram_colour_bar_reads_real_counts_at_powers_of_ten():
+    spread = {**HISTOGRAMS, "counts": [histogram_counts(-10, 3), histogram_counts(-12, 250_000)]}
+
+    heatmap = figures.histogram_time_figure(spread).data[0]
+    # z is log10(count) from 0.477 to 5.4: ticks at whole powers only (never "1e0.5"), as counts.
+    assert list(heatmap.colorbar.tickvals) == [1, 2, 3, 4, 5]
+    assert list(heatmap.colorbar.ticktext) == ["10", "100", "1k", "10k", "100k"]
+    assert heatmap.colorbar.tickprefix is None
+    assert heatmap.hovertemplate.endswith("count %{text}<extra></extra>")  # the count, not 10^0.48
+    texts = dict(zip([y + 0.5 for y in heatmap.y], heatmap.text, strict=True))
+    assert list(texts[-10]) == ["3", "0"] and list(texts[-12]) == ["0", "250,000"]
+    # Under a decade (100 and 100 in HISTOGRAMS; 3 to 8 here): the counts themselves.
+    assert list(figures.histogram_time_figure(HISTOGRAMS).data[0].colorbar.ticktext) == ["100"]
+    narrow = {**HISTOGRAMS, "counts": [histogram_counts(-10, 3), histogram_counts(-12, 8)]}
+    colour_bar = figures.histogram_time_figure(narrow).data[0].colorbar
+    assert list(colour_bar.ticktext) == ["3", "8"]
+    assert list(colour_bar.tickvals) == [
+        pytest.approx(math.log10(3), abs=1e-3),
+        pytest.approx(math.log10(8), abs=1e-3),
+    ]
+
+
+def test_histogram_counts_on_a_log_axis_are_labelled_as_numbers():
+    many = {**HISTOGRAMS, "counts": [histogram_counts(-10, 50_000), histogram_counts(-12, 7)]}
+    yaxis = figures.histogram_figure(many, 0).layout.yaxis
+    assert (yaxis.type, yaxis.minorloglabels, yaxis.exponentformat) == ("log", "complete", "B")
 
 
 @pytest.mark.parametrize(

@@ -236,6 +236,45 @@ def refresh_heatmap(client, graph_id="grad-norm-heatmap", selected_step=None, li
     }
 
 
+FP32_SERIES = {
+    "loss": {"steps": [0, 1, 2], "values": [2.0, 1.8, 1.5]},
+    "grad/global_norm": {"steps": [0, 1, 2], "values": [1.0, 0.9, 0.8]},
+}
+
+
+def scaler_panels(api):
+    """What the loss scale chart and the fp16 underflow heatmap say (their annotations' texts)."""
+    client = app_client(api)
+    scale = apply_patch(refresh(client)["scale-graph"]["figure"])
+    underflow = apply_patch(refresh_heatmap(client, "underflow-heatmap")["figure"])
+    return [[note["text"] for note in figure["layout"]["annotations"]] for figure in (scale, underflow)]
+
+
+def test_a_finished_run_without_a_grad_scaler_says_its_scale_charts_do_not_apply():
+    fp32 = {**RUN, "status": "finished", "last_step": 2, "summary": {"skips": 0, "scale": None}}
+    not_applicable = ["not applicable: this run has no GradScaler"]
+
+    assert scaler_panels(FakeApi(run=fp32, series=FP32_SERIES, events=[])) == [not_applicable] * 2
+    crashed = {**fp32, "status": "crashed", "status_reason": "ValueError: x"}
+    assert scaler_panels(FakeApi(run=crashed, series=FP32_SERIES, events=[])) == [not_applicable] * 2
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        # A live fp16 run whose first points are on their way, and one that has sent some steps.
+        {**RUN, "last_step": None, "summary": {"skips": 0, "scale": None}},
+        {**RUN, "last_step": 2, "summary": {"skips": 0, "scale": None}},
+        # A finished run that never recorded a step; a server that does not send the summary's scale.
+        {**RUN, "status": "finished", "last_step": None, "summary": {"skips": 0, "scale": None}},
+        {**RUN, "status": "finished", "last_step": 2, "summary": {}},
+    ],
+)
+def test_scale_charts_without_points_say_no_data_yet_unless_the_run_has_no_scaler(run):
+    no_data = [figures.NO_DATA_TEXT]
+    assert scaler_panels(FakeApi(run=run, series=FP32_SERIES, events=[])) == [no_data] * 2
+
+
 def fill_layer_picker(client, options=None):
     return dash_call(
         client,
