@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
+DEMO_DATABASE = "demo.db"  # the demo's own SQLite file under GRADWATCH_HOME, apart from gradwatch.db
 
 
 def _server_settings(args: argparse.Namespace) -> Settings:
@@ -36,12 +37,50 @@ def _server_settings(args: argparse.Namespace) -> Settings:
     return Settings(database_url=args.database_url or default_database_url(), **options)
 
 
-def _add_database_option(parser: argparse.ArgumentParser) -> None:
+def _add_database_option(parser: argparse.ArgumentParser, file_name: str = "gradwatch.db") -> None:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="sqlite:///PATH or postgresql+psycopg://USER@HOST/DB "
-        "(default: GRADWATCH_DATABASE_URL, else SQLite under GRADWATCH_HOME, default ~/.gradwatch)",
+        metavar="URL",
+        help="sqlite:///PATH or postgresql+psycopg://USER@HOST/DB (default: GRADWATCH_DATABASE_URL, else "
+        f"the SQLite file GRADWATCH_HOME/{file_name}, GRADWATCH_HOME being ~/.gradwatch unless set)",
+    )
+
+
+def _listen_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on host:port now (None: it could), tried as the server binds."""
+    from gradwatch.server.listener import listening_sockets
+
+    try:
+        sockets = listening_sockets(host, port, backlog=1)
+    except OSError as exc:
+        return exc
+    for sock in sockets:
+        sock.close()
+    return None
+
+
+def _port_refusal(command: str, host: str, port: int) -> str | None:
+    """None when `gradwatch COMMAND` can listen on host:port; else one line saying why not, naming a free
+    port to start on instead when this one is in use. Checked before the database is opened, so a
+    refused start leaves nothing behind (the server checks again as it binds)."""
+    import errno
+
+    error = _listen_error(host, port)
+    if error is None:
+        return None
+    if error.errno != errno.EADDRINUSE:
+        return f"cannot listen on {host}:{port}: {error}"
+    spare = next((p for p in range(port + 1, min(port + 100, 65536)) if _listen_error(host, p) is None), None)
+    if spare is None:
+        advice = f"pass a free one: gradwatch {command} --port PORT"
+    else:
+        advice = f"gradwatch {command} --port {spare}"
+        if command == "demo":
+            advice += f' (from the repository: make demo ARGS="--port {spare}")'
+    return (
+        f"port {port} on {host} is already in use (another gradwatch server or demo still running?); "
+        f"start on another port: {advice}"
     )
 
 
@@ -49,6 +88,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from gradwatch.server.database import SchemaError
     from gradwatch.server.serve import ExposureRefused, serve_forever
 
+    refusal = _port_refusal("server", args.host, args.port)
+    if refusal is not None:
+        print(f"gradwatch server: {refusal}", file=sys.stderr)
+        return 2
     try:
         serve_forever(_server_settings(args), args.host, args.port, insecure=args.insecure)
     except (SchemaError, ExposureRefused) as exc:
@@ -177,12 +220,41 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_database_url(database_url: str | None) -> str:
+    """The demo's database: the one named (--database-url, else GRADWATCH_DATABASE_URL), else a SQLite
+    file of its own, GRADWATCH_HOME/demo.db, so the demo's runs never mix with yours in gradwatch.db."""
+    from gradwatch.server.settings import gradwatch_home
+
+    named = database_url or os.environ.get("GRADWATCH_DATABASE_URL")
+    return named or f"sqlite:///{gradwatch_home() / DEMO_DATABASE}"
+
+
+def _shown_url(database_url: str) -> str:
+    """A database URL as it may be printed: without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(database_url).render_as_string(hide_password=True)
+
+
+def _shown_database(database_url: str) -> str:
+    """A database as the user reads it: a SQLite file's path, any other by its URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(database_url)
+    return url.database if url.get_backend_name() == "sqlite" and url.database else _shown_url(database_url)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import gradwatch
     from gradwatch.demo import DemoConfig, train
     from gradwatch.server.database import SchemaError
     from gradwatch.server.serve import BackgroundServer
 
+    refusal = _port_refusal("demo", args.host, args.port)
+    if refusal is not None:
+        print(f"gradwatch demo: {refusal}", file=sys.stderr)
+        return 2
+    args.database_url = _demo_database_url(args.database_url)
     try:
         server = BackgroundServer(_server_settings(args), args.host, args.port).start()
     except (SchemaError, RuntimeError) as exc:
@@ -190,6 +262,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 2
     cfg = DemoConfig(steps=args.steps, step_delay=args.step_delay)
     print(f"gradwatch dashboard: {server.url}/dashboard/", flush=True)
+    print(f"database:            {_shown_database(args.database_url)}", flush=True)
     try:
         with gradwatch.init(project="demo", name="tiny-lm-fp16", server=server.url, config=vars(cfg)) as run:
             print(f"run page:            {run.url}", flush=True)
@@ -199,6 +272,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         server.stop()
         return 130
     print(f"run {run.id} finished: {run.stats.sent_points} points sent, {run.stats.dropped_points} dropped")
+    print(f"to serve it again later: gradwatch server --database-url '{_shown_url(args.database_url)}'")
     if args.exit:
         server.stop()
         return 0
@@ -245,17 +319,42 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     return 0 if report.complete else 1
 
 
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, details: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand: `summary` in its parent's list, and as the first sentence of its own --help."""
+    description = summary[0].upper() + summary[1:] + "." + (f" {details}" if details else "")
+    return commands.add_parser(name, help=summary, description=description)
+
+
+def _add_listen_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="the address to listen on (default: %(default)s, this machine only)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="the port to listen on (default: %(default)s)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `gradwatch` command line: every option has help text naming its default."""
     parser = argparse.ArgumentParser(prog="gradwatch", description="Training-health monitoring for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    server = commands.add_parser("server", help="run the API and dashboard")
-    server.add_argument("--host", default=DEFAULT_HOST)
-    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server = _command(
+        commands,
+        "server",
+        "run the API and dashboard",
+        "The dashboard is at http://HOST:PORT/dashboard/, the JSON API under /api/v1. Runs until Ctrl-C.",
+    )
+    _add_listen_options(server)
     server.add_argument(
         "--public-url",
         default=os.environ.get("GRADWATCH_PUBLIC_URL"),
-        help="the URL people open the dashboard at, used in alert links (default http://HOST:PORT)",
+        help="the URL people open the dashboard at, used in alert links (default: GRADWATCH_PUBLIC_URL, "
+        "else http://HOST:PORT)",
     )
     server.add_argument(
         "--insecure",
@@ -277,9 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_database_option(server)
     server.set_defaults(func=_cmd_server)
 
-    token = commands.add_parser("token", help="access tokens (project-scoped; scopes ingest, read, admin)")
+    token = _command(commands, "token", "access tokens (project-scoped; scopes ingest, read, admin)")
     token_commands = token.add_subparsers(dest="token_command", required=True)
-    create = token_commands.add_parser("create", help="create a token; prints it once, as the last line")
+    create = _command(token_commands, "create", "create a token; prints it once, as the last line")
     create.add_argument("--project", required=True, help="the project it may access ('*' for every project)")
     create.add_argument(
         "--scope",
@@ -288,44 +387,76 @@ def build_parser() -> argparse.ArgumentParser:
         "admin (rules, webhooks, deletes, renames, acknowledgements; includes read), comma-separated, "
         "or '*' for all. 'write' (the old scope) means ingest,read",
     )
-    create.add_argument("--name", default=None, help="a label, e.g. 'ci agents' or 'alice dashboard'")
+    create.add_argument(
+        "--name", default=None, help="a label, e.g. 'ci agents' or 'alice dashboard' (default: none)"
+    )
     _add_database_option(create)
     create.set_defaults(func=_cmd_token_create)
-    listing = token_commands.add_parser("list", help="list tokens (never the tokens themselves)")
-    listing.add_argument("--project", default=None)
+    listing = _command(token_commands, "list", "list tokens (never the tokens themselves)")
+    listing.add_argument("--project", default=None, help="only this project's (default: every project's)")
     listing.add_argument("--all", action="store_true", help="include revoked tokens")
     _add_database_option(listing)
     listing.set_defaults(func=_cmd_token_list)
-    revoke = token_commands.add_parser("revoke", help="revoke a token by id (see `gradwatch token list`)")
-    revoke.add_argument("id", type=int)
+    revoke = _command(token_commands, "revoke", "revoke a token by id (see `gradwatch token list`)")
+    revoke.add_argument("id", type=int, help="the token's id, as `gradwatch token list` shows it")
     _add_database_option(revoke)
     revoke.set_defaults(func=_cmd_token_revoke)
 
-    db = commands.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
-    up = db.add_parser("upgrade", help="apply migrations up to this version's schema")
+    db = _command(commands, "db", "database schema").add_subparsers(dest="db_command", required=True)
+    up = _command(db, "upgrade", "apply migrations up to this version's schema")
     _add_database_option(up)
     up.set_defaults(func=_cmd_db_upgrade)
 
-    prune = commands.add_parser(
-        "prune", help="retention: delete old finished/crashed runs and all their data"
+    prune = _command(
+        commands,
+        "prune",
+        "retention: delete old finished/crashed runs and all their data",
+        "Running runs are never deleted.",
     )
-    prune.add_argument("--older-than-days", type=float, required=True)
-    prune.add_argument("--project", default=None, help="only this project")
+    prune.add_argument(
+        "--older-than-days",
+        type=float,
+        required=True,
+        metavar="DAYS",
+        help="delete runs created more than this many days ago",
+    )
+    prune.add_argument("--project", default=None, help="only this project (default: every project)")
     prune.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     _add_database_option(prune)
     prune.set_defaults(func=_cmd_prune)
 
-    demo = commands.add_parser("demo", help="server + dashboard + a real fp16 training run streaming into it")
-    demo.add_argument("--steps", type=int, default=int(os.environ.get("GRADWATCH_DEMO_STEPS", "400")))
+    demo = _command(
+        commands,
+        "demo",
+        "server + dashboard + a real fp16 training run streaming into it",
+        "Starts a server on HOST:PORT and trains a small transformer language model on CPU in float16 with "
+        "a real GradScaler; an overflow burst at step 150 drops the loss scale and skips four steps. The "
+        f"run is stored in a database of the demo's own (GRADWATCH_HOME/{DEMO_DATABASE}, not the "
+        "gradwatch.db that `gradwatch server` uses), and the dashboard is served until Ctrl-C unless --exit.",
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=int(os.environ.get("GRADWATCH_DEMO_STEPS", "400")),
+        metavar="N",
+        help="optimizer steps to train (default: %(default)s; GRADWATCH_DEMO_STEPS sets it)",
+    )
     demo.add_argument("--exit", action="store_true", help="stop serving when training ends")
-    demo.add_argument("--step-delay", type=float, default=0.0, help="seconds to pause per step")
-    demo.add_argument("--host", default=DEFAULT_HOST)
-    demo.add_argument("--port", type=int, default=DEFAULT_PORT)
-    _add_database_option(demo)
+    demo.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds to pause per step (default: %(default)s)",
+    )
+    _add_listen_options(demo)
+    _add_database_option(demo, DEMO_DATABASE)
     demo.set_defaults(func=_cmd_demo)
 
-    sync = commands.add_parser(
-        "sync", help="upload spool files of offline runs (exactly once, resumable; each removed once stored)"
+    sync = _command(
+        commands,
+        "sync",
+        "upload spool files of offline runs (exactly once, resumable; each removed once stored)",
     )
     sync.add_argument("path", help="a spool file (.jsonl) or a folder of them, e.g. ~/.gradwatch/offline")
     sync.add_argument(
@@ -348,50 +479,59 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sync.set_defaults(func=_cmd_sync)
 
-    runs = commands.add_parser("runs", help="list runs (newest first) from a server")
-    runs.add_argument("--project", default=None)
+    runs = _command(commands, "runs", "list runs (newest first) from a server")
+    runs.add_argument("--project", default=None, help="only this project (default: every project)")
     runs.add_argument(
-        "--status", action="append", help="running, finished or crashed (repeat, or comma-separate, for any)"
+        "--status",
+        action="append",
+        help="running, finished or crashed (repeat, or comma-separate, for any; default: every status)",
     )
-    runs.add_argument("--tag", action="append", help="runs with this tag (repeat: all of them)")
-    runs.add_argument("--name", default=None, help="part of the run's name, any case")
-    runs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    runs.add_argument("--tag", action="append", help="runs with this tag (repeat: all of them; default: any)")
+    runs.add_argument("--name", default=None, help="part of the run's name, any case (default: any name)")
+    runs.add_argument("--limit", type=int, default=50, help="at most this many (default: %(default)s)")
     runs.add_argument("--json", action="store_true", help="print the runs as the API returns them (JSON)")
     _add_read_options(runs)
     runs.set_defaults(func=_cmd_runs)
 
-    alerts = commands.add_parser("alerts", help="list alerts (newest first) from a server")
-    alerts.add_argument("--project", default=None)
-    alerts.add_argument("--run", default=None, help="only this run's (an id)")
+    alerts = _command(commands, "alerts", "list alerts (newest first) from a server")
+    alerts.add_argument("--project", default=None, help="only this project's (default: every project's)")
+    alerts.add_argument("--run", default=None, help="only this run's, by id (default: every run's)")
     alerts.add_argument(
         "--state",
         choices=["open", "firing", "resolved", "all"],
         default=None,
-        help="open (= firing: the condition holds), resolved, or all (default)",
+        help="open (= firing: the condition holds), resolved, or all (default: all)",
     )
-    alerts.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    alerts.add_argument("--limit", type=int, default=100, help="at most this many (default: %(default)s)")
     alerts.add_argument("--json", action="store_true", help="print the alerts as the API returns them (JSON)")
     _add_read_options(alerts)
     alerts.set_defaults(func=_cmd_alerts)
 
-    show = commands.add_parser("show", help="one run: summary, last values of its main keys, open alerts")
+    show = _command(commands, "show", "one run: summary, last values of its main keys, open alerts")
     show.add_argument("run", help="a run id, or a run's exact name (project/name when names repeat)")
-    show.add_argument("--keys", default=None, help="comma-separated keys to show the last values of")
+    show.add_argument(
+        "--keys",
+        default=None,
+        help="comma-separated keys to show the last values of (default: up to 12, the run's own keys "
+        "and then the agent's main ones)",
+    )
     show.add_argument("--json", action="store_true", help="print run, last_values and open_alerts as JSON")
     _add_read_options(show)
     show.set_defaults(func=_cmd_show)
 
-    export = commands.add_parser("export", help="write a run's series, every stored point, to csv or parquet")
+    export = _command(commands, "export", "write a run's series, every stored point, to csv or parquet")
     export.add_argument("run", help="a run id, or a run's exact name")
-    export.add_argument("--format", choices=["csv", "parquet"], default="csv", help="default csv")
+    export.add_argument(
+        "--format", choices=["csv", "parquet"], default="csv", help="the file format (default: %(default)s)"
+    )
     export.add_argument(
         "--keys", action="append", help="comma-separated keys (repeatable; default: every scalar key)"
     )
-    export.add_argument("--rank", type=_rank, default=0, help="a rank, or 'all' (default 0)")
-    export.add_argument("--start", type=int, default=None, help="first step, inclusive")
-    export.add_argument("--end", type=int, default=None, help="last step, exclusive")
+    export.add_argument("--rank", type=_rank, default=0, help="a rank, or 'all' (default: %(default)s)")
+    export.add_argument("--start", type=int, default=None, help="first step, inclusive (default: the first)")
+    export.add_argument("--end", type=int, default=None, help="last step, exclusive (default: past the last)")
     export.add_argument(
-        "-o", "--output", default=None, help="the file to write (default RUN_ID.FORMAT; '-': csv to stdout)"
+        "-o", "--output", default=None, help="the file to write (default: RUN_ID.FORMAT; '-': csv to stdout)"
     )
     _add_read_options(export)
     export.set_defaults(func=_cmd_export)

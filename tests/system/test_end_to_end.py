@@ -58,13 +58,13 @@ def test_demo_command_stores_a_dropped_scale_and_skips(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert f"http://127.0.0.1:{port}/dashboard/" in done.stdout
-    assert (tmp_path / "gradwatch.db").exists()
+    assert (tmp_path / "demo.db").exists()
 
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
 
     server = BackgroundServer(
-        Settings(database_url=f"sqlite:///{tmp_path / 'gradwatch.db'}"),
+        Settings(database_url=f"sqlite:///{tmp_path / 'demo.db'}"),
         "127.0.0.1",
         free_port(),
         with_dashboard=False,
