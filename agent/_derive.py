@@ -188,16 +188,19 @@ class GradientRewrites:
       layers zeroed), or unevenly over the steps (a division by each step's token count): it is no
       clip, so no max_norm is made up from it; the norms stay those backward left (an event says so).
     A packet's own steps are judged with what all of them tell (the first cut gets the threshold its
-    second confirms); the steps of earlier packets stay as sent.
+    second confirms); cuts of earlier packets that the confirming cut agrees with get it in the packet
+    that makes it known (a slow run sends each step in a packet of its own: its threshold would start
+    a step later than a fast run's). Their other values stay as sent.
     """
 
     def __init__(self) -> None:
         self.max_norm: float | None = None
         self.max_norm_step: int | None = None  # the step that made max_norm known
         self.factor: float | None = None  # a constant rescale after backward, once known
-        # (factor, post, max_norm) of the last cuts not yet explained: a clip's cuts and a rescale's
-        # steps may alternate (a clip that cuts some steps after a division)
-        self._candidates: deque[tuple[float, float, float]] = deque(maxlen=8)
+        # (factor, post, max_norm, step) of the last cuts not yet explained: a clip's cuts and a
+        # rescale's steps may alternate (a clip that cuts some steps after a division)
+        self._candidates: deque[tuple[float, float, float, int]] = deque(maxlen=8)
+        self._confirmed: list[int] = []  # earlier cuts the cut that made max_norm known agreed with
         self._reported: set[str] = set()
 
     def apply(self, scalars: Scalars, vectors: Vectors) -> list[Event]:
@@ -225,6 +228,11 @@ class GradientRewrites:
             norm *= self.factor or 1.0
             if abs(post / norm - 1) <= 1e-5 or _close(_max_norm(norm, post), self.max_norm, 1e-4):
                 thresholds.append((step, self.max_norm))
+        if self._confirmed and self.max_norm is not None:
+            known = {step for step, _ in scalars.get(POST_CLIP_NORM, [])}
+            thresholds += [(step, self.max_norm) for step in self._confirmed if step not in known]
+            thresholds.sort()
+        self._confirmed = []
         if thresholds:
             scalars[CLIP_MAX_NORM] = thresholds
         return events
@@ -261,8 +269,10 @@ class GradientRewrites:
         max_norm = _max_norm(norm, post)
         if self.max_norm is not None and _close(max_norm, self.max_norm, 1e-4):
             return None
-        if any(_close(max_norm, seen[2], 1e-4) for seen in self._candidates):
+        agreeing = [seen[3] for seen in self._candidates if _close(max_norm, seen[2], 1e-4)]
+        if agreeing:
             self.max_norm, self.max_norm_step = max_norm, step
+            self._confirmed = agreeing
         elif self.factor is None and (
             # 1/k of a step of k micro-batches is a division by them, at once (a clip's coefficient
             # does not fall on it), or two steps with one factor and different ends
@@ -274,7 +284,7 @@ class GradientRewrites:
             self.factor = factor
             self._candidates.clear()  # their max_norm were taken before the rescale was known
             return self._report_once(step, "gradients_rescaled", {"factor": factor, "hint": _RESCALE_HINT})
-        self._candidates.append((factor, post, max_norm))
+        self._candidates.append((factor, post, max_norm, step))
         return None
 
     def _report_once(self, step: int, kind: str, data: dict[str, Any]) -> Event | None:

@@ -332,7 +332,9 @@ def test_the_clip_threshold_is_inferred_once_two_cuts_agree_and_carried_across_p
     pre = [2.0, 0.1, 5.0]
     second = _norms_packet(pre, [_clipped(n, 0.25) for n in pre], first_step=4)
     derivation(second)
-    assert second.scalars["grad/clip_max_norm"] == [(4, 0.25), (5, 0.25), (6, 0.25)]
+    # the first cut (step 3, sent before) gets the threshold its confirmation makes known: a run whose
+    # steps travel one packet each starts grad/clip_max_norm at its first cut, as a fast run does
+    assert second.scalars["grad/clip_max_norm"] == [(3, 0.25), (4, 0.25), (5, 0.25), (6, 0.25)]
     assert second.scalars["grad/global_norm"] == list(zip(range(4, 7), pre, strict=True)), (
         "a clip's pre-clip norms stay"
     )
