@@ -19,6 +19,7 @@ from typing import Any
 
 from dash import dcc, html
 
+from .._text import scale_change
 from . import figures
 from .api_client import VERDICTS, ApiError
 from .views import RunHref, data_attributes, format_step, severity_badge, status_badge
@@ -251,12 +252,12 @@ def _streak_row(skips: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def skip_streak_text(streak: dict[str, Any], scale_before: Any, scale_after: Any) -> str:
-    """ "steps 169-298: every step skipped, scale 2^-1 → 2^-119", then the layer non-finite in most
-    of the streak's steps when the skips name one ("; non-finite most often in fc1.weight (130 of
-    130 steps)"). Scales are powers of two where they are, else 3 significant digits."""
+    """ "steps 169-298: every step skipped, scale 2^-1 -> 2^-119 (...x)", then the layer non-finite in
+    most of the streak's steps when the skips name one ("; non-finite most often in fc1.weight (130 of
+    130 steps)"). The scale's fall is worded by the one function the scale_drop alert uses too."""
     text = (
         f"steps {format_step(streak['first_step'])}-{format_step(streak['last_step'])}: every step skipped, "
-        f"scale {_scale(scale_before)} → {_scale(scale_after)}"
+        f"scale {scale_change(scale_before, scale_after)}"
     )
     if streak.get("layer") is not None:
         text += (
@@ -264,12 +265,6 @@ def skip_streak_text(streak: dict[str, Any], scale_before: Any, scale_after: Any
             f"({streak['layer_steps']} of {streak['count']} steps)"
         )
     return text
-
-
-def _scale(scale: Any) -> str:
-    text = figures.format_scale(scale)  # "2^k", "NaN"/"Infinity", "–", or 4 significant digits
-    number = figures.finite_or_none(scale)
-    return text if number is None or text.startswith("2^") else f"{number:.3g}"
 
 
 def _data(event: dict[str, Any]) -> dict[str, Any]:

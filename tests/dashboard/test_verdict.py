@@ -206,7 +206,7 @@ def test_a_130_step_skip_storm_is_one_row():
         130,
     )
     assert streak["text"] == (
-        "steps 169-298: every step skipped, scale 2^0 → 2^-130; "
+        "steps 169-298: every step skipped, scale 2^0 -> 2^-130 (2^130x); "
         "non-finite most often in fc1.weight (130 of 130 steps)"
     )
 
@@ -214,11 +214,11 @@ def test_a_130_step_skip_storm_is_one_row():
 def test_the_streaks_scales_come_from_its_first_and_last_skip_and_other_scales_get_3_digits():
     events = [skip_event(169, 0.5, 0.25), skip_event(170, 0.25, 0.125), skip_event(171, 0.125, 2.0**-119)]
     assert verdict.condense_events(events)[0]["streak"]["text"] == (
-        "steps 169-171: every step skipped, scale 2^-1 → 2^-119"
+        "steps 169-171: every step skipped, scale 2^-1 -> 2^-119 (2^118x)"
     )
     events = [skip_event(1, 1000.0, 500.0), skip_event(2, 500.0, 123.456)]
     assert verdict.condense_events(events)[0]["streak"]["text"] == (
-        "steps 1-2: every step skipped, scale 1e+03 → 123"
+        "steps 1-2: every step skipped, scale 1e+03 -> 123 (8.1x)"
     )
 
 
@@ -367,7 +367,7 @@ def test_refresh_shows_a_skip_storm_as_one_row_of_the_events_table():
     # One row, whose step cell marks the first or the last step of the streak on the charts.
     assert table.count('"type": "event-step"') == 2
     assert '"step": 169, "row": "event-0"' in table and '"step": 298, "row": "event-0-last"' in table
-    assert "steps 169-298: every step skipped, scale 2^0 → 2^-130" in table
+    assert "steps 169-298: every step skipped, scale 2^0 -> 2^-130 (2^130x)" in table
     assert "older events are not shown" not in table
 
 

@@ -9,8 +9,9 @@ import json
 import math
 
 import pytest
-from rule_steps import Scaler, feed, findings_of, first_finding, scalar_steps
+from rule_steps import Scaler, feed, feed_batches, findings_of, first_finding, scalar_steps
 
+from gradwatch._text import scale_change
 from gradwatch.server.alerts.rules import CLEAR, ScalerPhase, StepData, make_rule
 
 
@@ -172,9 +173,40 @@ def test_scale_drop_fires_on_8x_after_calibration_and_clears_when_the_peak_leave
     assert finding.evidence["steps"] == [116, 119]
     assert finding.evidence["skip_steps"] == [117, 118, 119]
     assert finding.evidence["layers"] == ["hidden.weight"]
-    assert finding.title == "loss scale fell 8x in 3 steps (2^15 at step 116 -> 2^12 at step 119)"
+    assert finding.title == "loss scale fell 2^15 -> 2^12 (8x) at steps 117-119 (3 skipped)"
     first_clear = next(s for s, v in verdicts if v is CLEAR and s > 119)
     assert first_clear == 126  # step 116 left the 10-step window
+
+
+def test_scale_drop_and_the_run_pages_skip_row_tell_one_fall_with_one_number():
+    """The demo's burst: the scale grew to 2^17 (growth_interval 100), then steps 150-153 overflowed. The
+    run page's row said "2^17 -> 2^13" (16x) while the alert said "fell 8x in 3 steps (2^16 at step
+    150...)", and its evidence left out step 150 (the first skip after a growth, taken for the sawtooth's
+    probe). Both now word the fall with one function: the same text, the four skipped steps."""
+    from gradwatch.dashboard.verdict import condense_events
+
+    for clean_before in (49, 0):  # the burst right after a growth (a "probe" first), or 50 steps later
+        scaler = Scaler(init_scale=2.0**16, growth_interval=100)
+        steps = scaler.run(
+            "." * clean_before + "x" + "." * (149 - clean_before) if clean_before else "." * 150
+        )
+        before = steps[-1].scalars["amp/scale"]
+        steps += scaler.run("xxxx" + "." * 20)
+        verdicts, _ = feed_batches(make_rule("scale_drop"), steps, [150, 152])
+        finding = findings_of(verdicts)[-1][1]
+        events = [
+            {"step": d.step, "kind": "skip", "rank": 0, "data": {"scale_before": b, "scale_after": a}}
+            for d, b, a in zip(
+                steps[150:154],
+                [before / 2**i for i in range(4)],
+                [before / 2 ** (i + 1) for i in range(4)],
+                strict=True,
+            )
+        ]
+        row = condense_events(events)[0]["streak"]["text"]
+        fall = scale_change(before, before / 16)
+        assert fall in row and fall in finding.title, (row, finding.title)
+        assert finding.evidence["skip_steps"] == [150, 151, 152, 153] and "(4 skipped)" in finding.title
 
 
 def test_scale_drop_is_silent_on_a_4x_drop():

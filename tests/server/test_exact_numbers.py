@@ -14,6 +14,7 @@ import httpx
 import pytest
 from rule_steps import LAYERS, Scaler, batchings, feed_batches, findings_of
 
+from gradwatch._text import scale_change
 from gradwatch.server.alerts.diagnosis import RunContext, diagnose
 from gradwatch.server.alerts.rules import Finding, StepData, make_rule
 
@@ -98,7 +99,7 @@ def _true_drop(steps, step, window):
 
 def test_a_scale_drop_names_the_true_peak_and_the_steps_of_the_fall():
     """A growth to 2^17 at step 85, the sawtooth's probe back to 2^16 at 96, then three more skips: the scale
-    fell 16x in 4 steps (2^17 at step 95 -> 2^13 at step 99), not "8x in N steps" from the probe."""
+    fell 16x over the 4 skipped steps 96-99 (2^17 -> 2^13), not "8x in N steps" from the probe."""
     scaler = Scaler(growth_interval=86)
     steps = scaler.run("." * 96 + "xxxx" + "." * 30)
     findings = _findings_however_batched("scale_drop", steps)
@@ -106,7 +107,8 @@ def test_a_scale_drop_names_the_true_peak_and_the_steps_of_the_fall():
     for step, finding in findings:
         ratio, peak_step, low_step = _true_drop(steps, step, 100)
         assert (ratio, peak_step, low_step) == (16, 95, 99)
-        assert finding.title == "loss scale fell 16x in 4 steps (2^17 at step 95 -> 2^13 at step 99)"
+        assert finding.title == "loss scale fell 2^17 -> 2^13 (16x) at steps 96-99 (4 skipped)"
+        assert finding.evidence["skip_steps"] == [96, 97, 98, 99]
         assert finding.evidence["ratio"] == ratio and finding.evidence["values"] == [2.0**17, 2.0**13]
         assert finding.evidence["steps"] == [95, step] and finding.evidence["low_step"] == 99
 
@@ -318,7 +320,7 @@ def test_the_same_steps_cut_two_ways_give_the_same_alerts_with_the_series_counts
     peak = max(v for s, v in scale.items() if max(last_step - 100, 9) < s <= last_step)
     peak_step = max(s for s, v in scale.items() if s <= last_step and v == peak)
     assert evidence["ratio"] == peak / scale[last_step] and evidence["steps"] == [peak_step, last_step]
-    assert title.startswith(f"loss scale fell {peak / scale[last_step]:.3g}x in ")
+    assert title.startswith(f"loss scale fell {scale_change(peak, scale[last_step])} at steps ")
 
     title, _, _, evidence = by_steps["loss_non_finite"]
     bad = [s for s, v in losses.items() if not isinstance(v, float) or not math.isfinite(v)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+from ...._text import scale_change
 from ..evidence import (
     NoScaleGrowthEvidence,
     ScaleDropEvidence,
@@ -255,7 +256,7 @@ class ScaleDrop(RuleType[ScaleDropState]):
         step = data.step
         oldest = step - self.window
         skips = [s for s in state["skips"] if s[0] > oldest]
-        if kind == "skip":
+        if kind in ("skip", "probe"):  # a probe that starts a fall is one of its skipped steps
             skips.append([step, _skip_layers(data)])
         state["skips"] = skips[-MAX_EVIDENCE_POINTS:]
         scale = data.scalars.get("amp/scale")
@@ -278,19 +279,20 @@ class ScaleDrop(RuleType[ScaleDropState]):
             return CLEAR
         peak_step, peak = peaks[0]
         ratio = peak / scale if scale > 0 else math.inf
-        fell = f"{ratio:.3g}x" if scale > 0 else "to zero"
+        fall = [s for s in state["skips"] if s[0] > peak_step]  # the skipped steps since the peak
+        first = fall[0][0] if fall else peak_step + 1
+        steps = f"step {low[0]}" if first >= low[0] else f"steps {first}-{low[0]}"
         return Finding(
             step,
-            f"loss scale fell {fell} in {low[0] - peak_step} steps ({_power_of_two(peak)} at step "
-            f"{peak_step} -> {_power_of_two(scale)} at step {low[0]})",
+            f"loss scale fell {scale_change(peak, scale)} at {steps} ({len(fall)} skipped)",
             ScaleDropEvidence(
                 key="amp/scale",
                 steps=[int(peak_step), step],  # peaks hold [step, scale]: the step is an int
                 values=[peak, scale],
                 ratio=ratio,
                 low_step=low[0],
-                skip_steps=[s for s, _ in state["skips"]],
-                layers=_common_layers(state["skips"]),
+                skip_steps=[s for s, _ in fall],
+                layers=_common_layers(fall),
             ),
         )
 
