@@ -88,10 +88,12 @@ HINTS = {
     "checkpoint before the spike; look for an lr change just before it.",
     "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the "
     "config.",
-    "clip_saturation": "The clip fires on every step, so it sets the step size: with gradient accumulation "
-    "divide the loss by the number of micro-batches; otherwise raise max_norm or lower the learning rate.",
+    "loss_divergence": "The loss left the range it had reached and has not come back: lower the learning "
+    "rate (check the schedule's peak and warm-up) and rewind to the checkpoint before its best step.",
+    "clip_saturation": "The clip fires on nearly every step at several times max_norm for a long stretch, so "
+    "it sets the step size: raise max_norm or lower the learning rate.",
     "clip_saturation_accumulation": "Each step accumulates several micro-batches and the clip fires every "
-    "time: divide the loss by the number of micro-batches before backward.",
+    "time at about that many times max_norm: divide the loss by the number of micro-batches before backward.",
     "dead_layers": "Layers get no gradient: a .detach(), torch.no_grad() or unused branch cuts them off the "
     "loss.",
     "dead_layers_none": "These layers' .grad stays None: a .detach(), torch.no_grad() or an unused branch "
@@ -325,9 +327,8 @@ def clip_saturation_steps(median_norm: float) -> list[str]:
     """clip_saturation; median_norm: the median pre-clip gradient norm."""
     return [
         (
-            "If you accumulate gradients, divide the loss by the number of micro-batches; otherwise "
-            f"raise max_norm to about {median_norm:.2g} (the median pre-clip norm) or lower the "
-            "learning rate."
+            f"Raise max_norm to about {median_norm:.2g} (the median pre-clip norm) or lower the learning "
+            "rate; if the loss is a sum over micro-batches or over tokens (reduction='sum'), divide it first."
         )
     ]
 

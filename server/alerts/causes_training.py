@@ -27,6 +27,7 @@ from .diagnosis_context import (
 from .evidence import (
     ClipSaturationEvidence,
     DeadLayersEvidence,
+    LossDivergenceEvidence,
     LossNonFiniteEvidence,
     MisuseEvidence,
     NotLearningEvidence,
@@ -35,6 +36,9 @@ from .evidence import (
 )
 from .rules.misuse import share, unheld_parameters_title
 
+# The findings that say training diverges: a spike of the gradient norm or of the loss, or the loss out
+# of the range it had reached (loss_divergence: a climb too slow for the spikes, finite or not).
+_DIVERGING = ("grad_norm_spike", "loss_spike", "loss_divergence")
 TRANSIENT_SPAN = 50  # steps from a burst's first finding to its last: a longer one is not a burst
 _WINDOWED_RULES = frozenset({"skip_storm", "scale_drop"})
 # The rules whose findings a burst that passes can raise (a setup mistake, an lr jump, stalled layers or
@@ -156,7 +160,7 @@ def _bad_loss(by_rule: ByRule, findings: Findings, context: RunContext, misuse: 
         return None
     evidence: LossNonFiniteEvidence = finding["evidence"]
     nan_step = int(evidence.get("first_step", finding["step"]))
-    spikes = _onset(by_rule, ("grad_norm_spike", "loss_spike"))
+    spikes = _onset(by_rule, _DIVERGING)
     if _divergence_trigger(by_rule, context, nan_step) is not None or (
         spikes is not None and spikes < nan_step
     ):
@@ -220,17 +224,25 @@ def _update_ratio_outlier(
 def _divergence(
     by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
 ) -> Result:
-    spikes = _onset(by_rule, ("grad_norm_spike", "loss_spike"))
+    spikes = _onset(by_rule, _DIVERGING)
     trigger = _divergence_trigger(by_rule, context, step if spikes is None else max(step, spikes))
     if trigger is None and spikes is None:
         return None
-    if trigger is None and not ({"grad_norm_spike", "loss_spike"} & set(by_rule)):
+    if trigger is None and not (set(_DIVERGING) & set(by_rule)):
         return None
     symptoms = []
     for rule, what in (("grad_norm_spike", "gradient norm"), ("loss_spike", "loss")):
         if rule in by_rule:
             spike: SpikeEvidence = by_rule[rule]["evidence"]
             symptoms.append(f"{what} {_x(spike.get('ratio'))}x its running median")
+    if "loss_divergence" in by_rule:
+        left: LossDivergenceEvidence = by_rule["loss_divergence"]["evidence"]
+        steps = left.get("steps") or []
+        best = steps[0] if steps else "?"
+        symptoms.append(
+            f"the loss {_x(left.get('ratio'))}x its best level (step {best}), out of its range"
+            + "".join(f", {p}" for p in left.get("precursors") or [])
+        )
     if any(r in by_rule for r in ("skip_storm", "scale_drop", "scaler_calibration")):
         symptoms.append("fp16 overflows that make the scaler skip steps")
     if "loss_non_finite" in by_rule:
@@ -276,26 +288,33 @@ def _clipping(by_rule: ByRule, findings: Findings, context: RunContext, misuse: 
     evidence: ClipSaturationEvidence = finding["evidence"]
     median, max_norm = evidence.get("median_ratio", 0.0), evidence.get("max_norm", 0.0)
     micro = evidence.get("micro_batches") or context.micro_batches or 1
-    if micro and micro > 1:
-        k = f"{micro:g}"
+    clipped = f"{evidence.get('fraction_clipped', 1):.0%}"
+    if evidence.get("undivided_loss") and micro > 1:
+        k, ratio = f"{micro:g}", f"{median:.3g}x"
         return (
             "clip_saturation_accumulation",
-            f"clipping fires on every step: the loss is summed over {k} micro-batches",
+            f"clipping fires on every step at {ratio} max_norm: the loss is summed over {k} micro-batches",
             (
-                f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps, the "
-                f"pre-clip norm {median:.3g}x max_norm={max_norm:g}, with {k} micro-batches per optimizer "
-                f"step: the loss is probably not divided by {k}, so gradients are {k}x too large and the "
-                "clip, not the lr, sets every step."
+                f"Clipping cuts the gradient on {clipped} of steps, the pre-clip norm {median:.3g}x "
+                f"max_norm={max_norm:g} (median), with {k} micro-batches per optimizer step: a loss not "
+                f"divided by {k} makes the gradient {k}x what the divided one is, which fits this (divided, "
+                f"it would be ~{median / micro:.2g}x max_norm); so the clip, not the lr, sets every step."
             ),
             advice.clip_saturation_accumulation_steps(k, max_norm),
         )
+    accumulation = (
+        f" With {micro:g} micro-batches a step, an undivided loss would put the norm ~{micro:g}x above "
+        "where a divided one clips; this ratio does not show that."
+        if micro > 1
+        else ""
+    )
     return (
         "clip_saturation",
-        "clipping fires on nearly every step",
+        f"clipping fires on nearly every step at {median:.3g}x max_norm",
         (
-            f"Clipping cuts the gradient on {evidence.get('fraction_clipped', 1):.0%} of steps (pre-clip "
-            f"norm {median:.3g}x max_norm={max_norm:g}): the clip, not the learning rate, sets the step "
-            "size; with gradient accumulation an undivided loss does this."
+            f"Clipping cuts the gradient on {clipped} of steps (pre-clip norm {median:.3g}x "
+            f"max_norm={max_norm:g}, median) for a long stretch: the clip, not the learning rate, sets the "
+            f"step size.{accumulation}"
         ),
         advice.clip_saturation_steps(median * max_norm),
     )

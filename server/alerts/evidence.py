@@ -17,6 +17,7 @@ added since (NonFiniteEvidence's count) or hold a value of another shape.
     misuse                                 MisuseEvidence (details and layers when an event had numbers)
     grad_norm_spike, loss_spike            SpikeEvidence
     lr_jump                                LrJumpEvidence
+    loss_divergence                        LossDivergenceEvidence
     clip_saturation                        ClipSaturationEvidence
     update_ratio                           UpdateRatioBandEvidence
     update_ratio_outlier                   UpdateRatioOutlierEvidence
@@ -29,7 +30,13 @@ added since (NonFiniteEvidence's count) or hold a value of another shape.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypedDict
+
+if sys.version_info >= (3, 11):  # read at run time too (typing.get_type_hints: the API's schemas)
+    from typing import NotRequired
+else:
+    from typing_extensions import NotRequired
 
 __all__ = [
     "EVIDENCE_TYPES",
@@ -176,6 +183,20 @@ class LrJumpEvidence(TypedDict):
     previous_peak: float
 
 
+class LossDivergenceEvidence(TypedDict):
+    key: str  # "loss" or "amp/loss"
+    steps: list[int]  # [the best step, now]
+    values: list[float]  # [the best level, the level now] (medians of `smooth` steps)
+    ratio: float  # now / best
+    start_level: float  # the highest level of the first `warmup` steps
+    onset_step: int  # the first step out of range (of the streak that fired)
+    rising_step: int | None  # the first step since the best one half way out of the range
+    grad_norm: list[float | None]  # the median gradient norm [at the best step, now]
+    lr: list[float | None]  # [at the best step, now]
+    clipped_share: list[float | None]  # share of the last 20 steps the clip cut [then, now]
+    precursors: list[str]  # what moved with the loss, as worded in the title
+
+
 class ClipSaturationEvidence(TypedDict):
     key: str  # "grad/global_norm"
     steps: list[int]  # [first, last] of the window
@@ -183,6 +204,9 @@ class ClipSaturationEvidence(TypedDict):
     median_ratio: float  # median pre-clip norm / max_norm
     max_norm: float
     micro_batches: float | None
+    # The ratio is high enough for the micro-batch count to name an undivided (summed) loss
+    # (rules.spikes.undivided_loss_ratio); absent in evidence stored before it existed: not named.
+    undivided_loss: NotRequired[bool]
 
 
 # -- layers ---------------------------------------------------------------------------------------
@@ -262,6 +286,7 @@ Evidence = (
     | SpikeEvidence
     | LrJumpEvidence
     | ClipSaturationEvidence
+    | LossDivergenceEvidence
     | UpdateRatioBandEvidence
     | UnderflowEvidence
     | DeadLayersEvidence
@@ -285,6 +310,7 @@ EVIDENCE_TYPES: dict[str, type[Any]] = {
     "loss_spike": SpikeEvidence,
     "lr_jump": LrJumpEvidence,
     "clip_saturation": ClipSaturationEvidence,
+    "loss_divergence": LossDivergenceEvidence,
     "update_ratio": UpdateRatioBandEvidence,
     "update_ratio_outlier": UpdateRatioOutlierEvidence,
     "underflow": UnderflowEvidence,

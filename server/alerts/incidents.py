@@ -82,7 +82,7 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
     }
 
 
-ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_non_finite")
+ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_divergence", "loss_non_finite")
 
 
 RunVerdict = Literal["healthy", "warning", "critical"]

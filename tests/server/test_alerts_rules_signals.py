@@ -219,12 +219,30 @@ def test_clipping_every_step_at_4x_max_norm_fires():
     assert findings_of(feed(make_rule("clip_saturation"), _clip_steps([2.5] * 250))[0]) == []  # below 3x
 
 
-def test_clipping_with_accumulated_micro_batches_fires_at_a_lower_ratio():
-    accumulating = _clip_steps([1.5] * 40, **{"amp/micro_batches": 8.0})
-    step, finding = findings_of(feed(make_rule("clip_saturation"), accumulating)[0])[0]
+def test_clipping_with_accumulated_micro_batches_names_an_undivided_loss_only_at_about_k_times():
+    """nanoGPT divides its loss by 8 micro-batches and clips at 1.0; early on the pre-clip norm sits
+    ~1.35x above it: normal, silent. Forgetting the division puts it ~8x higher (10.8x): an undivided loss,
+    told within `window` (20) steps."""
+    micro = {"amp/micro_batches": 8.0}
+    for healthy in (1.35, 1.5, 2.5):  # far below 0.5 x 8 = 4x: divided, it clips as healthy runs do
+        assert findings_of(feed(make_rule("clip_saturation"), _clip_steps([healthy] * 300, **micro))[0]) == []
+    step, finding = findings_of(feed(make_rule("clip_saturation"), _clip_steps([10.8] * 40, **micro))[0])[0]
     assert step == 19
-    assert finding.evidence["micro_batches"] == 8.0 and finding.cause == "clip_saturation_accumulation"
-    assert findings_of(feed(make_rule("clip_saturation"), _clip_steps([1.5] * 40))[0]) == []
+    assert finding.evidence["micro_batches"] == 8.0 and finding.evidence["undivided_loss"] is True
+    assert finding.cause == "clip_saturation_accumulation"
+    # 4 micro-batches and clip 0.5 at 1.2-1.5x: silent; undivided (4 x 1.35 = 5.4x): told
+    four = {"amp/micro_batches": 4.0}
+    ratios = [1.2 + 0.3 * (i % 7) / 6 for i in range(300)]
+    assert findings_of(feed(make_rule("clip_saturation"), _clip_steps(ratios, 0.5, **four))[0]) == []
+    assert findings_of(feed(make_rule("clip_saturation"), _clip_steps([5.4] * 40, 0.5, **four))[0])
+
+
+def test_clipping_with_accumulation_at_a_ratio_that_names_no_cause_is_the_plain_finding():
+    """6x max_norm with 16 micro-batches for 200 steps: the clip sets the step size, but 6 < 0.5 x 16, so
+    the evidence does not name an undivided loss."""
+    verdicts, _ = feed(make_rule("clip_saturation"), _clip_steps([6.0] * 250, **{"amp/micro_batches": 16.0}))
+    step, finding = findings_of(verdicts)[0]
+    assert step == 199 and finding.cause == "" and finding.evidence["undivided_loss"] is False
 
 
 def test_clipping_skipped_steps_are_not_counted():

@@ -258,7 +258,7 @@ def _clipping(ratio, steps=30, **scalars):
 
 
 def test_clip_saturation_with_accumulation_says_divide_the_loss():
-    finding = _from_rule("clip_saturation", _clipping(1.5, **{"amp/micro_batches": 8.0}))
+    finding = _from_rule("clip_saturation", _clipping(10.8, **{"amp/micro_batches": 8.0}))
     diagnosis = diagnose([finding], RunContext(micro_batches=8.0))
     assert diagnosis.cause_key == "clip_saturation_accumulation"
     assert (
@@ -268,9 +268,21 @@ def test_clip_saturation_with_accumulation_says_divide_the_loss():
     assert "8 micro-batches" in diagnosis.title
 
 
+def test_clip_saturation_with_accumulation_at_a_ratio_that_does_not_name_the_summed_loss():
+    """Evidence stored before undivided_loss existed, or a ratio too low for the micro-batch count: the
+    plain cause, never "the loss is summed" (following that advice would divide the loss twice)."""
+    for evidence in ({}, {"undivided_loss": False}):
+        finding = _from_rule("clip_saturation", _clipping(6.0, steps=220, **{"amp/micro_batches": 16.0}))
+        finding["evidence"].pop("undivided_loss", None)
+        finding["evidence"].update(evidence)
+        diagnosis = diagnose([finding], RunContext(micro_batches=16.0))
+        assert diagnosis.cause_key == "clip_saturation"
+        assert "summed" not in diagnosis.title + diagnosis.cause and "Divide" not in diagnosis.next_steps[0]
+
+
 def test_clip_saturation_without_accumulation_names_the_norm_to_clip_at():
     diagnosis = diagnose([_from_rule("clip_saturation", _clipping(4.0, steps=220))], RunContext())
-    assert diagnosis.cause_key == "clip_saturation" and "raise max_norm to about 4" in diagnosis.next_steps[0]
+    assert diagnosis.cause_key == "clip_saturation" and "Raise max_norm to about 4" in diagnosis.next_steps[0]
 
 
 def test_dead_layers_without_a_gradient_point_at_a_detach():

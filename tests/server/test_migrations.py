@@ -209,3 +209,51 @@ def test_upgrade_to_0013_gives_existing_projects_the_update_ratio_outlier_rule(d
         ("tuned", {"factor": 100.0}),
     ]
     engine.dispose()
+
+
+def test_upgrade_to_0015_moves_default_clip_saturation_rules_to_the_undivided_loss_test(database_url):
+    """A project's default clip_saturation rule (1.25x with any accumulation: nanoGPT's normal clipping
+    was told as a summed loss) moves to the new defaults; a rule tuned by hand keeps its parameters."""
+    import json
+
+    from alembic import command
+
+    from gradwatch.server.alerts.rules import make_rule
+    from gradwatch.server.database import _alembic_config
+
+    old_default = {
+        "window": 20,
+        "plain_window": 200,
+        "fraction": 0.9,
+        "min_ratio": 3.0,
+        "min_ratio_accumulating": 1.25,
+    }
+    tuned = {**old_default, "min_ratio_accumulating": 2.0}
+    engine = make_engine(database_url)
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0014")
+        for project, params in (("old", old_default), ("tuned", tuned)):
+            connection.execute(
+                text(
+                    "INSERT INTO alert_rules (project, type, name, params_json, enabled, cooldown_steps,"
+                    " created_at, updated_at) VALUES (:p, 'clip_saturation', 'c', :params, true, 100, 0, 0)"
+                ),
+                {"p": project, "params": json.dumps(params)},
+            )
+        command.upgrade(config, "head")
+        rows = dict(
+            connection.execute(
+                text("SELECT project, params_json FROM alert_rules WHERE type = 'clip_saturation'")
+            ).all()
+        )
+        command.downgrade(config, "0014")
+        back = json.loads(
+            connection.execute(text("SELECT params_json FROM alert_rules WHERE project = 'old'")).scalar_one()
+        )
+        command.upgrade(config, "head")
+    assert json.loads(rows["old"]) == make_rule("clip_saturation", {}).values
+    assert json.loads(rows["tuned"]) == tuned
+    assert back == old_default
+    engine.dispose()

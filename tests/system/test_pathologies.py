@@ -46,6 +46,8 @@ EXPECTED_ONSETS = {
     "transient_overflow_burst": 150,
     "lr_warmup_too_high": 9,
     "no_zero_grad": 31,
+    "nanogpt_undivided": 0,
+    "lr_restart_100x": 150,
 }
 # The cause the notification must name (its incident's cause_key), where pinned.
 EXPECTED_CAUSES = {
@@ -55,6 +57,7 @@ EXPECTED_CAUSES = {
     "transient_overflow_burst": "transient_burst",
     "lr_warmup_too_high": "lr_ramp",
     "no_zero_grad": "overflow_at_any_scale",
+    "nanogpt_undivided": "clip_saturation_accumulation",
 }
 
 
@@ -210,6 +213,8 @@ def test_pathology_notification_names_its_mechanism(name, outcomes, server, api,
         assert title.startswith("the learning rate ramped ") and "to 50 by step" in title, title
     elif EXPECTED_CAUSES[name] == "overflow_at_any_scale":
         assert ".grad" in title and "zero_grad" in first.body["incident"]["next_steps"][0], title
+    elif EXPECTED_CAUSES[name] == "clip_saturation_accumulation":
+        assert "the loss is summed over 8 micro-batches" in title, title
     elif EXPECTED_CAUSES[name] == "params_not_in_optimizer":
         share = outcome.scenario.facts["frozen_by_mistake_share"]
         assert title == (

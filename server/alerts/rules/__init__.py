@@ -20,6 +20,7 @@ of dynamic loss scaling). A calibration that does not end is an alert of its own
     non_finite  NaN/Inf gradients and losses
     misuse      setup mistakes the agent reports (params not in the optimizer among them)
     spikes      gradient-norm, loss and learning-rate jumps; clip saturation
+    divergence  the loss leaving the range it had reached (finite or not yet NaN)
     layers      per-layer rules: update ratio (band, outlier layer), underflow, dead layers, weights that
                 stop changing
     liveness    heartbeat and rank disagreement
@@ -33,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import CLEAR, LOSS_KEYS, Finding, Param, RuleType, StepData, Verdict
+from .divergence import LossDivergence
 from .layers import DeadLayers, NotLearning, UnderflowFraction, UpdateRatioBand, UpdateRatioOutlier
 from .liveness import Heartbeat, RankDisagreement
 from .misuse import MISUSE_EVENTS, Misuse
@@ -60,6 +62,7 @@ __all__ = [
     "Finding",
     "GradNormSpike",
     "Heartbeat",
+    "LossDivergence",
     "LossNonFinite",
     "LossSpike",
     "LrJump",
@@ -96,6 +99,7 @@ RULE_TYPES: dict[str, type[RuleType[Any]]] = {
         GradNormSpike,
         LossSpike,
         LrJump,
+        LossDivergence,
         ClipSaturation,
         NoScaleGrowth,
         UpdateRatioBand,
@@ -121,6 +125,7 @@ DEFAULT_RULES: tuple[str, ...] = (
     "grad_norm_spike",
     "loss_spike",
     "lr_jump",
+    "loss_divergence",
     "clip_saturation",
     "underflow",
     "update_ratio_outlier",

@@ -316,15 +316,27 @@ class LrJump(RuleType[LrJumpState]):
         )
 
 
+def undivided_loss_ratio(micro_batches: float, min_ratio: float, share: float) -> float:
+    """The median pre-clip norm / max_norm from which saturated clipping over `micro_batches` backward
+    passes a step names an undivided (summed) loss: max(min_ratio, share x micro_batches).
+
+    An undivided loss makes the accumulated gradient micro_batches times what the divided one is, so its
+    norm sits about micro_batches times above where the run would clip otherwise; a correctly divided
+    run that clips sits at 1-2x max_norm in early training (nanoGPT: loss / 8, clip 1.0, ~1.35x), which
+    must never be told as a summed loss. Below this ratio the evidence cannot tell the two apart."""
+    return max(min_ratio, share * micro_batches)
+
+
 class ClipSaturation(RuleType[ClipSaturationState]):
     name = "clip_saturation"
     family = "stalled"
     description = (
-        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation (several "
-        "backward passes per optimizer step): of the last `window` applied steps at least `fraction` "
-        "clipped, with a median norm/max_norm of at least `min_ratio_accumulating` (an undivided loss). "
-        "Without it, over `plain_window` steps and a median of at least `min_ratio` (early training often "
-        "clips for a while)."
+        "clip_grad_norm_ cuts the gradient on nearly every step. With gradient accumulation over k micro-"
+        "batches, an undivided loss: of the last `window` applied steps at least `fraction` clipped with a "
+        "median norm/max_norm of at least max(`min_ratio_accumulating`, `undivided_share` x k) (an "
+        "undivided loss makes the norm k times the divided one's; a divided loss that clips sits near "
+        "1-2x). Otherwise the clip sets the step size: the same over `plain_window` steps at a median of at "
+        "least `min_ratio` (early training often clips at a modest ratio for a while: no finding)."
     )
     params: ClassVar[dict[str, Param]] = {
         "window": Param(20, minimum=5, maximum=MAX_WINDOW, integer=True, doc="applied steps, accumulating"),
@@ -333,14 +345,18 @@ class ClipSaturation(RuleType[ClipSaturationState]):
         ),
         "fraction": Param(0.9, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         "min_ratio": Param(3.0, minimum=1.0),
-        "min_ratio_accumulating": Param(1.25, minimum=1.0),
+        "min_ratio_accumulating": Param(3.0, minimum=1.0),
+        "undivided_share": Param(
+            0.5, minimum=0.0, maximum=1.0, doc="share of the micro-batch count the median ratio must reach"
+        ),
     }
     scalar_keys = frozenset({"grad/global_norm", "grad/clip_max_norm", "amp/micro_batches"})
 
     def initial_state(self) -> ClipSaturationState:
-        # recent: [step, norm / max_norm] of the active window's steps, oldest first; ordered: the same
-        # ratios sorted, so that the share clipped and the median cost O(log window) per step.
-        return {"recent": [], "ordered": [], "micro_batches": 1}
+        # recent: [step, norm / max_norm] of the latest max(window, plain_window) applied steps, oldest
+        # first; ordered / short: the ratios of the latest plain_window / window of them, sorted, so that
+        # the share clipped and the median cost O(log window) per step.
+        return {"recent": [], "ordered": [], "short": [], "micro_batches": 1}
 
     def observe(self, state: ClipSaturationState, data: StepData, layers: list[str]) -> Verdict:
         micro = data.scalars.get("amp/micro_batches")
@@ -352,38 +368,64 @@ class ClipSaturation(RuleType[ClipSaturationState]):
             or data.scalars.get("amp/skipped", 0) >= 0.5
         ):
             return None
-        accumulating = state["micro_batches"] > 1
-        window = self.window if accumulating else self.plain_window
-        recent, ordered = state["recent"], state.get("ordered")
-        ratio = norm / max_norm
+        recent, ratio = state["recent"], norm / max_norm
+        ordered, short = state.get("ordered"), state.get("short")
+        if (
+            ordered is None
+            or short is None
+            or len(ordered) != min(len(recent), self.plain_window)
+            or len(short) != min(len(recent), self.window)
+        ):
+            # A state from before "ordered" or "short" existed, or the windows changed.
+            ordered = state["ordered"] = sorted(r[1] for r in recent[-self.plain_window :])
+            short = state["short"] = sorted(r[1] for r in recent[-self.window :])
         recent.append([data.step, ratio])
-        if ordered is None or len(ordered) != len(recent) - 1 or len(recent) > window + 1:
-            # A state from before "ordered" existed, or the window changed (micro-batches appeared).
-            del recent[: max(len(recent) - window, 0)]
-            ordered = state["ordered"] = sorted(r[1] for r in recent)
-        else:
-            bisect.insort(ordered, ratio)
-            if len(recent) > window:
-                del ordered[bisect.bisect_left(ordered, recent.pop(0)[1])]
-        if len(recent) < window:
-            return None
-        share = (len(ordered) - bisect.bisect_right(ordered, 1.0)) / len(ordered)
-        median = _median_of_sorted(ordered)
-        threshold = self.min_ratio_accumulating if accumulating else self.min_ratio
-        if share < self.fraction or median < threshold:
-            return CLEAR if share < self.fraction / 2 else None
+        for ratios, window in ((ordered, self.plain_window), (short, self.window)):
+            bisect.insort(ratios, ratio)
+            if len(ratios) > window:  # the ratio that left this window
+                del ratios[bisect.bisect_left(ratios, recent[-window - 1][1])]
+        del recent[: max(len(recent) - max(self.window, self.plain_window), 0)]
+        micro_batches = state["micro_batches"]
+        undivided = (
+            self._saturated(
+                short,
+                self.window,
+                undivided_loss_ratio(micro_batches, self.min_ratio_accumulating, self.undivided_share),
+            )
+            if micro_batches > 1
+            else None
+        )
+        plain = self._saturated(ordered, self.plain_window, self.min_ratio)
+        if not (undivided or plain):
+            cleared = [s for s in (undivided, plain) if s is not None]
+            return CLEAR if cleared and all(s is False for s in cleared) else None
+        window = self.window if undivided else self.plain_window
+        ratios = short if undivided else ordered
+        share = (len(ratios) - bisect.bisect_right(ratios, 1.0)) / len(ratios)
+        median = _median_of_sorted(ratios)
         return Finding(
             data.step,
-            f"clipping cut the gradient on {share:.0%} of the last {len(recent)} steps: the pre-clip norm is "
+            f"clipping cut the gradient on {share:.0%} of the last {window} steps: the pre-clip norm is "
             f"{median:.3g}x max_norm={max_norm:g} (median)"
-            + (f", with {state['micro_batches']:g} micro-batches per step" if accumulating else ""),
+            + (f", with {micro_batches:g} micro-batches per step" if micro_batches > 1 else ""),
             ClipSaturationEvidence(
                 key="grad/global_norm",
-                steps=[recent[0][0], data.step],
+                steps=[recent[-window][0], data.step],
                 fraction_clipped=share,
                 median_ratio=median,
                 max_norm=max_norm,
-                micro_batches=state["micro_batches"],
+                micro_batches=micro_batches,
+                undivided_loss=bool(undivided),
             ),
-            cause="clip_saturation_accumulation" if accumulating else "",
+            cause="clip_saturation_accumulation" if undivided else "",
         )
+
+    def _saturated(self, ratios: list[float], window: int, threshold: float) -> bool | None:
+        """True: a full window, at least `fraction` of it clipped at a median of at least `threshold`;
+        False: under half of `fraction` clipped (clear); None: neither (or the window is not full)."""
+        if len(ratios) < window:
+            return None
+        share = (len(ratios) - bisect.bisect_right(ratios, 1.0)) / len(ratios)
+        if share >= self.fraction and _median_of_sorted(ratios) >= threshold:
+            return True
+        return False if share < self.fraction / 2 else None

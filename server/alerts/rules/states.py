@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): no impor
 __all__ = [
     "ClipSaturationState",
     "LayerStreaksState",
+    "LossDivergenceState",
     "LossNonFiniteState",
     "LossSpikeState",
     "LrJumpState",
@@ -133,6 +134,23 @@ class LossSpikeState(SpikeState):
     grace_until: int  # a scheduled lr restart's grace ends after this step
 
 
+class LossDivergenceState(TypedDict):
+    recent: list[float]  # the latest max(smooth, baseline) finite losses
+    count: int  # finite losses seen
+    start: float | None  # the highest level (median) of the first `warmup` losses
+    best: list[Any] | None  # [step, median of `baseline`, grad norm, lr, clip share] where it was lowest
+    norms: list[float]  # the latest `smooth` finite gradient norms
+    clipped: list[int]  # 1 where the clip cut, of the latest 20 steps with a known max_norm
+    lr: float | None
+    lr_max: float | None
+    grace_until: int  # a scheduled lr restart's grace ends after this step
+    open: bool  # a finding is open (the next level back in range clears it)
+    key: NotRequired[str | None]  # the loss series judged: "loss" once the user logs it, else "amp/loss"
+    rising: NotRequired[int | None]  # the first step since the best one at half way out of the range
+    streak: NotRequired[int]  # consecutive steps out of range
+    out_since: NotRequired[int | None]  # the first step of the latest streak out of range
+
+
 class LrJumpState(TypedDict):
     count: int  # lr values seen
     lr: float | None
@@ -141,8 +159,9 @@ class LrJumpState(TypedDict):
 
 
 class ClipSaturationState(TypedDict):
-    recent: list[list[Any]]  # [step, norm / max_norm] of the window, oldest first
-    ordered: NotRequired[list[float]]  # the same ratios, sorted
+    recent: list[list[Any]]  # [step, norm / max_norm] of the longer window, oldest first
+    ordered: NotRequired[list[float]]  # the latest plain_window ratios, sorted
+    short: NotRequired[list[float]]  # the latest window ratios, sorted
     micro_batches: float
 
 

@@ -18,7 +18,8 @@ payload, per incident) and judges them against a scenario; tests/system/test_pat
 bench/diagnosis.py share it.
 
 The package: `harness` (the Scenario record and the building blocks the scenarios train with),
-`scenarios` (the catalogue: PATHOLOGIES, HEALTHY, SCENARIOS) and `judging`; every public name is
+`scenarios` (the catalogue: PATHOLOGIES, HEALTHY, SCENARIOS), `nanogpt` (karpathy/nanoGPT's loop, shrunk:
+healthy clipping under accumulation and the undivided loss) and `judging`; every public name is
 importable from `pathologies` itself.
 """
 

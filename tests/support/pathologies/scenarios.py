@@ -1,5 +1,6 @@
-"""The scenario catalogue: thirteen pathologies, each a seeded CPU training run that goes wrong through
-a real mechanism, and nine healthy controls (four of them look-alikes of the last three pathologies);
+"""The scenario catalogue: the pathologies, each a seeded CPU training run that goes wrong through a real
+mechanism, and the healthy controls (some of them look-alikes of pathologies; nanoGPT's loop is in
+`nanogpt`);
 each returns its `Scenario` with the ground truth it measured itself (see the package's docstring)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .divergence import lr_restart_100x
 from .harness import (
     RunFactory,
     Scenario,
@@ -30,6 +32,13 @@ from .harness import (
     _Task,
     _timed,
     _Trace,
+)
+from .nanogpt import (
+    nanogpt_accum4_clip05_fp16,
+    nanogpt_accum4_clip1,
+    nanogpt_accum8_clip05,
+    nanogpt_accum8_clip1,
+    nanogpt_undivided,
 )
 
 # -- pathologies ---------------------------------------------------------------------------------------
@@ -352,12 +361,15 @@ def stray_detach(new_run: RunFactory | None = None) -> Scenario:
 @_timed
 def grad_accum_no_divide(new_run: RunFactory | None = None) -> Scenario:
     """fp16 gradient accumulation over 8 micro-batches that forgot loss / 8, with unscale_ then
-    clip_grad_norm_(1.0): the gradient is 8x too large and the clip fires on every step."""
+    clip_grad_norm_(0.45): the gradient is 8x too large and the clip fires on every step, at ~4.4x
+    max_norm over the first 20 steps and ~7x over the run (divided, it would clip on a quarter of the
+    steps). An undivided loss whose norm is only 1.5-3x the clip (divided: 0.2-0.4x) is not told apart
+    from healthy clipping: that evidence fits nanoGPT's divided loss as well (see the nanogpt module)."""
     s = Scenario("grad_accum_no_divide", "clip_saturation", None, precision="fp16")
     trace, task, model = _Trace(s), _Task(7, batch=8), _mlp(7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=100)
-    accumulation, max_norm = 8, 1.0
+    accumulation, max_norm = 8, 0.45
     with _gradwatch(new_run, s, model, optimizer, scaler, accumulation=accumulation) as run:
         for step in range(100):
             optimizer.zero_grad(set_to_none=True)
@@ -1069,6 +1081,8 @@ PATHOLOGIES: tuple[Callable[..., Scenario], ...] = (
     transient_overflow_burst,
     lr_warmup_too_high,
     no_zero_grad,
+    nanogpt_undivided,
+    lr_restart_100x,
 )
 HEALTHY: tuple[Callable[..., Scenario], ...] = (
     fp16_calibration,
@@ -1080,5 +1094,9 @@ HEALTHY: tuple[Callable[..., Scenario], ...] = (
     token_model_warmup,
     sparse_embedding_two_optimizers,
     lora_finetune,
+    nanogpt_accum8_clip1,
+    nanogpt_accum4_clip1,
+    nanogpt_accum8_clip05,
+    nanogpt_accum4_clip05_fp16,
 )
 SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}

@@ -1,0 +1,104 @@
+"""loss_divergence: the loss leaving the range it had reached, finite (issue 38). Rules are pure
+functions of steps (rule_steps.feed), fed as the engine feeds them."""
+
+import math
+import random
+
+from rule_steps import feed, feed_batches, findings_of
+
+from gradwatch.server.alerts.rules import CLEAR, StepData, make_rule
+
+
+def _steps(losses, lrs=None, norms=None):
+    steps = []
+    for i, loss in enumerate(losses):
+        scalars = {"loss": loss}
+        if lrs is not None:
+            scalars["lr"] = lrs[i]
+        if norms is not None:
+            scalars["grad/global_norm"] = norms[i]
+        steps.append(StepData(i, 0, scalars=scalars))
+    return steps
+
+
+def _gradual_divergence():
+    """The issue's post-LayerNorm run: the loss falls from 4 to a best of 0.26, climbs over 100 steps
+    to 5.2 as the gradient norm rises, then stays near 2.4 for the rest of the run: finite throughout."""
+    noise = random.Random(0)
+    losses = [0.26 + 3.74 * math.exp(-i / 30) for i in range(150)]
+    losses += [0.26 + 4.94 * (i + 1) / 100 for i in range(100)]
+    losses += [2.4 for _ in range(150)]
+    losses = [v * (1 + 0.03 * noise.uniform(-1, 1)) for v in losses]
+    norms = [1.0] * 150 + [1.0 + 20 * (i + 1) / 100 for i in range(100)] + [15.0] * 150
+    return losses, norms
+
+
+def test_a_gradual_finite_divergence_opens_when_the_loss_leaves_its_range_naming_what_rose():
+    losses, norms = _gradual_divergence()
+    steps = _steps(losses, lrs=[1e-3] * len(losses), norms=norms)
+    for verdicts in (
+        feed(make_rule("loss_divergence"), steps)[0],
+        feed_batches(make_rule("loss_divergence"), steps, [160, 200])[0],
+    ):
+        step, finding = findings_of(verdicts)[0]
+        # the median of 5 passes 3 x 0.26 about 12 steps into the climb, long before the loss tops out
+        assert 150 < step < 175, step
+        evidence = finding.evidence
+        assert evidence["ratio"] >= 3 and evidence["onset_step"] == step - 2  # out of range for 3 steps
+        assert 150 < evidence["rising_step"] < evidence["onset_step"]  # half way out: 2x the best
+        assert evidence["values"][0] < 0.3 and "the gradient norm rose" in finding.title
+        assert all(v is not CLEAR for _, v in verdicts if _ > step)  # it stays out of range: no clear
+
+
+def test_healthy_loss_curves_stay_silent():
+    noise = random.Random(1)
+    n = 400
+    cases = {
+        # near convergence, the noise is large against the loss itself (0.005 -> 0.02), not against the way
+        # it came down from 2.3
+        "converged_noise": [
+            max(0.002, 2.3 * math.exp(-i / 20) + 0.005 + 0.015 * noise.random()) for i in range(n)
+        ],
+        # hard batches: single steps 10x the level that recover at once
+        "bumps": [(0.3 + 2 * math.exp(-i / 30)) * (10 if i % 37 == 0 and i > 50 else 1) for i in range(n)],
+        # a cosine schedule decaying to 0: the loss flattens, never climbs
+        "cosine": [0.5 + 3 * math.exp(-i / 60) * (1 + 0.05 * noise.uniform(-1, 1)) for i in range(n)],
+        # batch-size-1 fine-tuning: a flat loss with heavy-tailed noise (exponential), 1,000 steps
+        "heavy_tailed": [0.4 + noise.expovariate(1 / 0.3) for i in range(1000)],
+        # a loss below zero (an ELBO, a reward): no ratio to its minimum
+        "negative": [-1 - i / 100 + 0.5 * math.sin(i / 7) for i in range(n)],
+    }
+    for name, losses in cases.items():
+        assert findings_of(feed(make_rule("loss_divergence"), _steps(losses))[0]) == [], name
+
+
+def test_a_scheduled_restart_may_raise_the_loss_while_it_stays_below_the_first_level():
+    """SGDR: the lr goes back up to its earlier peak at step 200, the loss rises 4x its best for a while
+    and falls again; only a climb above where the run began would count during the grace."""
+    lrs = [1e-3 * (1 + math.cos(math.pi * (i % 200) / 200)) / 2 + 1e-6 for i in range(400)]
+    losses = [0.25 + 3 * math.exp(-i / 25) for i in range(200)]
+    losses += [0.25 + 0.9 * math.exp(-i / 40) for i in range(200)]
+    assert findings_of(feed(make_rule("loss_divergence"), _steps(losses, lrs=lrs))[0]) == []
+    worse = losses[:200] + [4.0 + 0.1 * i for i in range(200)]  # past the first level: it counts
+    assert findings_of(feed(make_rule("loss_divergence"), _steps(worse, lrs=lrs))[0])
+
+
+def test_it_clears_when_the_loss_is_back_in_range():
+    losses = [0.2 + 3 * math.exp(-i / 10) for i in range(60)] + [2.0] * 10 + [0.25] * 20
+    verdicts, _ = feed(make_rule("loss_divergence"), _steps(losses))
+    opened = findings_of(verdicts)[0][0]
+    assert 60 <= opened < 70
+    assert any(v is CLEAR for s, v in verdicts if s > opened)
+
+
+def test_the_users_loss_and_the_divided_amp_loss_never_mix_in_one_range():
+    """nanoGPT under fp16 logs its loss after the step, so step 0 holds only amp/loss (the loss passed to
+    scaler.scale, divided by 4 micro-batches) and "loss" starts at step 1, 4x higher: no divergence."""
+    steps = [StepData(0, 0, scalars={"amp/loss": 1.04})]
+    for i in range(1, 120):
+        level = 1.0 + 3.0 * math.exp(-i / 40)
+        steps.append(StepData(i, 0, scalars={"amp/loss": level / 4, "loss": level}))
+    assert findings_of(feed(make_rule("loss_divergence"), steps)[0]) == []
+    # amp/loss alone (no run.log) is judged as it is
+    alone = [StepData(i, 0, scalars={"amp/loss": 0.25 if i < 60 else 1.5}) for i in range(90)]
+    assert findings_of(feed(make_rule("loss_divergence"), alone)[0])
