@@ -36,6 +36,7 @@ __all__ = [
     "transient_burst_steps",
     "underflow_steps",
     "update_ratio_outlier_steps",
+    "vanishing_gradients_steps",
 ]
 
 # -- hints of alerts ------------------------------------------------------------------------------
@@ -361,6 +362,17 @@ def rounded_away_steps() -> list[str]:
             "Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher "
             "learning rate only hides it."
         ),
+    ]
+
+
+def vanishing_gradients_steps() -> list[str]:
+    return [
+        (
+            "Give the gradient a path down the stack: residual connections, a normalisation layer "
+            "(LayerNorm/BatchNorm) between blocks, ReLU/GELU instead of sigmoid/tanh."
+        ),
+        "Initialise for the activation (torch.nn.init.kaiming_normal_ for ReLU, xavier for tanh).",
+        "Not a precision problem: bf16/fp32 master weights or a higher learning rate will not fix it.",
     ]
 
 

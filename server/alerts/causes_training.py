@@ -39,6 +39,10 @@ from .rules.misuse import share, unheld_parameters_title
 # The findings that say training diverges: a spike of the gradient norm or of the loss, or the loss out
 # of the range it had reached (loss_divergence: a climb too slow for the spikes, finite or not).
 _DIVERGING = ("grad_norm_spike", "loss_spike", "loss_divergence")
+# A stalled layer whose gradient norm is at most this share of the largest layer's gets no gradient to
+# speak of: the gradient vanished through depth (fp32 rounds an update away only below ~6e-8 of the
+# weight, which an Adam step of lr ~1e-3 reaches only with such a gradient).
+VANISHED_SHARE = 1e-6
 TRANSIENT_SPAN = 50  # steps from a burst's first finding to its last: a longer one is not a burst
 _WINDOWED_RULES = frozenset({"skip_storm", "scale_drop"})
 # The rules whose findings a burst that passes can raise (a setup mistake, an lr jump, stalled layers or
@@ -365,6 +369,21 @@ def _stalled(by_rule: ByRule, findings: Findings, context: RunContext, misuse: M
             advice.lr_zero_steps(),
         )
     stalled: NotLearningEvidence = finding["evidence"]
+    shares = [v for v in stalled.get("grad_norm_shares") or [] if isinstance(v, (int, float))]
+    top = stalled.get("top_grad_layer")
+    if shares and top and max(shares) <= VANISHED_SHARE:
+        return (
+            "vanishing_gradients",
+            f"gradients vanish through depth: {_named(layers)} get ~{max(shares):.0e} of {top}'s gradient",
+            (
+                f"Weights of {_named(layers)} stop changing because almost no gradient reaches them: their "
+                f"gradient norms are at most {max(shares):.1e} of {top}'s at step {finding['step']}, so each "
+                "update is far below the weights' precision and rounds away. The gradient shrinks on its way "
+                "down the stack (saturating sigmoid/tanh activations, no residual connections or "
+                "normalisation, a poor initialisation), not because the weights are stored in low precision."
+            ),
+            advice.vanishing_gradients_steps(),
+        )
     values = stalled.get("values") or []
     share = f"{values[0]:.0%} of " if values and isinstance(values[0], (int, float)) else ""
     return (

@@ -243,6 +243,9 @@ class NotLearningEvidence(TypedDict):
     update_ratios: list[float | None]  # each layer's update ratio, where the step reported one
     layers: list[str]
     count: int
+    # each layer's gradient norm / the largest layer's at the step (None: not sampled), and that layer
+    grad_norm_shares: NotRequired[list[float | None]]
+    top_grad_layer: NotRequired[str | None]
 
 
 class UpdateRatioOutlierEvidence(TypedDict):

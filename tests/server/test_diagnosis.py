@@ -456,3 +456,44 @@ def test_forward_overflow_counts_every_non_finite_loss_not_the_capped_list():
     diagnosis = diagnose([finding], RunContext(fp16_scaler=True))
     assert diagnosis.cause_key == "fp16_forward_overflow"
     assert "non-finite on 194 of 194 steps since step 100" in diagnosis.cause
+
+
+def test_layers_stalled_by_a_vanishing_gradient_are_named_by_that_cause_not_by_precision():
+    """A 12-layer sigmoid stack in fp32: the first layers' gradients are ~1e-12 of the last layer's and
+    their updates round away. The cause is the gradient vanishing through depth (a precision fix would
+    not help); layers whose gradient is not small keep the rounded-away title (bf16 weights)."""
+    layers = (*(f"stack.{i}.weight" for i in range(4)), "head.weight")
+    vanishing = [
+        StepData(
+            s,
+            0,
+            vectors={
+                "update/rounded_away_frac": [1.0, 1.0, 0.0, 0.0, 0.0],
+                "grad/norm": [3e-13, 2e-12, 1e-6, 1e-3, 0.4],
+            },
+        )
+        for s in (100, 200)
+    ]
+    finding = _from_rule("not_learning", vanishing, layers=layers)
+    assert finding["evidence"]["grad_norm_shares"] == [pytest.approx(7.5e-13), pytest.approx(5e-12)]
+    assert finding["evidence"]["top_grad_layer"] == "head.weight"
+    diagnosis = diagnose([finding], RunContext(lr=[(0, 1e-3)]))
+    assert diagnosis.cause_key == "vanishing_gradients"
+    assert diagnosis.title.startswith(
+        "gradients vanish through depth: stack.0.weight, stack.1.weight get ~5e-12"
+    )
+    assert "head.weight" in diagnosis.title and "round away" not in diagnosis.title
+    assert "residual" in diagnosis.next_steps[0]
+    bf16 = [
+        StepData(
+            s,
+            0,
+            vectors={
+                "update/rounded_away_frac": [0.9, 0.9, 0.0, 0.0, 0.0],
+                "grad/norm": [0.2, 0.3, 0.3, 0.2, 0.4],
+            },
+        )
+        for s in (100, 200)
+    ]
+    rounded = diagnose([_from_rule("not_learning", bf16, layers=layers)], RunContext(lr=[(0, 1e-5)]))
+    assert rounded.cause_key == "rounded_away"

@@ -251,7 +251,7 @@ class NotLearning(_PersistentLayers[LayerStreaksState]):
         "observations": Param(2, minimum=1, maximum=MAX_WINDOW, integer=True),
     }
     scalar_keys = frozenset({"amp/skipped"})
-    vector_keys = frozenset({"update/ratio", "update/rounded_away_frac"})
+    vector_keys = frozenset({"update/ratio", "update/rounded_away_frac", "grad/norm"})
 
     def observe(self, state: LayerStreaksState, data: StepData, layers: list[str]) -> Verdict:
         self.count_applied(state, data)
@@ -276,6 +276,7 @@ class NotLearning(_PersistentLayers[LayerStreaksState]):
         held = held[:MAX_EVIDENCE_LAYERS]
         names = [_layer(layers, i) for i in held]
         ratio_values = [ratios[i] if ratios is not None and i < len(ratios) else None for i in held]
+        shares, top = _grad_norm_shares(data.vectors.get("grad/norm"), held)
         return Finding(
             data.step,
             f"weights of {count} of {width} layers stopped changing: {bad[held[0]]:.0%} of {names[0]}'s "
@@ -287,8 +288,24 @@ class NotLearning(_PersistentLayers[LayerStreaksState]):
                 update_ratios=ratio_values,
                 layers=names,
                 count=count,
+                grad_norm_shares=shares,
+                top_grad_layer=_layer(layers, top) if top is not None else None,
             ),
         )
+
+
+def _grad_norm_shares(norms: list[float] | None, held: list[int]) -> tuple[list[float | None], int | None]:
+    """Each held layer's gradient norm as a share of the largest layer's at this step, and that layer's
+    index: a stalled layer whose gradient is ~1e-12 of the top layer's stalls because the gradient
+    vanished on its way down the stack, not because its update rounds away in a low-precision weight."""
+    finite = [(v, i) for i, v in enumerate(norms or ()) if math.isfinite(v)]
+    if not finite or max(finite)[0] <= 0:
+        return [None] * len(held), None
+    largest, top = max(finite)
+    return [
+        norms[i] / largest if norms is not None and i < len(norms) and math.isfinite(norms[i]) else None
+        for i in held
+    ], top
 
 
 class UpdateRatioOutlier(_PersistentLayers[UpdateRatioOutlierState]):
