@@ -13,6 +13,7 @@ import os as _os
 from typing import Any as _Any
 
 from ._errors import GradwatchError, GradwatchWarning, ResumeError
+from ._guard import Guard, TrainingHalted
 from ._run import Run
 from ._run import server_and_token as _server_and_token
 from .api import Api, ApiError
@@ -23,8 +24,10 @@ __all__ = [
     "ApiError",
     "GradwatchError",
     "GradwatchWarning",
+    "Guard",
     "ResumeError",
     "Run",
+    "TrainingHalted",
     "__version__",
     "init",
 ]

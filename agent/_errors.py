@@ -15,6 +15,8 @@ classes that were RuntimeErrors before the tree had a root stay RuntimeErrors to
     │   │   └── ApiUnreachable   no answer: refused, timed out, reset
     │   └── RunNotFound          404 for a run asked for by id (the dashboard's client); run_id
     ├── ResumeError              init(resume=...) found what the server says is not so; a RuntimeError
+    ├── TrainingHalted           the guard stopped training on an incident (run.log(), only with
+    │                            Guard(raise_on_stop=True)); .incident (gradwatch._guard)
     ├── TransportError           one send of the agent's failed (gradwatch._transport); retryable
     ├── GradwatchServerError     the store's errors, one HTTP status each (gradwatch.server.errors)
     ├── SchemaError              the database's schema is stale (gradwatch.server.database); a RuntimeError

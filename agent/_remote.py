@@ -44,6 +44,15 @@ class RemoteRun:
         self.packed_steps = False  # ... and steps_i64
         self.renamed = renamed
         self._superseded_warned = False  # a resume by another process cut our data (said once)
+        # The guard's (gradwatch._guard): told the run's open incidents each acknowledgement carries.
+        self.on_incidents: Callable[[list[Any]], None] | None = None
+
+    def ask_for_incidents(self, receive: Callable[[list[Any]], None]) -> None:
+        """Have each batch's acknowledgement carry the run's open incidents, handed to `receive` (on the
+        uploader thread). A transport of the user's own is asked through its `ask_incidents` flag."""
+        self.on_incidents = receive
+        if self.transport is not None:
+            self.transport.ask_incidents = True  # type: ignore[attr-defined]
 
     def create_early(self) -> None:
         """Create the run on the server before the first batch is sealed: the run shows from the start,
@@ -80,6 +89,12 @@ class RemoteRun:
                 ack = self.transport.send_batch(self.run_id, batch)
             if isinstance(ack, dict) and ack.get("superseded_from") is not None:
                 self._warn_superseded(ack["superseded_from"])
+            if (
+                self.on_incidents is not None
+                and isinstance(ack, dict)
+                and isinstance(ack.get("incidents"), list)
+            ):
+                self.on_incidents(ack["incidents"])
             return None, None, ""
         except Exception as exc:  # noqa: BLE001 - a custom transport's own failure: try again later
             if isinstance(exc, TransportError):

@@ -19,6 +19,7 @@ from ._batches import BatchLog, normalize_ids
 from ._buffer import StepBuffer
 from ._distributed import ProcessIdentity, process_identity
 from ._errors import FeatureSwitch, GradwatchWarning, crash_details
+from ._guard import Guard
 from ._run_exit import _finish_live_runs, _live_runs, _track
 from ._run_finish import report_finish
 from ._run_metadata import _environment_metadata
@@ -157,6 +158,7 @@ class Run:
         self._last_flush_step = 0
         self._logged_since_flush = 0  # values run.log took since the last flush (see FLUSH_AT_VALUES)
         self._watchers: list[Watcher] = []
+        self.guard: Guard | None = None  # watch(guard=...): acts on incidents (gradwatch._guard)
         self._refused_keys: set[str] = set()  # keys log() left out (warned once each)
         self._accepted_keys: set[str] = set()  # keys checked once and found fine
         self._finished = False
@@ -192,8 +194,14 @@ class Run:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def watch(self, model: Any, optimizer: Any, scaler: Any = None, **options: Any) -> Run:
+    def watch(
+        self, model: Any, optimizer: Any, scaler: Any = None, *, guard: Any = None, **options: Any
+    ) -> Run:
         """Observe `optimizer`'s steps (and `scaler`'s loss scale) for the parameters of `model`.
+
+        guard (off by default): a gradwatch.Guard, True for its defaults, or a callable taking each new
+        incident; it acts on the run's incidents in the training thread at a step boundary: the callback,
+        `run.should_stop` (critical incidents by default), optionally TrainingHalted from run.log().
 
         options (see WatchOptions): layer_norms_every=20, histograms_every=100, update_ratio_every=100
         param_norms_every=100 (optimizer steps; 0 = off), samples_per_step / tokens_per_step for throughput,
@@ -213,13 +221,26 @@ class Run:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not hasattr(scaler, "is_enabled"):
             raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.guard = Guard.from_argument(guard)
+        if self.guard is not None:
+            self._sender.remote.ask_for_incidents(self.guard.receive)
         self._settle_id(agree=True)  # before the Watcher: it takes the rank
         self._watchers.append(Watcher(_RunSink(self), model, optimizer, scaler, watch_options))
         return self
 
+    @property
+    def should_stop(self) -> bool:
+        """True once the guard (watch(guard=...)) stopped training on an incident: `if run.should_stop:
+        save(); break`. Always False without a guard. Every rank of a distributed job sees it at the
+        same step."""
+        return self.guard is not None and self.guard.should_stop
+
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
-        """Record scalars (numbers or one-element tensors, kept on their device) at `step`."""
+        """Record scalars (numbers or one-element tensors, kept on their device) at `step`. With
+        Guard(raise_on_stop=True), raises gradwatch.TrainingHalted once the guard stopped training."""
         self._guarded_log(data, step)
+        if self.guard is not None:
+            self.guard.halt_if_asked()
 
     def log_batch(self, ids: Any, step: int | None = None) -> None:
         """Remember which samples the step trained on: an int, a str, or a sequence of ints/strs

@@ -53,7 +53,10 @@ class _RunSink:
         return run._step
 
     def step_recorded(self) -> None:
-        self._run._maybe_flush()
+        run = self._run
+        run._maybe_flush()
+        if run.guard is not None:  # a step boundary, in the training thread: the guard acts here
+            run.guard.at_step_boundary(run._step)
 
     def report_rank_at_finish(self) -> None:
         self._run.reports_rank = True

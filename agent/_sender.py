@@ -107,7 +107,7 @@ class Sender:
         self.run_document = run_document
         # Told the id the server stores the run under, when it is not ours (a squatted id).
         self.on_renamed: Callable[[str], None] | None = None
-        self._remote = RemoteRun(transport, run_document, rank, renamed=self._renamed)
+        self.remote = RemoteRun(transport, run_document, rank, renamed=self._renamed)  # the uploader's
         self.spool = spool if spool is not None else Spool(None, run_document, rank)
         if dead_letters is None and self.spool.path is not None:
             dead_letters = DeadLetters(
@@ -164,19 +164,19 @@ class Sender:
     @property
     def run_id(self) -> str:
         """The id batches go to: the run document's, or the server's when it gave another."""
-        return self._remote.run_id
+        return self.remote.run_id
 
     @run_id.setter
     def run_id(self, run_id: str) -> None:
-        self._remote.run_id = run_id
+        self.remote.run_id = run_id
 
     @property
     def rank(self) -> int:
-        return self._remote.rank
+        return self.remote.rank
 
     @rank.setter
     def rank(self, rank: int) -> None:
-        self._remote.rank = rank
+        self.remote.rank = rank
 
     def _renamed(self, run_id: str) -> None:
         if self.on_renamed is not None:
@@ -412,8 +412,8 @@ class Sender:
             for data in split_by_steps(merge_fragments(group), limit, MAX_BATCH_VALUES):
                 points = batch_points(data)
                 step = last_step(data)
-                if self._remote.packed:
-                    data = pack_values(data, steps=self._remote.packed_steps)
+                if self.remote.packed:
+                    data = pack_values(data, steps=self.remote.packed_steps)
                 batch = {"rank": self.rank, "seq": self._seqs.next(), **data}
                 if batch.get("status"):
                     self._ended_as = batch["status"]  # the final counters repeat it (_seal_counters)
@@ -469,7 +469,7 @@ class Sender:
                 )
         except Exception as exc:  # noqa: BLE001
             self._error(exc, "spool")
-        self._remote.create_early()
+        self.remote.create_early()
         while True:
             try:
                 if not self._upload_once():
@@ -570,9 +570,7 @@ class Sender:
 
     def _attempt(self, batch: dict[str, Any] | bytes) -> tuple[Verdict | None, float | None]:
         """One try (RemoteRun.attempt): None when stored, else the failure's verdict and Retry-After."""
-        verdict, retry_after, message = self._remote.attempt(
-            batch, self.spool, failing=self._delivery.failing
-        )
+        verdict, retry_after, message = self.remote.attempt(batch, self.spool, failing=self._delivery.failing)
         if verdict is not None:
             self._last_error = message
         return verdict, retry_after

@@ -107,6 +107,7 @@ class HttpTransport:
         self._netloc = parts.netloc
         self._prefix = parts.path  # a server mounted under a path: https://host/gradwatch
         self._direct = not _proxied(parts.scheme, parts.hostname or "")
+        self.ask_incidents = False  # answers carry the run's open incidents (a guard: gradwatch._guard)
         self._kept = threading.local()
         self._lock = threading.Lock()
         self._open: list[http.client.HTTPConnection] = []  # every thread's kept connection, for close()
@@ -121,8 +122,10 @@ class HttpTransport:
         return self.send_encoded(run_id, dumps(batch).encode())
 
     def send_encoded(self, run_id: str, body: bytes) -> dict[str, Any]:
-        """send_batch for a batch already encoded as JSON (a spool record is sent as it was written)."""
-        return self._post(f"/api/v1/runs/{run_id}/batches", body)
+        """send_batch for a batch already encoded as JSON (a spool record is sent as it was written).
+        With ask_incidents (a guard watches the run), the answer carries the run's open incidents."""
+        query = "?guard=true" if self.ask_incidents else ""
+        return self._post(f"/api/v1/runs/{run_id}/batches{query}", body)
 
     def close(self) -> None:
         """Close the kept connections (a later request opens a new one)."""

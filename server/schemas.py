@@ -461,6 +461,11 @@ class BatchAck(BaseModel):
         description="present when a later process resumed the rank at this step: the batch's data from "
         "this step on was not stored (it belongs to a process the resume replaced)",
     )
+    incidents: list[dict[str, Any]] | None = Field(
+        None,
+        description="with ?guard=true: the run's open incidents after this batch (id, severity, cause_key, "
+        "title, cause, next_steps, first_step, last_healthy_step, suspect_steps, suspect_batches, ...)",
+    )
 
 
 class SeriesOut(BaseModel):

@@ -73,6 +73,15 @@ class GradwatchTracker(GeneralTracker):  # type: ignore[misc]  # accelerate ship
         scaler = getattr(accelerator, "scaler", None)
         return self._ensure_run().watch(model, inner, scaler=scaler, **options)
 
+    def stop_requested(self, accelerator: Any) -> bool:
+        """Whether to stop, the same answer on every process: sets the Accelerator's trigger when this
+        run's guard (watch(..., guard=...)) stopped training, then reads it with check_trigger (a
+        collective: call it at the same step on every process). `if tracker.stop_requested(accelerator):
+        break`."""
+        if self._run is not None and self._run.should_stop:
+            accelerator.set_trigger()
+        return bool(accelerator.check_trigger())
+
     def finish(self) -> None:
         if self._run is not None and self._owns_run:
             self._run.finish()

@@ -7,7 +7,10 @@ Watches the model and the Trainer's optimizer (and Accelerate's GradScaler under
 on_train_begin, forwards the Trainer's logs as hf/* (loss, learning_rate, grad_norm…) at the step
 they describe, the last one done, the loss also as `loss` (the Trainer's mean over its logging
 window: what the loss charts and alerts read), and finishes the run at the end of training. Pass
-run= to use a run you created yourself (it is then not finished here).
+run= to use a run you created yourself (it is then not finished here). With
+watch_options={"guard": gradwatch.Guard(...)} (or True), a step after which the guard stopped training
+sets the Trainer's control.should_training_stop: the Trainer ends as after its last step (it saves and
+logs as configured).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class GradwatchCallback(TrainerCallback):
             # (the watched run's, else the Trainer's own global_step, which counts from 1).
             done = self.run.step if self._watching else getattr(state, "global_step", 0)
             self.run.log(numeric, step=max(done - 1, 0))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.run is not None and self.run.should_stop:
+            control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.run is not None and self._owns_run:

@@ -50,6 +50,8 @@ class GradwatchCallback(pl.Callback):
     ) -> None:
         if self.run is None:
             return
+        if self.run.should_stop:  # the guard (watch_options={"guard": ...}) stopped training
+            trainer.should_stop = True
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is None or not hasattr(loss, "detach"):
             return

@@ -82,6 +82,37 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
     }
 
 
+def guard_document(incident: Incident) -> dict[str, Any]:
+    """An open incident as the run's own agent reads it in a batch's acknowledgement (its guard acts on
+    it): what, how bad, where it began, the last healthy step to rewind to, and the batches the
+    evidence suspects. No project or run names: the agent knows its run."""
+    findings = json.loads(incident.findings_json)
+    batches: list[Any] = []
+    for finding in findings:
+        evidence = finding.get("evidence") if isinstance(finding, dict) else None
+        for batch in (evidence or {}).get("batch_ids") or []:
+            if batch not in batches and len(batches) < 64:
+                batches.append(batch)
+    return {
+        "id": incident.id,
+        "status": incident.status,
+        "severity": incident.severity,
+        "family": incident.family,
+        "cause_key": incident.cause_key,
+        "title": incident.title,
+        "cause": incident.cause,
+        "next_steps": json.loads(incident.next_steps_json),
+        "rules": json.loads(incident.rules_json),
+        "layers": json.loads(incident.layers_json),
+        "first_step": incident.first_step,
+        "last_step": incident.last_step,
+        "last_healthy_step": max(incident.first_step - 1, -1),
+        "suspect_steps": [incident.first_step, incident.last_step],
+        "suspect_batches": batches,
+        "link": incident.link,
+    }
+
+
 ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_divergence", "loss_non_finite")
 
 

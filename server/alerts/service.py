@@ -19,7 +19,7 @@ from ..storage import alerts as alert_tables
 from ..storage.codecs import iso_time
 from ..storage.queries import require_run
 from .engine import AlertEngine, alert_document
-from .incidents import RunVerdict, incident_document, verdict
+from .incidents import RunVerdict, guard_document, incident_document, verdict
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
 from .webhooks import render, validate_url
 
@@ -207,6 +207,11 @@ class AlertService:
             run = require_run(session, run_id)
             documents = [incident_document(i, run.name) for i in alert_tables.run_incidents(session, run_id)]
             return documents[:limit], len(documents), verdict(documents)
+
+    def guard_incidents(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's open incidents as its agent's guard reads them (see incidents.guard_document)."""
+        with self._transaction() as session:
+            return [guard_document(i) for i in alert_tables.open_incidents(session, run_id)]
 
     def get_incident(self, incident_id: int) -> dict[str, Any]:
         with self._transaction() as session:

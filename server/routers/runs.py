@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import JSONResponse
 
-from ..deps import PrincipalDep, RunNames, RunNamesDep, StoreDep, authorize_run
+from ..deps import AlertsDep, PrincipalDep, RunNames, RunNamesDep, StoreDep, authorize_run
 from ..ingest_limits import RESPONSES as INGEST_REFUSALS
 from ..ingest_limits import charge_ingest
 from ..schemas import (
@@ -153,8 +153,19 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
     responses=INGEST_REFUSALS,
     response_model=BatchAck,
 )
-def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: PrincipalDep) -> JSONResponse:
-    """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored."""
+def ingest_batch(
+    run_id: str,
+    batch: BatchIn,
+    store: StoreDep,
+    principal: PrincipalDep,
+    alerts: AlertsDep,
+    guard: Annotated[
+        bool,
+        Query(description="answer the run's open incidents too (an agent whose guard acts on them)"),
+    ] = False,
+) -> JSONResponse:
+    """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored. With
+    guard=true the acknowledgement also carries the run's open incidents, as judged after this batch."""
     run_id = authorize_run(store, principal, run_id, "ingest")
     # Replacing a finished run's steps (a resume below them) is an admin's; a job's token only adds.
     result = store.ingest(run_id, batch, may_rewrite_history=principal.open or "admin" in principal.scopes)
@@ -163,6 +174,8 @@ def ingest_batch(run_id: str, batch: BatchIn, store: StoreDep, principal: Princi
     ack: dict[str, object] = {"duplicate": result.duplicate, "points": result.points, "events": result.events}
     if result.superseded_from is not None:
         ack["superseded_from"] = result.superseded_from
+    if guard:
+        ack["incidents"] = alerts.guard_incidents(run_id)
     return JSONResponse(ack)
 
 

@@ -5,6 +5,7 @@ import torch
 from training import RecordingTransport
 
 import gradwatch
+from gradwatch import Guard
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -179,3 +180,114 @@ def test_accelerate_tracker_records_config_logs_and_gradients(sqlite_server, pre
     assert global_norm["values"] == pytest.approx(clip_norms, rel=1e-5) and min(clip_norms) > 0.1
     assert loss["steps"] == [0, 1, 2, 3, 4] and "phase" not in keys and "grad/global_norm" in keys
     assert norms["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"] and len(norms["steps"]) == 5
+
+
+CRITICAL = {"id": 7, "status": "open", "severity": "critical", "cause_key": "loss_divergence", "title": "t"}
+
+
+def test_hugging_face_trainer_stops_when_the_guard_does(tmp_path):
+    """An incident arriving after step 2 (as a batch's acknowledgement hands it to the guard) stops the
+    Trainer at the next step boundary: control.should_training_stop, no further step."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from gradwatch.integrations.huggingface import GradwatchCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    tokens = torch.randint(0, 32, (64, 8))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    run = gradwatch.init(project="hf", transport=RecordingTransport())
+
+    class Arrives(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                run.guard.receive([CRITICAL])
+
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+        callbacks=[Arrives(), GradwatchCallback(run=run, watch_options={"guard": True})],
+    )
+    trainer.train()
+    run.finish()
+    assert run.should_stop and run.guard.stopped_by["id"] == 7
+    assert trainer.state.global_step == 3  # step 3 ended at the boundary that took the incident
+
+
+def test_lightning_trainer_stops_when_the_guard_does(tmp_path):
+    import lightning.pytorch as pl
+
+    from gradwatch.integrations.lightning import GradwatchCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, index):
+            if self.global_step == 2 and run.guard is not None:
+                run.guard.receive([CRITICAL])  # arrives while step 2 trains
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    run = gradwatch.init(project="lightning", transport=RecordingTransport())
+    trainer = pl.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[GradwatchCallback(run=run, watch_options={"guard": Guard()})],
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+    run.finish()
+    assert run.should_stop and trainer.global_step == 3
+
+
+def test_accelerate_stops_every_process_through_its_trigger():
+    """tracker.stop_requested(accelerator): the guard's stop set as the Accelerator's trigger and read
+    back with check_trigger, the same answer on every process (one process here)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch import nn
+
+    from gradwatch.integrations.accelerate import GradwatchTracker
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    tracker = GradwatchTracker(project="accelerate", transport=RecordingTransport())
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model, optimizer = accelerator.prepare(
+        nn.Linear(8, 1), torch.optim.SGD(nn.Linear(8, 1).parameters(), 0.1)
+    )
+    run = tracker.watch(accelerator, model, optimizer, guard=True)
+    steps = 0
+    for step in range(20):
+        if tracker.stop_requested(accelerator):
+            break
+        if step == 2:
+            run.guard.receive([CRITICAL])  # arrives during step 2
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+        steps += 1
+    tracker.finish()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert steps == 3 and run.should_stop

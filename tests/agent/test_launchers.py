@@ -461,3 +461,24 @@ def test_accelerate_notebook_launcher_on_cpu_is_one_run(sqlite_server, api, tmp_
     _launch([_python("accelerate", job)], tmp_path)
     run_id, _ = _one_run(api, job, 2)
     _sent_before_the_group(api, run_id, 2)
+
+
+def test_the_guard_stops_every_ddp_rank_at_the_same_step(sqlite_server, api, tmp_path):
+    """Two gloo ranks, rank 0's data turns NaN at step 30: each rank learns of the critical incident
+    from its own batches' answers, at different moments; the ranks agree every sync_every steps, so
+    both loops stop at one step and neither is left waiting in a collective (the job exits)."""
+    job = _job(
+        sqlite_server,
+        tmp_path,
+        "guard-ddp",
+        init_method=f"file://{tmp_path / 'rendezvous'}",
+        steps=2000,
+        nan_at=30,
+        sync_every=5,
+    )
+    _launch([_python("guard", job)], tmp_path, timeout=180)
+    results = [json.loads(Path(job["out"], f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["stopped"] == results[1]["stopped"], results
+    stopped = results[0]["stopped"]
+    assert stopped is not None and 30 < stopped < 2000 and stopped % 5 == 0, results
+    assert results[0]["incident"] is not None  # rank 0 (or both) knew which incident

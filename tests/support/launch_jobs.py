@@ -10,6 +10,7 @@ OUT/rank{R}.json.
     python -m launch_jobs lightning JOB    Lightning Trainer(strategy="ddp_spawn") on CPU
     python -m launch_jobs accelerate JOB   Accelerate's notebook_launcher on CPU
     python -m launch_jobs accelerate-tracker JOB   the same, gradwatch as an Accelerate tracker
+    python -m launch_jobs guard JOB        two DDP ranks whose loop stops when gradwatch's guard says so
 
 JOB is JSON: server, spool_dir, project, out (folder), and optionally init_first (gradwatch.init()
 before init_process_group / Accelerator()), host (this "node"'s hostname, patched into
@@ -221,7 +222,54 @@ def accelerate_tracker(job: dict[str, Any]) -> None:
     notebook_launcher(accelerate_tracker_worker, args=(job,), num_processes=2, use_port=str(job["port"]))
 
 
+def guard_rank(local_rank: int, job: dict[str, Any]) -> None:
+    """One DDP rank whose loop stops when the guard says so (issue 38): from step job["nan_at"] rank 0's
+    batches hold a NaN record, so the loss turns NaN and a critical incident opens; each rank writes the
+    step its loop stopped at to OUT/rank{R}.json."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import gradwatch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=job["init_method"], rank=local_rank, world_size=2)
+    try:
+        run = _init(job, flush_every_steps=2)
+        model = nn.parallel.DistributedDataParallel(_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.watch(model, optimizer, guard=gradwatch.Guard(sync_every=job["sync_every"]))
+        stopped = None
+        for step in range(job["steps"]):
+            if run.should_stop:
+                stopped = step
+                break
+            x, y = _batch(step, local_rank)
+            if local_rank == 0 and step >= job["nan_at"]:
+                x[0, 0] = float("nan")
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            run.log({"loss": loss})
+            loss.backward()
+            optimizer.step()
+        incident = run.guard.stopped_by if run.guard is not None else None
+        run.finish()
+        Path(job["out"], f"rank{local_rank}.json").write_text(
+            json.dumps({"stopped": stopped, "incident": (incident or {}).get("cause_key")})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def guard(job: dict[str, Any]) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(guard_rank, args=(job,), nprocs=2, start_method="spawn", join=True)
+
+
 COMMANDS = {
+    "guard": guard,
     "spawn": spawn,
     "worker": worker,
     "node": node,

@@ -30,6 +30,7 @@ IN_THE_TREE = {
         "ResumeError": (RuntimeError,),
     },
     "gradwatch._transport": {"TransportError": ()},
+    "gradwatch._guard": {"TrainingHalted": ()},
     "gradwatch.server.errors": {
         "GradwatchServerError": (),
         "NotFound": (),
