@@ -22,6 +22,7 @@ __all__ = [
     "clip_saturation_steps",
     "dead_layers_steps",
     "divergence_steps",
+    "divergence_warning_steps",
     "forward_overflow_steps",
     "fp16_range_steps",
     "lr_ramp_steps",
@@ -89,6 +90,8 @@ HINTS = {
     "checkpoint before the spike; look for an lr change just before it.",
     "lr_jump": "The learning rate jumped far above anything the run used: check the scheduler and the "
     "config.",
+    "divergence_warning": "The loss started to climb while the gradient norm or the learning rate rose: "
+    "lower the learning rate before it diverges, and keep a checkpoint from before the climb.",
     "loss_divergence": "The loss left the range it had reached and has not come back: lower the learning "
     "rate (check the schedule's peak and warm-up) and rewind to the checkpoint before its best step.",
     "clip_saturation": "The clip fires on nearly every step at several times max_norm for a long stretch, so "
@@ -361,6 +364,17 @@ def rounded_away_steps() -> list[str]:
         (
             "Or use an optimizer with stochastic rounding / Kahan summation for bf16 weights; a higher "
             "learning rate only hides it."
+        ),
+    ]
+
+
+def divergence_warning_steps(best_step: int) -> list[str]:
+    """divergence_warning; best_step: the step the loss was at its best."""
+    return [
+        "Lower the learning rate now (halve it), or check the schedule's peak and warm-up.",
+        (
+            f"Keep the checkpoint from before step {best_step}: if the loss goes on climbing, rewind to it "
+            "(a guard, run.watch(..., guard=gradwatch.Guard()), can stop the job on the critical incident)."
         ),
     ]
 

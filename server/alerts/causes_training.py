@@ -225,6 +225,44 @@ def _update_ratio_outlier(
     )
 
 
+def _divergence_ahead(
+    by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
+) -> Result:
+    """A divergence_warning with nothing broken yet: the precursors, and what to do before it breaks."""
+    finding = by_rule.get("divergence_warning")
+    if finding is None or set(by_rule) & {"loss_divergence", "loss_non_finite", "lr_jump", "non_finite"}:
+        return None  # something broke: _divergence or the others name it
+    evidence: LossDivergenceEvidence = finding["evidence"]
+    steps = evidence.get("steps") or []
+    best = steps[0] if steps else finding["step"]
+    precursors = list(evidence.get("precursors") or [])
+    for rule, what in (("grad_norm_spike", "the gradient norm"), ("loss_spike", "the loss")):
+        if rule in by_rule:  # the spike rules' warnings join it: more evidence of the same climb
+            spike: SpikeEvidence = by_rule[rule]["evidence"]
+            precursors.append(f"{what} is {_x(spike.get('ratio'))}x its running median")
+    seen = "; ".join(precursors) if precursors else "the loss is climbing"
+    if evidence.get("key") == "lr":
+        what = (
+            f"The learning rate rose past the peak the run had settled on ({_x(evidence.get('ratio'))}x "
+            f"it at step {finding['step']}): a restart or schedule with a mistyped peak. Nothing has "
+            "broken yet; runs whose lr passes their stable peak this way usually diverge within tens of "
+            "steps."
+        )
+    else:
+        values = evidence.get("values") or [0.0, 0.0]
+        what = (
+            f"The loss is climbing ({_x(evidence.get('ratio'))}x its best level {values[0]:.4g} at step "
+            f"{best}) while {seen}: the precursors of a divergence (an lr too high for this point of "
+            "training). It has not left its range yet."
+        )
+    return (
+        "divergence_warning",
+        f"divergence ahead: {seen} (best step {best})",
+        what,
+        advice.divergence_warning_steps(best),
+    )
+
+
 def _divergence(
     by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int
 ) -> Result:

@@ -17,7 +17,7 @@ added since (NonFiniteEvidence's count) or hold a value of another shape.
     misuse                                 MisuseEvidence (details and layers when an event had numbers)
     grad_norm_spike, loss_spike            SpikeEvidence
     lr_jump                                LrJumpEvidence
-    loss_divergence                        LossDivergenceEvidence
+    loss_divergence, divergence_warning    LossDivergenceEvidence
     clip_saturation                        ClipSaturationEvidence
     update_ratio                           UpdateRatioBandEvidence
     update_ratio_outlier                   UpdateRatioOutlierEvidence
@@ -314,6 +314,7 @@ EVIDENCE_TYPES: dict[str, type[Any]] = {
     "lr_jump": LrJumpEvidence,
     "clip_saturation": ClipSaturationEvidence,
     "loss_divergence": LossDivergenceEvidence,
+    "divergence_warning": LossDivergenceEvidence,
     "update_ratio": UpdateRatioBandEvidence,
     "update_ratio_outlier": UpdateRatioOutlierEvidence,
     "underflow": UnderflowEvidence,

@@ -102,3 +102,53 @@ def test_the_users_loss_and_the_divided_amp_loss_never_mix_in_one_range():
     # amp/loss alone (no run.log) is judged as it is
     alone = [StepData(i, 0, scalars={"amp/loss": 0.25 if i < 60 else 1.5}) for i in range(90)]
     assert findings_of(feed(make_rule("loss_divergence"), alone)[0])
+
+
+# -- divergence_warning: the precursors, ahead of the loss leaving its range -------------------------
+
+
+def _first(rule, steps):
+    found = findings_of(feed(make_rule(rule), steps)[0])
+    return found[0] if found else (None, None)
+
+
+def test_a_climb_with_a_growing_gradient_norm_is_warned_at_least_5_steps_before_the_loss_leaves_its_range():
+    losses, norms = _gradual_divergence()
+    steps = _steps(losses, lrs=[1e-3] * len(losses), norms=norms)
+    warned, warning = _first("divergence_warning", steps)
+    left, _ = _first("loss_divergence", steps)
+    assert warned is not None and left is not None and left - warned >= 5, (warned, left)
+    assert warning.title.startswith("divergence ahead: loss ") and "the gradient norm rose" in warning.title
+    # the same climb with a flat gradient norm and lr: no precursor, no warning (loss_divergence still comes)
+    flat = _steps(losses, lrs=[1e-3] * len(losses), norms=[1.0] * len(losses))
+    assert _first("divergence_warning", flat) == (None, None) and _first("loss_divergence", flat)[0] == left
+
+
+def test_an_lr_past_the_peak_the_run_settled_on_is_warned_at_once_but_warm_up_and_restarts_are_not():
+    warm_cosine = [
+        1e-3 * min(1, (i + 1) / 50) * (0.5 + 0.5 * math.cos(math.pi * max(i - 50, 0) / 300))
+        for i in range(350)
+    ]
+    losses = [0.3 + 3 * math.exp(-i / 40) for i in range(350)]
+    assert _first("divergence_warning", _steps(losses, lrs=warm_cosine)) == (None, None)
+    sgdr = warm_cosine[:200] + warm_cosine[50:200]  # back to the same peak at step 200: healthy
+    assert _first("divergence_warning", _steps(losses[:350], lrs=sgdr[:350])) == (None, None)
+    mistyped = warm_cosine[:200] + [100 * v for v in warm_cosine[50:200]]  # a restart to 100x the peak
+    step, finding = _first("divergence_warning", _steps(losses[:350], lrs=mistyped[:350]))
+    assert step == 200 and finding.evidence["key"] == "lr" and finding.evidence["ratio"] > 2
+    assert "settled on" in finding.title
+
+
+def test_healthy_loss_curves_raise_no_warning_either():
+    noise = random.Random(1)
+    n = 400
+    for name, losses in {
+        "converged_noise": [
+            max(0.002, 2.3 * math.exp(-i / 20) + 0.005 + 0.015 * noise.random()) for i in range(n)
+        ],
+        "heavy_tailed": [0.4 + noise.expovariate(1 / 0.3) for i in range(1000)],
+        "bimodal_batches": [0.01 if noise.random() < 0.7 else 0.3 for i in range(n)],
+        "bumps": [(0.3 + 2 * math.exp(-i / 30)) * (10 if i % 37 == 0 and i > 50 else 1) for i in range(n)],
+    }.items():
+        norms = [1.0 + 3 * noise.random() for _ in losses]  # a noisy gradient norm that does not grow
+        assert _first("divergence_warning", _steps(losses, norms=norms)) == (None, None), name

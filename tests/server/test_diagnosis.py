@@ -497,3 +497,27 @@ def test_layers_stalled_by_a_vanishing_gradient_are_named_by_that_cause_not_by_p
     ]
     rounded = diagnose([_from_rule("not_learning", bf16, layers=layers)], RunContext(lr=[(0, 1e-5)]))
     assert rounded.cause_key == "rounded_away"
+
+
+def test_a_divergence_warning_is_told_as_ahead_until_something_breaks():
+    """The warning names its precursors and what to do before the run breaks; a spike rule's warning
+    joining it is more of the same evidence; a critical loss_divergence makes it the divergence."""
+    losses = [0.26 + 3.74 * math.exp(-i / 30) for i in range(150)] + [
+        0.26 + 4.94 * (i + 1) / 100 for i in range(100)
+    ]
+    norms = [1.0] * 150 + [1.0 + 20 * (i + 1) / 100 for i in range(100)]
+    steps = [
+        StepData(i, 0, scalars={"loss": v, "lr": 1e-3, "grad/global_norm": n})
+        for i, (v, n) in enumerate(zip(losses, norms, strict=True))
+    ]
+    warning = _from_rule("divergence_warning", steps)
+    ahead = diagnose([warning], RunContext(lr=[(0, 1e-3)]))
+    assert ahead.cause_key == "divergence_warning" and ahead.severity == "warning"
+    assert (
+        ahead.title.startswith("divergence ahead: the gradient norm rose") and "(best step 1" in ahead.title
+    )
+    assert "Lower the learning rate now" in ahead.next_steps[0] and "before step 1" in ahead.next_steps[1]
+    spike = _finding("grad_norm_spike", warning["step"] + 3, {"ratio": 12.0, "onset_step": warning["step"]})
+    assert diagnose([warning, spike], RunContext()).cause_key == "divergence_warning"
+    broke = _from_rule("loss_divergence", steps)
+    assert diagnose([warning, broke], RunContext()).cause_key == "divergence"

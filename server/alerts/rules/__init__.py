@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import CLEAR, LOSS_KEYS, Finding, Param, RuleType, StepData, Verdict
-from .divergence import LossDivergence
+from .divergence import DivergenceWarning, LossDivergence
 from .layers import DeadLayers, NotLearning, UnderflowFraction, UpdateRatioBand, UpdateRatioOutlier
 from .liveness import Heartbeat, RankDisagreement
 from .misuse import MISUSE_EVENTS, Misuse
@@ -59,6 +59,7 @@ __all__ = [
     "RULE_TYPES",
     "ClipSaturation",
     "DeadLayers",
+    "DivergenceWarning",
     "Finding",
     "GradNormSpike",
     "Heartbeat",
@@ -100,6 +101,7 @@ RULE_TYPES: dict[str, type[RuleType[Any]]] = {
         LossSpike,
         LrJump,
         LossDivergence,
+        DivergenceWarning,
         ClipSaturation,
         NoScaleGrowth,
         UpdateRatioBand,
@@ -126,6 +128,7 @@ DEFAULT_RULES: tuple[str, ...] = (
     "loss_spike",
     "lr_jump",
     "loss_divergence",
+    "divergence_warning",
     "clip_saturation",
     "underflow",
     "update_ratio_outlier",

@@ -32,7 +32,9 @@ from .base import (
 )
 from .states import LossDivergenceState
 
-__all__ = ["LossDivergence"]
+__all__ = ["DivergenceWarning", "LossDivergence"]
+
+UPPER_SPAN = 3  # the upper noise of the best level is read over this many baseline windows
 
 
 class LossDivergence(RuleType[LossDivergenceState]):
@@ -92,7 +94,7 @@ class LossDivergence(RuleType[LossDivergenceState]):
         value = data.scalars.get(key) if key is not None else None
         if key is None or not _finite(value):
             return None  # non-finite losses are loss_non_finite's
-        recent = state["recent"] = [*state["recent"], value][-max(self.smooth, self.baseline) :]
+        recent = state["recent"] = [*state["recent"], value][-max(self.smooth, UPPER_SPAN * self.baseline) :]
         state["count"] += 1
         level = statistics.median(recent[-self.smooth :])
         # The best level is the lowest median of `baseline` steps, not of `smooth`: the minimum of short
@@ -102,25 +104,34 @@ class LossDivergence(RuleType[LossDivergenceState]):
         if state["count"] <= self.warmup:
             state["start"] = level if state["start"] is None else max(state["start"], level)
         best = state["best"]
-        if best is None or center < best[1]:
+        # The noise's upper reach around the best level: the third-highest of the last 3 x baseline losses,
+        # a wider window than the one the best median was chosen from (a window picked for its low median
+        # is also one with few high batches); the best level is looked for once that window is full.
+        window = sorted(recent[-UPPER_SPAN * self.baseline :])
+        upper = window[max(len(window) - 3, 0)]
+        full = len(recent) >= UPPER_SPAN * self.baseline  # the upper reach is read over a full window
+        if full and (best is None or center < best[1]):
             best = state["best"] = [
                 data.step,
                 center,
                 self._norm(state),
                 state["lr"],
                 self._clip_share(state),
+                upper,
             ]
             state["rising"] = None
-        elif state.get("rising") is None and level >= (1 + self.factor) / 2 * best[1]:
+        elif best is not None and state.get("rising") is None and level >= (1 + self.factor) / 2 * best[1]:
             state["rising"] = data.step  # half way out of the range: where the climb shows
-        if state["count"] <= self.warmup or len(recent) < max(self.smooth, self.baseline):
+        if (
+            state["count"] <= self.warmup
+            or best is None
+            or len(recent) < max(self.smooth, UPPER_SPAN * self.baseline)
+        ):
             return None
         start, minimum = state["start"], best[1]
         if start is None or minimum <= 0:
             return None  # a loss that is not positive has no ratio to its minimum
-        left = level >= self.factor * minimum and level - minimum >= self.give_back * max(
-            start - minimum, 0.0
-        )
+        left = self._left(state, level, best, start)
         if left and data.step <= state["grace_until"]:
             left = level > start  # after a scheduled restart: only worse than where the run began
         state["streak"] = state.get("streak", 0) + 1 if left else 0
@@ -136,10 +147,28 @@ class LossDivergence(RuleType[LossDivergenceState]):
         state["open"] = True
         return self._finding(state, data.step, key, level, best)
 
+    def _left(self, state: LossDivergenceState, level: float, best: list[Any], start: float) -> bool:
+        """Whether the level is out of the range the best level set (before the restart grace)."""
+        minimum = best[1]
+        # Above the best window's own upper noise too: a loss whose batches alternate between two levels
+        # (0.01 and 0.3) has a best median near the lower one, and 3 high batches of 5 are no climb.
+        upper = best[5] if len(best) > 5 and _finite(best[5]) else minimum
+        return (
+            level >= self.factor * minimum
+            and level > upper
+            and level - minimum >= self.give_back * max(start - minimum, 0.0)
+        )
+
+    def _headline(self, key: str, level: float, minimum: float, best_step: int) -> str:
+        return (
+            f"{key} left its range: {level:.4g} (median of {self.smooth} steps) is {level / minimum:.3g}x "
+            f"its best level {minimum:.4g} at step {best_step}"
+        )
+
     def _finding(
         self, state: LossDivergenceState, step: int, key: str, level: float, best: list[Any]
     ) -> Finding:
-        best_step, minimum, norm_then, lr_then, clip_then = best
+        best_step, minimum, norm_then, lr_then, clip_then = best[:5]
         norm_now, lr_now, clip_now = self._norm(state), state["lr"], self._clip_share(state)
         precursors: list[str] = []
         if _finite(norm_then) and _finite(norm_now) and norm_then > 0 and norm_now >= 2 * norm_then:
@@ -151,8 +180,7 @@ class LossDivergence(RuleType[LossDivergenceState]):
         since = f"; since then {', '.join(precursors)}" if precursors else ""
         return Finding(
             step,
-            f"{key} left its range: {level:.4g} (median of {self.smooth} steps) is {level / minimum:.3g}x "
-            f"its best level {minimum:.4g} at step {best_step}{since}",
+            self._headline(key, level, minimum, best_step) + since,
             LossDivergenceEvidence(
                 key=key,
                 steps=[int(best_step), step],
@@ -211,3 +239,94 @@ class LossDivergence(RuleType[LossDivergenceState]):
     def _clip_share(state: LossDivergenceState) -> float | None:
         clipped = state["clipped"]
         return sum(clipped) / len(clipped) if len(clipped) >= 5 else None
+
+
+class DivergenceWarning(LossDivergence):
+    """Before the loss leaves its range: the precursors a divergence shows first (issue 38).
+
+    - The loss has started to climb (its median `factor` times its best level and `give_back` of the
+      progress lost) while the gradient norm grew `norm_rise` times since the best step, or the learning
+      rate `lr_rise` times: the climb of a run whose lr is too high for where it is, not noise.
+    - Or, whatever the loss does yet, the learning rate rose past `lr_rise` times the peak the run had
+      settled on (a peak no higher lr followed for `lr_settle` steps): a restart or a schedule with a
+      mistyped peak. A warm-up never has a settled peak above it; a scheduled restart back to the peak
+      does not pass it.
+    A warning: the loss_divergence incident, if the climb goes on, follows as critical in the same
+    incident."""
+
+    name = "divergence_warning"
+    severity = "warning"
+    description = (
+        "Precursors of a divergence: on `sustain` steps in a row the loss's median is at least `factor` "
+        "times its best level (and gave back `give_back` of its progress) while the gradient norm grew "
+        "`norm_rise` times since that best step or the lr `lr_rise` times; or the lr rose past `lr_rise` "
+        "times the peak the run had settled on (no higher lr for `lr_settle` steps)."
+    )
+    params: ClassVar[dict[str, Param]] = {
+        **LossDivergence.params,
+        "factor": Param(1.5, minimum=1.0, exclusive_minimum=True, doc="median / best level"),
+        "give_back": Param(0.02, minimum=0.0, maximum=1.0, doc="share of the progress lost again"),
+        "norm_rise": Param(2.0, minimum=1.0, doc="gradient norm now / at the best step"),
+        "lr_rise": Param(2.0, minimum=1.0, exclusive_minimum=True, doc="lr now / settled peak or best"),
+        "lr_settle": Param(20, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps without a higher lr"),
+    }
+
+    def observe(self, state: LossDivergenceState, data: StepData, layers: list[str]) -> Verdict:
+        verdict = super().observe(state, data, layers)
+        peak, lr = state.get("lr_settled"), state["lr"]
+        if isinstance(verdict, Finding) or not (_finite(peak) and _finite(lr) and peak > 0):
+            return verdict
+        if lr < self.lr_rise * peak:
+            return verdict
+        state["open"] = True
+        return Finding(
+            data.step,
+            f"the learning rate {lr:.3g} is {lr / peak:.3g}x the peak {peak:.3g} the run had settled on: "
+            "a restart or schedule with a mistyped peak, before the loss shows it",
+            LossDivergenceEvidence(
+                key="lr",
+                steps=[int(state.get("lr_settled_step") or data.step), data.step],
+                values=[peak, lr],
+                ratio=lr / peak,
+                start_level=float(state["start"] or 0.0),
+                onset_step=data.step,
+                rising_step=None,
+                grad_norm=[None, self._norm(state)],
+                lr=[peak, lr],
+                clipped_share=[None, self._clip_share(state)],
+                precursors=[f"the learning rate rose {lr / peak:.3g}x past its settled peak"],
+            ),
+        )
+
+    def _track(self, state: LossDivergenceState, data: StepData) -> None:
+        previous_max = state["lr_max"]
+        super()._track(state, data)
+        lr = data.scalars.get("lr")
+        if not _finite(lr):
+            return
+        if previous_max is not None and lr > previous_max:
+            state["lr_flat"] = 0  # still rising (a warm-up): no settled peak yet
+        else:
+            state["lr_flat"] = state.get("lr_flat", 0) + 1
+            if state["lr_flat"] >= self.lr_settle and state.get("lr_settled") is None:
+                state["lr_settled"], state["lr_settled_step"] = state["lr_max"], data.step
+
+    def _left(self, state: LossDivergenceState, level: float, best: list[Any], start: float) -> bool:
+        if not super()._left(state, level, best, start):
+            return False
+        norm_then, lr_then = best[2], best[3]
+        norm_now, lr_now = self._norm(state), state["lr"]
+        norm_grew = (
+            _finite(norm_then)
+            and _finite(norm_now)
+            and norm_then > 0
+            and norm_now >= self.norm_rise * norm_then
+        )
+        lr_grew = _finite(lr_then) and _finite(lr_now) and lr_then > 0 and lr_now >= self.lr_rise * lr_then
+        return bool(norm_grew or lr_grew)
+
+    def _headline(self, key: str, level: float, minimum: float, best_step: int) -> str:
+        return (
+            f"divergence ahead: {key} {level:.4g} is {level / minimum:.3g}x its best level {minimum:.4g} "
+            f"(step {best_step}) and climbing"
+        )

@@ -135,10 +135,12 @@ class LossSpikeState(SpikeState):
 
 
 class LossDivergenceState(TypedDict):
-    recent: list[float]  # the latest max(smooth, baseline) finite losses
+    recent: list[float]  # the latest max(smooth, 3 x baseline) finite losses
     count: int  # finite losses seen
     start: float | None  # the highest level (median) of the first `warmup` losses
-    best: list[Any] | None  # [step, median of `baseline`, grad norm, lr, clip share] where it was lowest
+    # [step, median of `baseline`, grad norm, lr, clip share, the third-highest of the last 3 x baseline
+    # losses] where the median was lowest
+    best: list[Any] | None
     norms: list[float]  # the latest `smooth` finite gradient norms
     clipped: list[int]  # 1 where the clip cut, of the latest 20 steps with a known max_norm
     lr: float | None
@@ -149,6 +151,10 @@ class LossDivergenceState(TypedDict):
     rising: NotRequired[int | None]  # the first step since the best one at half way out of the range
     streak: NotRequired[int]  # consecutive steps out of range
     out_since: NotRequired[int | None]  # the first step of the latest streak out of range
+    # divergence_warning: steps since the lr last rose, and the peak it settled on (and where)
+    lr_flat: NotRequired[int]
+    lr_settled: NotRequired[float | None]
+    lr_settled_step: NotRequired[int | None]
 
 
 class LrJumpState(TypedDict):

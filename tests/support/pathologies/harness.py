@@ -34,6 +34,9 @@ class Scenario:
     name: str
     pathology: str | None  # None: a healthy control
     onset_step: int | None  # first optimizer step where the problem is present
+    # Where a divergence's precursors begin (the loss starting to climb, before onset_step's definition of
+    # "diverged"): a warning from here on is an early detection, not a false one. None: the onset.
+    precursors_from: int | None = None
     layers: list[str] = field(default_factory=list)  # affected parameter names, if the cause has any
     cause: str | None = None  # the incident cause_key a right diagnosis names, where pinned
     precision: str = "fp32"

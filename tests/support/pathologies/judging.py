@@ -81,8 +81,8 @@ class Verdict:
 
     count: int
     first_step: int | None
-    detected: bool  # a pathology: some notification at onset <= step <= onset + DETECTION_WINDOW
-    latency: int | None  # first detecting step - onset
+    detected: bool  # a pathology: a notification at onset (or precursors_from) <= step <= onset + WINDOW
+    latency: int | None  # first detecting step - onset (negative: a warning ahead of the divergence)
     layer_named: bool | None  # None where the scenario names no layers or nothing was detected
 
     @property
@@ -97,10 +97,11 @@ def judge(scenario: Scenario, notified: list[tuple[int | None, tuple[str, ...]]]
     if scenario.onset_step is None:
         return Verdict(len(notified), first, False, None, None)
     onset = scenario.onset_step
+    earliest = min(onset, scenario.precursors_from) if scenario.precursors_from is not None else onset
     hits = [
         (step, layers)
         for step, layers in notified
-        if step is not None and onset <= step <= onset + DETECTION_WINDOW
+        if step is not None and earliest <= step <= onset + DETECTION_WINDOW
     ]
     latency = min(step for step, _ in hits) - onset if hits else None
     layer_named = None

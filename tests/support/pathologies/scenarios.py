@@ -538,6 +538,7 @@ def lr_too_high_fp32(new_run: RunFactory | None = None) -> Scenario:
             if len(s.losses) > 20 and not any(_finite(x) for x in s.losses[-20:]):
                 break  # diverged for good: the job would have been killed here
     s.onset_step = _divergence_onset(s.losses)
+    s.precursors_from = _divergence_onset(s.losses, factor=1.5)  # the climb shows (step 123)
     onset = s.onset_step or 0
     baseline = sorted(s.grad_norms[:20])[10]
     window = s.grad_norms[onset : onset + 100]
