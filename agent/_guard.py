@@ -115,8 +115,9 @@ class Guard:
 
     # -- the training thread -----------------------------------------------------------------------
 
-    def at_step_boundary(self, step: int) -> None:
-        """Hand what arrived to the user and decide whether to stop (the step that ended is step-1)."""
+    def at_step_boundary(self, step: int) -> bool:
+        """Hand what arrived to the user and decide whether to stop (the step that ended is step-1).
+        True when training stops here (once): the run records a `guard_stop` event."""
         with self._lock:
             arrived, self._arrived = self._arrived, {}
         for incident_id, incident in sorted(arrived.items()):
@@ -128,12 +129,12 @@ class Guard:
             if self._wants_stop is None and self._stops(incident):
                 self._wants_stop = incident
         if self.should_stop or (self._wants_stop is None and not _distributed()):
-            return
+            return False
         if _distributed():
             if step % self.sync_every:
-                return
+                return False
             if not _any_rank(self._wants_stop is not None):
-                return
+                return False
         self.should_stop = True
         self.stopped_at_step = step
         self.stopped_by = dict(self._wants_stop or {"title": "another rank's guard stopped training"})
@@ -141,6 +142,13 @@ class Guard:
         logger.warning(
             "gradwatch: the guard stops training at step %s: %s", step, self.stopped_by.get("title")
         )
+        return True
+
+    def stop_event(self) -> dict[str, Any]:
+        """The `guard_stop` event's data: what stopped training, and where to rewind to."""
+        incident = self.stopped_by or {}
+        keys = ("id", "cause_key", "severity", "title", "first_step", "last_healthy_step", "suspect_batches")
+        return {key: incident.get(key) for key in keys}
 
     def halt_if_asked(self) -> None:
         """run.log(): raise TrainingHalted once, when the user opted in and training should stop."""

@@ -55,8 +55,9 @@ class _RunSink:
     def step_recorded(self) -> None:
         run = self._run
         run._maybe_flush()
-        if run.guard is not None:  # a step boundary, in the training thread: the guard acts here
-            run.guard.at_step_boundary(run._step)
+        # A step boundary, in the training thread: the guard acts here; its stop is an event of the run.
+        if run.guard is not None and run.guard.at_step_boundary(run._step):
+            run.buffer.add_event(run._step, "guard_stop", run.guard.stop_event())
 
     def report_rank_at_finish(self) -> None:
         self._run.reports_rank = True

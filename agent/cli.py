@@ -260,7 +260,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except (SchemaError, RuntimeError) as exc:
         print(f"gradwatch: {exc}", file=sys.stderr)
         return 2
-    cfg = DemoConfig(steps=args.steps, step_delay=args.step_delay)
+    cfg = DemoConfig(steps=args.steps, step_delay=args.step_delay, diverge_at=250 if args.diverge else None)
     print(f"gradwatch dashboard: {server.url}/dashboard/", flush=True)
     print(f"database:            {_shown_database(args.database_url)}", flush=True)
     try:
@@ -442,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer steps to train (default: %(default)s; GRADWATCH_DEMO_STEPS sets it)",
     )
     demo.add_argument("--exit", action="store_true", help="stop serving when training ends")
+    demo.add_argument(
+        "--diverge",
+        action="store_true",
+        help="instead of the overflow burst, a warm restart at step 250 to a peak lr 100x too high: "
+        "gradwatch warns, and its guard (watch(guard=True)) stops the run on the critical incident",
+    )
     demo.add_argument(
         "--step-delay",
         type=float,

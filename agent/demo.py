@@ -28,6 +28,16 @@ class DemoConfig:
     overflow_steps: int = 4  # how many consecutive steps overflow (scale drops 2**overflow_steps x)
     seed: int = 0
     step_delay: float = 0.0  # seconds to sleep per step, to watch the charts move
+    # --diverge: from this step a warm restart ramps the lr over 50 steps to a peak 100x too high (instead
+    # of the overflow burst); the guard stops the run on the critical incident
+    diverge_at: int | None = None
+
+
+def demo_lr(cfg: DemoConfig, step: int) -> float:
+    """The demo's learning rate: constant, or with --diverge a restart to a mistyped peak (100x)."""
+    if cfg.diverge_at is None or step < cfg.diverge_at:
+        return cfg.lr
+    return cfg.lr * min(100.0, 1 + 99 * (step - cfg.diverge_at + 1) / 50)
 
 
 def build_model(cfg: DemoConfig) -> Any:
@@ -79,13 +89,24 @@ def train(run: Any, cfg: DemoConfig, log: Any = print) -> None:
     model = build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     scaler = torch.amp.GradScaler("cpu", growth_interval=100)
-    run.watch(model, optimizer, scaler=scaler)
+    diverging = cfg.diverge_at is not None
+    run.watch(model, optimizer, scaler=scaler, guard=diverging)  # the guard only when asked to diverge
     loss_fn = torch.nn.CrossEntropyLoss()
     started = time.perf_counter()
     for step in range(cfg.steps):
+        if run.should_stop:  # the guard stopped training on a critical incident: say where to rewind to
+            incident = run.guard.stopped_by or {}
+            log(
+                f"step {step:5d}  the guard stopped training: {incident.get('title')}; rewind to a "
+                f"checkpoint at or before step {incident.get('last_healthy_step')} ({incident.get('link')})"
+            )
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = demo_lr(cfg, step)
         tokens = synthetic_batch(cfg, generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        model.blowup = 1e4 if cfg.overflow_at <= step < cfg.overflow_at + cfg.overflow_steps else 1.0
+        burst = not diverging and cfg.overflow_at <= step < cfg.overflow_at + cfg.overflow_steps
+        model.blowup = 1e4 if burst else 1.0
         with torch.autocast("cpu", dtype=torch.float16):
             logits = model(inputs)
         loss = loss_fn(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
@@ -103,4 +124,4 @@ def train(run: Any, cfg: DemoConfig, log: Any = print) -> None:
             log(f"step {step:5d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}")
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
-    log(f"trained {cfg.steps} steps in {time.perf_counter() - started:.1f} s")
+    log(f"trained {run.step} steps in {time.perf_counter() - started:.1f} s")

@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 _SEVERITY_ORDER = {"critical": 0, "warning": 1}
+# The incidents whose cure may be a rewind: a run that diverged, overflowed or met bad data.
+REWINDABLE = ("divergence", "precision", "data")
 MAX_STREAK_LAYERS = 50  # layers named in a skip streak's hover text
 
 
@@ -154,6 +156,15 @@ def _incident_card(incident: dict[str, Any], run_href: RunHref) -> html.Div:
     children: list[Any] = [html.Div(head, className="incident-head")]
     if incident.get("cause"):
         children.append(html.P(str(incident["cause"]), className="incident-cause"))
+    first = incident.get("first_step")
+    if isinstance(first, int) and _is_step(first) and first > 0 and incident.get("family") in REWINDABLE:
+        children.append(
+            html.P(
+                f"Last healthy step: {format_step(first - 1)}. To rewind, restore a checkpoint from at or "
+                "before it and skip the batches from there to where training stopped.",
+                className="incident-rewind",
+            )
+        )
     findings = [item for item in incident.get("findings") or [] if isinstance(item, dict)]
     if findings:
         children.append(

@@ -304,6 +304,24 @@ def _divergence(
     else:
         rewind = spikes if spikes is not None else step
         good_lr = _lr_at(context, rewind)
+        announced = by_rule.get("divergence_warning")
+        start = finding_onset(announced) if announced is not None else rewind
+        lr_before = _lr_at(context, start - 1) or good_lr
+        peak = max((lr for s, lr in context.lr if s >= start), default=None)
+        if lr_before and peak and peak >= 2 * lr_before:  # a ramp since the warning: not "lr unchanged"
+            rewind = min(rewind, start)
+            return (
+                "divergence",
+                (
+                    f"the learning rate rose {_x(peak / lr_before)}x from step {start} ({lr_before:.3g} -> "
+                    f"{peak:.3g}); the run diverges"
+                ),
+                (
+                    f"From step {start} the learning rate rose {_x(peak / lr_before)}x to {peak:.3g} (a "
+                    f"restart or schedule whose peak is too high) and training diverges since{since}."
+                ),
+                advice.divergence_steps(None, lr_before, rewind),
+            )
         lr_now = f" ({good_lr:.3g})" if good_lr else ""
         # With the lr unchanged, the evidence so far fits two causes: which one tells itself in the next
         # steps (a burst clears, and the incident is then updated; a divergence stays up).

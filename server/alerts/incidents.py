@@ -106,7 +106,7 @@ def guard_document(incident: Incident) -> dict[str, Any]:
         "layers": json.loads(incident.layers_json),
         "first_step": incident.first_step,
         "last_step": incident.last_step,
-        "last_healthy_step": max(incident.first_step - 1, -1),
+        "last_healthy_step": max(incident.first_step - 1, -1),  # an earlier one of its family: the service
         "suspect_steps": [incident.first_step, incident.last_step],
         "suspect_batches": batches,
         "link": incident.link,

@@ -32,6 +32,10 @@ __all__ = ["AlertService"]
 MAX_RULES_PER_PROJECT = 100
 
 
+# The incidents a rewind to a checkpoint may cure: a run that diverged, overflowed or met bad data.
+REWINDABLE_FAMILIES = ("divergence", "precision", "data")
+
+
 class AlertService:
     def __init__(self, engine: Engine, alert_engine: AlertEngine, settings: Settings) -> None:
         self.engine = engine
@@ -211,7 +215,21 @@ class AlertService:
     def guard_incidents(self, run_id: str) -> list[dict[str, Any]]:
         """The run's open incidents as its agent's guard reads them (see incidents.guard_document)."""
         with self._transaction() as session:
-            return [guard_document(i) for i in alert_tables.open_incidents(session, run_id)]
+            documents = [guard_document(i) for i in alert_tables.open_incidents(session, run_id)]
+        # A critical incident that an open warning announced (divergence ahead, then overflows and the loss
+        # out of range: an incident of its own once the warning was notified) was last healthy before the
+        # warning: rewind there. Both must be of the kinds a rewind cures and still active together.
+        for document in documents:
+            if document["family"] not in REWINDABLE_FAMILIES:
+                continue
+            earlier = [
+                other["first_step"]
+                for other in documents
+                if other["family"] in REWINDABLE_FAMILIES
+                and other["first_step"] <= document["first_step"] <= other["last_step"] + 1
+            ]
+            document["last_healthy_step"] = max(min([document["first_step"], *earlier]) - 1, -1)
+        return documents
 
     def get_incident(self, incident_id: int) -> dict[str, Any]:
         with self._transaction() as session:

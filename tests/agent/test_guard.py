@@ -68,7 +68,7 @@ def test_a_critical_incident_stops_a_plain_loop_within_a_flush_and_the_callback_
     run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
     run.watch(model, optimizer, guard=Guard(on_incident=on_incident))
     stopped_at = None
-    for step in range(400):
+    for step in range(20_000):  # until the guard stops it (a few hundred steps)
         if run.should_stop:
             stopped_at = step
             break
@@ -99,7 +99,7 @@ def test_run_log_raises_training_halted_when_asked_to(api_server):
     run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
     run.watch(model, optimizer, guard=Guard(raise_on_stop=True))
     with pytest.raises(TrainingHalted) as halted:
-        for step in range(400):
+        for step in range(20_000):  # until the guard stops it (a few hundred steps)
             x, y = _batch(step)
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad(set_to_none=True)
@@ -153,3 +153,30 @@ def test_incidents_are_handed_over_once_per_version_and_a_failing_callback_never
     guard.at_step_boundary(7)
     assert len(calls) == 1  # the callback failed once: not called again (one warning)
     assert guard.should_stop and guard.stopped_at_step == 7 and guard.stopped_by["id"] == 2
+
+
+def test_the_stop_is_an_event_of_the_run(api_server):
+    """The guard's stop is recorded (event guard_stop: what stopped it, the last healthy step), so the
+    run page's events show where and why training stopped."""
+    import httpx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
+    run.watch(model, optimizer, guard=True)
+    for step in range(20_000):  # until the guard stops it (a few hundred steps)
+        if run.should_stop:
+            break
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        run.log({"loss": loss})
+    run.finish()
+    with httpx.Client(base_url=api_server.url) as client:
+        events = client.get(f"/api/v1/runs/{run.id}/events").json()["data"]
+    [stop] = [e for e in events if e["kind"] == "guard_stop"]
+    assert stop["step"] == run.guard.stopped_at_step and stop["data"]["last_healthy_step"] == NAN_AT - 1
+    assert stop["data"]["severity"] == "critical"

@@ -431,3 +431,10 @@ def test_run_page_opens_with_a_critical_verdict_and_the_incident_diagnosis(full_
     card.wait_for(timeout=20_000)
     assert "step 25" in card.inner_text() and "sample-25" in card.inner_text()
     assert page.problems == []
+
+
+def test_an_incident_card_names_the_last_healthy_step_to_rewind_to_where_a_rewind_may_cure_it():
+    (card,) = verdict.incident_cards([incident(3, family="divergence")], run_href)
+    assert "Last healthy step: 1,199. To rewind, restore a checkpoint from at or before it" in as_text(card)
+    (stalled,) = verdict.incident_cards([incident(4, family="stalled")], run_href)
+    assert "Last healthy step" not in as_text(stalled)  # a frozen layer is not cured by a rewind

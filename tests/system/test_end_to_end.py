@@ -158,3 +158,47 @@ def test_tags_given_to_init_reach_the_server_and_filter_runs(api_server):
         assert [r["id"] for r in listed] == [run.id] and listed[0]["tags"] == ["baseline", "fp16"]
     with pytest.raises(ValueError, match="tags"):
         gradwatch.init(project="tagged", tags=["x" * 101], mode="offline")
+
+
+def test_demo_diverge_warns_then_its_guard_stops_the_run_with_the_point_to_rewind_to(tmp_path):
+    """`gradwatch demo --diverge --exit` (issue 38, item 5): the restart to a 100x peak lr at step 250
+    is warned first (divergence ahead), then critical findings follow; the guard stops the loop, the run
+    records where (guard_stop) and the rewind point is before the warning, which the demo prints."""
+    port = free_port()
+    env = os.environ | {"GRADWATCH_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gradwatch.cli", "demo", "--diverge", "--exit", "--port", str(port)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the guard stopped training:" in done.stdout, done.stdout
+
+    from gradwatch.server.serve import BackgroundServer
+    from gradwatch.server.settings import Settings
+
+    server = BackgroundServer(
+        Settings(database_url=f"sqlite:///{tmp_path / 'demo.db'}"),
+        "127.0.0.1",
+        free_port(),
+        with_dashboard=False,
+    ).start()
+    try:
+        with httpx.Client(base_url=server.url) as c:
+            [run] = c.get("/api/v1/runs").json()["data"]
+            incidents = c.get("/api/v1/incidents", params={"run_id": run["id"]}).json()["data"]
+            events = c.get(f"/api/v1/runs/{run['id']}/events", params={"kind": "guard_stop"}).json()["data"]
+    finally:
+        server.stop()
+    # The warning opens an incident of its own when it was notified before the escalation, else the
+    # critical findings join its incident: either way a warning came first, from step 250 on.
+    warned = min(i["first_step"] for i in incidents if "divergence_warning" in i["rules"])
+    assert warned >= 250 and any(i["severity"] == "critical" for i in incidents)
+    [stop] = events
+    assert stop["data"]["severity"] == "critical" and stop["step"] < 400
+    # the rewind point: before the warning that announced it, not merely before the critical findings
+    assert stop["data"]["last_healthy_step"] == warned - 1
+    assert f"at or before step {warned - 1}" in done.stdout
