@@ -107,10 +107,10 @@ class LossDivergence(RuleType[LossDivergenceState]):
         # The noise's upper reach around the best level: the third-highest of the last 3 x baseline losses,
         # a wider window than the one the best median was chosen from (a window picked for its low median
         # is also one with few high batches); the best level is looked for once that window is full.
-        window = sorted(recent[-UPPER_SPAN * self.baseline :])
-        upper = window[max(len(window) - 3, 0)]
         full = len(recent) >= UPPER_SPAN * self.baseline  # the upper reach is read over a full window
         if full and (best is None or center < best[1]):
+            window = sorted(recent[-UPPER_SPAN * self.baseline :])  # only when the best level moves
+            upper = window[max(len(window) - 3, 0)]
             best = state["best"] = [
                 data.step,
                 center,
