@@ -50,8 +50,9 @@ logger = logging.getLogger("gradwatch.alerts")
 
 _MAX_BUILT_RULES = 4096  # rule objects kept by (type, parameters); more clear the cache
 # Steps fed to rules for one batch, summed over the rules (a batch of 100 steps on a project with the
-# 19 default rules: ~1,900; a batch of 5,000 steps of a loss, read by 6 of them, is over the cap). Evaluation runs inside the batch's transaction, so on SQLite it holds the one
-# write lock every other tenant waits for: ~5 us per rule and step on two busy cores, so the most one
+# 19 default rules: ~1,900; a batch of 5,000 steps of a loss, read by 6 of them, is over the cap).
+# Evaluation runs inside the batch's transaction, so on SQLite it holds the one write lock every other
+# tenant waits for: ~5 us per rule and step on two busy cores, so the most one
 # batch may ask is ~0.1 s (100,000 rule-steps held it ~0.1-0.4 s, and another tenant's batch arriving
 # then waited: its p95 5.8x its p95 alone, bench/ingest_isolation.py). A batch over it is refused
 # whole (413, nothing stored) and the agent sends it again in halves; without the cap, one batch at
