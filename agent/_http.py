@@ -23,19 +23,31 @@ parameter too (`wording=`), so each client says things as it always has.
 
 from __future__ import annotations
 
-import gzip
 import http.client
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ApiError, ApiUnavailable, ApiUnreachable, RunNotFound
 
-__all__ = ["READ_API", "Answer", "HttpCore", "Request", "Send", "Wording", "path_segment", "send_with_urllib"]
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "READ_API",
+    "Answer",
+    "HttpCore",
+    "Request",
+    "Send",
+    "Wording",
+    "path_segment",
+    "read_bounded",
+    "send_with_urllib",
+]
 
 Json = dict[str, Any]
 
@@ -93,26 +105,102 @@ READ_API = Wording(
 )
 
 
+# An answer larger than this (as sent, and again once inflated) is no answer: a page of the read API
+# is a few MB at most; a hostile or broken server's 1 GiB (or a 1 MiB gzip inflating to 1 GiB) must not
+# take the client's memory.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+_READ_CHUNK = 256 * 1024
+
+
+class _NoCredentialsElsewhere(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect, but never takes the token (or cookies) to another origin: urllib's own handler
+    copies every header, Authorization included, to wherever the server points."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        follow = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if follow is not None and _origin(newurl) != _origin(req.full_url):
+            for name in ("Authorization", "Cookie"):
+                follow.headers.pop(name, None)
+                follow.unredirected_hdrs.pop(name, None)
+        return follow
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+_OPENER = urllib.request.build_opener(_NoCredentialsElsewhere)
+
+
+def read_bounded(response: Any, deadline: float | None) -> bytes:
+    """The answer's body, read a piece at a time: at most MAX_ANSWER_BYTES, and by `deadline` (the
+    socket's timeout bounds each read only: a server dripping a byte a second would hold us for ever)."""
+    pieces: list[bytes] = []
+    size = 0
+    while True:
+        piece = response.read1(_READ_CHUNK) if hasattr(response, "read1") else response.read(_READ_CHUNK)
+        if not piece:
+            response.read()  # b"": marks the answer read in full, so a kept connection can be reused
+            return b"".join(pieces)
+        size += len(piece)
+        if size > MAX_ANSWER_BYTES:
+            raise ConnectionError(f"the answer is larger than {MAX_ANSWER_BYTES // 2**20} MiB: not read")
+        if deadline is not None and time.monotonic() > deadline:
+            raise ConnectionError("the answer did not arrive in time (the request's timeout, in all)")
+        pieces.append(piece)
+
+
+def _inflate(body: bytes) -> bytes:
+    """gzip undone, a MiB at a time, to at most MAX_ANSWER_BYTES: a small bomb must not inflate into all
+    memory (nor into one buffer that doubles its way to the cap)."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    pieces: list[bytes] = []
+    size, pending = 0, body
+    try:
+        while pending or not inflater.eof:
+            piece = inflater.decompress(pending, 2**20)
+            pending = inflater.unconsumed_tail
+            if not piece:
+                break
+            size += len(piece)
+            if size > MAX_ANSWER_BYTES:
+                raise ConnectionError(
+                    f"the answer inflates to more than {MAX_ANSWER_BYTES // 2**20} MiB: not read"
+                )
+            pieces.append(piece)
+    except zlib.error as exc:
+        raise ConnectionError(f"the answer's gzip is broken: {exc}") from exc
+    return b"".join(pieces)
+
+
 def send_with_urllib(request: Request) -> Answer:
-    """The standard library's send: gzip asked for and undone, the environment's proxies used."""
+    """The standard library's send: gzip asked for and undone, the environment's proxies used, the token
+    never sent to another origin on a redirect, the answer bounded in size and, with a timeout, in time
+    as a whole (not per read)."""
     headers = {"Accept-Encoding": "gzip", "User-Agent": "gradwatch-api/0.1", **request.headers}
     data = None
     if request.json is not None:
         data = json.dumps(request.json, separators=(",", ":"), allow_nan=False).encode()
         headers["Content-Type"] = "application/json"
     prepared = urllib.request.Request(request.url, data=data, headers=headers, method=request.method)
+    deadline = time.monotonic() + request.timeout if request.timeout is not None else None
     try:
-        with urllib.request.urlopen(prepared, timeout=request.timeout) as response:
-            status, reason, body = response.status, response.reason, response.read()
+        with _OPENER.open(prepared, timeout=request.timeout) as response:
+            status, reason = response.status, response.reason
+            body = read_bounded(response, deadline)
             encoding = response.headers.get("Content-Encoding")
     except urllib.error.HTTPError as exc:  # an answer: 4xx, 5xx
         with exc:
-            status, reason, body = exc.code, str(exc.reason), exc.read()
+            status, reason, body = exc.code, str(exc.reason), read_bounded(exc, deadline)
             encoding = exc.headers.get("Content-Encoding")
     except http.client.HTTPException as exc:  # a broken answer is no answer
         raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
     if encoding == "gzip":
-        body = gzip.decompress(body)
+        body = _inflate(body)
     return Answer(status, body, reason)
 
 

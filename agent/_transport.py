@@ -13,6 +13,7 @@ import math
 import random
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 from ._delivery import classify
 from ._errors import GradwatchError
+from ._http import read_bounded
 from ._wire import dumps
 
 # Bodies smaller than this go uncompressed: gzip's header and CPU are not worth it (bytes).
@@ -195,7 +197,11 @@ class HttpTransport:
     ) -> tuple[int, bytes, str | None]:
         connection.request("POST", self._prefix + path, body=body, headers=headers)
         response = connection.getresponse()
-        answer = response.read()
+        try:  # bounded in size and in time as a whole: a broken or hostile server holds no memory
+            answer = read_bounded(response, time.monotonic() + self.timeout if self.timeout else None)
+        except ConnectionError as exc:
+            connection.close()
+            raise TransportError(f"POST {path}: {exc}", retryable=True) from None
         if response.will_close:
             connection.close()
         return response.status, answer, response.getheader("Retry-After")
@@ -218,7 +224,8 @@ class HttpTransport:
         request = urllib.request.Request(self.base + path, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return response.status, response.read(), None
+                deadline = time.monotonic() + self.timeout if self.timeout else None
+                return response.status, read_bounded(response, deadline), None
         except urllib.error.HTTPError as exc:
             with exc:
                 return exc.code, exc.read()[:500], exc.headers.get("Retry-After")
