@@ -39,9 +39,7 @@ class AlertRulePatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name | None = None
-    params: dict[str, Any] | None = Field(
-        default=None, description="replaces the parameters (others default)"
-    )
+    params: Document | None = Field(default=None, description="replaces the parameters (others default)")
     enabled: bool | None = None
     cooldown_steps: Annotated[int, Field(ge=0, le=2**62)] | None = None
 

@@ -170,3 +170,30 @@ def test_schema_driven_fuzzing_finds_no_server_error_and_no_spec_violation(api_s
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
     assert "generated" in result.stdout and " 0 passed" not in result.stdout
     httpx.get(f"{api_server.url}/healthz").raise_for_status()  # still up afterwards
+
+
+@pytest.mark.parametrize(
+    ("value", "phrase"),
+    [('"\\ud800"', "Unicode"), ('"a\\u0000b"', "NUL"), ('"' + "k" * 100_000 + '"', "at most 200 characters")],
+    ids=["lone surrogate", "NUL", "100 KB"],
+)
+def test_patching_a_rule_validates_its_text_as_creating_one_does(client, value, phrase):
+    """PATCH took params as any dict: a lone surrogate, a NUL or a 100 KB key name was stored, and
+    every later answer carrying the rule broke or grew (issue 39, item 9). Both ways now refuse it."""
+    created = client.post(
+        "/api/v1/alert-rules",
+        json={"project": "p", "type": "underflow", "params": {"key": "grad/underflow_frac"}},
+    )
+    assert created.status_code == 201, created.text
+    rule = created.json()
+    body = ('{"params": {"key": ' + value + "}}").encode()
+    headers = {"content-type": "application/json"}
+    patched = client.patch(f"/api/v1/alert-rules/{rule['id']}", content=body, headers=headers)
+    assert patched.status_code == 422 and phrase in patched.text, patched.text
+    posted = client.post(
+        "/api/v1/alert-rules",
+        content=('{"project": "p", "type": "underflow", "params": {"key": ' + value + "}}").encode(),
+        headers=headers,
+    )
+    assert posted.status_code == 422 and phrase in posted.text, posted.text
+    assert client.get(f"/api/v1/alert-rules/{rule['id']}").json()["params"]["key"] == "grad/underflow_frac"

@@ -58,6 +58,9 @@ CLEAR = _Clear()
 Verdict = Finding | _Clear | None
 
 
+MAX_TEXT_PARAM = 200  # characters of a text parameter (a series key such as grad/underflow_frac)
+
+
 @dataclass(frozen=True)
 class Param:
     default: float | int | str | bool
@@ -75,6 +78,12 @@ class Param:
         if isinstance(self.default, str):
             if not isinstance(value, str) or not value:
                 raise TypeError(f"{rule}: {name} must be a non-empty string, got {value!r}")
+            if len(value) > MAX_TEXT_PARAM:  # a key name, not a document
+                raise ValueError(
+                    f"{rule}: {name} must be at most {MAX_TEXT_PARAM} characters, got {len(value)}"
+                )
+            if any(ord(c) < 32 or ord(c) == 127 for c in value):  # NUL cannot even be stored in PostgreSQL
+                raise ValueError(f"{rule}: {name} must be plain text without NUL or control characters")
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{rule}: {name} must be a number, got {value!r}")
