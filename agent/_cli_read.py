@@ -44,6 +44,14 @@ def _reading(command: Callable[[Any, argparse.Namespace], int]) -> Callable[[arg
         except ApiError as exc:
             print(f"gradwatch: {exc}", file=sys.stderr)
             return 1
+        except (AttributeError, KeyError, TypeError, RecursionError) as exc:
+            # JSON of another shape than a gradwatch server's ({"data": [1]}): one line, not a traceback
+            print(
+                f"gradwatch: {args.server or 'the server'}'s answer is not shaped as a gradwatch server's "
+                f"({type(exc).__name__}: {str(exc)[:200]}); is it a gradwatch server of this version?",
+                file=sys.stderr,
+            )
+            return 1
         except (ValueError, ImportError) as exc:
             print(f"gradwatch: {exc}", file=sys.stderr)
             return 2

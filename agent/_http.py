@@ -279,7 +279,7 @@ class HttpCore:
             return {}
         try:
             parsed = json.loads(answer.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             raise ApiError(self.wording.not_json.format(**words), status, url=url) from None
         if not isinstance(parsed, dict):
             raise ApiError(
@@ -338,7 +338,7 @@ def error_detail(answer: Answer) -> str:
     validation errors (a list of {"loc", "msg"}) read as "query.limit: Input should be …; …"."""
     try:
         detail = json.loads(answer.body).get("detail")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         detail = None
     if isinstance(detail, str):
         return detail

@@ -166,3 +166,52 @@ def test_a_dripping_server_cannot_hold_a_request_past_its_timeout():
         asking.join(60)  # a condition with a bound: before, this request never ended
         assert not asking.is_alive(), "the request is still reading a byte every 0.2 s"
     assert isinstance(outcome[0], ApiUnreachable) and "did not arrive in time" in str(outcome[0])
+
+
+def _answering(body: bytes) -> type[BaseHTTPRequestHandler]:
+    class Answering(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Answering
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b'{"data": [1], "count": 1}', "is not shaped as a gradwatch server's"),
+        (b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b', "count": 1}', "not JSON"),
+    ],
+    ids=["wrong shape", "nested 100k deep"],
+)
+def test_the_cli_says_one_line_on_json_of_another_shape_or_depth(body, said):
+    """`gradwatch runs` against a server answering JSON that is no gradwatch answer printed a traceback
+    (AttributeError on {"data": [1]}; RecursionError on deep nesting): now one line and exit status 1."""
+    import subprocess
+    import sys
+
+    for server in _serve(_answering(body)):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gradwatch.cli",
+                "runs",
+                "--server",
+                f"http://127.0.0.1:{server.server_address[1]}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
