@@ -144,17 +144,23 @@ def _describe(offset: int, line: bytes) -> Record | None:
         return Record(offset, len(line), "batch", run_id.decode(), int(rank), int(seq), int(points))
     try:
         document = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(document, dict):
-        return None
+        return _record(offset, len(line), document) if isinstance(document, dict) else None
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None  # a valid checksum over fields of the wrong type: a bad line, not a stopped sync
+
+
+def _record(offset: int, length: int, document: dict[str, Any]) -> Record | None:
+    """A record from a line's JSON; ValueError/TypeError/KeyError where a field has the wrong type."""
+    if not isinstance(document.get("run_id", ""), str):
+        raise TypeError("run_id is not a string")
     if document.get("type") == "run" and isinstance(document.get("run"), dict):
-        return Record(offset, len(line), "run", document["run"].get("id"), run=document["run"])
+        run_id = document["run"].get("id")
+        return Record(offset, length, "run", run_id, run=document["run"]) if isinstance(run_id, str) else None
     if document.get("type") in ("retire", "dead_letter") and isinstance(document.get("seq"), int):
         reason = document.get("reason")
         return Record(
             offset,
-            len(line),
+            length,
             document["type"],
             document.get("run_id"),
             int(document.get("rank") or 0),
@@ -165,7 +171,7 @@ def _describe(offset: int, line: bytes) -> Record | None:
         batch = document["batch"]
         return Record(
             offset,
-            len(line),
+            length,
             "batch",
             document.get("run_id"),
             int(batch.get("rank", 0)),
@@ -227,11 +233,17 @@ def iter_spool_files(path: Path, dead_letters: bool = True) -> Iterator[Path]:
     *.jsonl under a folder (dead-letter files only with `dead_letters`), in name order."""
     if path.is_dir():
         yield from sorted(
-            p for p in path.rglob("*.jsonl") if p.is_file() and (dead_letters or not is_dead_letter_file(p))
+            p for p in path.rglob("*.jsonl") if _regular(p) and (dead_letters or not is_dead_letter_file(p))
         )
     else:
-        if path.exists():  # an online spool whose batches all went is gone; its dead letters stay
+        if _regular(path):  # an online spool whose batches all went is gone; its dead letters stay
             yield path
         dead = dead_letter_path(path)
-        if dead_letters and not is_dead_letter_file(path) and dead.is_file():
+        if dead_letters and not is_dead_letter_file(path) and _regular(dead):
             yield dead
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a link to one (a planted link would make sync write where it points) and not
+    a FIFO or device (reading one would wait for ever)."""
+    return path.is_file() and not path.is_symlink()

@@ -127,7 +127,8 @@ class HttpTransport:
         """send_batch for a batch already encoded as JSON (a spool record is sent as it was written).
         With ask_incidents (a guard watches the run), the answer carries the run's open incidents."""
         query = "?guard=true" if self.ask_incidents else ""
-        return self._post(f"/api/v1/runs/{run_id}/batches{query}", body)
+        # quoted: a run id read from a spool file is not trusted to be one path segment (u1/../../alert-rules)
+        return self._post(f"/api/v1/runs/{urllib.parse.quote(run_id, safe='')}/batches{query}", body)
 
     def close(self) -> None:
         """Close the kept connections (a later request opens a new one)."""

@@ -298,6 +298,8 @@ def _retrying(attempt: Callable[[], None], policy: _Policy, report: SyncReport, 
 
 
 def _read_sent(path: Path) -> set[str]:
+    if path.is_symlink():
+        return set()  # not ours: a planted link (never followed, never appended to)
     try:
         text = path.read_text(encoding="ascii", errors="replace")
     except OSError:
@@ -308,7 +310,8 @@ def _read_sent(path: Path) -> set[str]:
 
 def _append_sent(path: Path, entry: str) -> None:
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a planted link named like the .sent list must not make sync append where it points
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             os.write(fd, (entry + "\n").encode())
         finally:
