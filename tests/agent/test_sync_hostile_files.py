@@ -101,3 +101,15 @@ def test_a_run_id_that_is_not_one_path_segment_stays_one():
         server.shutdown()
         server.server_close()
     assert paths == ["/api/v1/runs/u1%2F..%2F..%2F..%2Falert-rules/batches"]
+
+
+def test_a_run_id_with_cr_lf_is_refused_at_once_not_retried(tmp_path, sqlite_server):
+    """An id with CR/LF made the request line invalid on our side (http.client refuses it), which sync
+    took for an outage and retried for give_up_after seconds; quoted, the server answers and refuses it."""
+    spool = tmp_path / "crlf.jsonl"
+    spool.write_bytes(
+        _line({"type": "batch", "run_id": "a\r\nb", "batch": {"rank": 0, "seq": 0, "scalars": []}})
+    )
+    report = sync(spool, sqlite_server.url, keep=True, give_up_after=600, log=lambda _line: None)
+    assert report.error is None and report.batches_sent == 0
+    assert report.refused and "404" in report.refused[0] and "a%0D%0Ab" in report.refused[0]
