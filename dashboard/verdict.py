@@ -157,10 +157,13 @@ def _incident_card(incident: dict[str, Any], run_href: RunHref) -> html.Div:
     if incident.get("cause"):
         children.append(html.P(str(incident["cause"]), className="incident-cause"))
     first = incident.get("first_step")
-    if isinstance(first, int) and _is_step(first) and first > 0 and incident.get("family") in REWINDABLE:
+    healthy = incident.get("last_healthy_step")  # the server's (one rewind point per trouble)
+    if not (isinstance(healthy, int) and _is_step(healthy)):
+        healthy = first - 1 if isinstance(first, int) and _is_step(first) else None
+    if healthy is not None and healthy >= 0 and incident.get("family") in REWINDABLE:
         children.append(
             html.P(
-                f"Last healthy step: {format_step(first - 1)}. To rewind, restore a checkpoint from at or "
+                f"Last healthy step: {format_step(healthy)}. To rewind, restore a checkpoint from at or "
                 "before it and skip the batches from there to where training stopped.",
                 className="incident-rewind",
             )

@@ -143,6 +143,11 @@ class IncidentOut(BaseModel):
     findings: list[IncidentFinding]
     first_step: int
     last_step: int
+    last_healthy_step: int | None = Field(
+        default=None,
+        description="rewind to a checkpoint at or before this step: the step before the first evidence "
+        "(of an earlier incident of the run that announced this one, where one was still active)",
+    )
     resolved_step: int | None
     link: str = Field(description="the run page at the incident's first step")
     created_at: str | None

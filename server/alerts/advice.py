@@ -368,12 +368,12 @@ def rounded_away_steps() -> list[str]:
     ]
 
 
-def divergence_warning_steps(best_step: int) -> list[str]:
-    """divergence_warning; best_step: the step the loss was at its best."""
+def divergence_warning_steps(warned_at: int) -> list[str]:
+    """divergence_warning; warned_at: the first step of the precursors."""
     return [
         "Lower the learning rate now (halve it), or check the schedule's peak and warm-up.",
         (
-            f"Keep the checkpoint from before step {best_step}: if the loss goes on climbing, rewind to it "
+            f"Keep the checkpoint from before step {warned_at}: if the loss goes on climbing, rewind to it "
             "(a guard, run.watch(..., guard=gradwatch.Guard()), can stop the job on the critical incident)."
         ),
     ]

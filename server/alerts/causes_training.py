@@ -253,13 +253,13 @@ def _divergence_ahead(
         what = (
             f"The loss is climbing ({_x(evidence.get('ratio'))}x its best level {values[0]:.4g} at step "
             f"{best}) while {seen}: the precursors of a divergence (an lr too high for this point of "
-            "training). It has not left its range yet."
+            "training)."
         )
     return (
         "divergence_warning",
         f"divergence ahead: {seen} (best step {best})",
         what,
-        advice.divergence_warning_steps(best),
+        advice.divergence_warning_steps(finding_onset(finding)),
     )
 
 

@@ -82,6 +82,29 @@ def incident_document(incident: Incident, run_name: str) -> dict[str, Any]:
     }
 
 
+# The incidents a rewind to a checkpoint may cure: a run that diverged, overflowed or met bad data.
+REWINDABLE_FAMILIES = ("divergence", "precision", "data")
+
+
+def with_rewind_points(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each incident document's last_healthy_step, in place: the step before its first evidence, or, for
+    an incident a rewind may cure, before the first evidence of any such incident of its run that was
+    still active when it began (a divergence warning, then the overflows and the loss out of range: one
+    trouble, one rewind point). The guard, the API and the run page all read it from here."""
+    for document in documents:
+        first = document["first_step"]
+        earlier = [
+            other["first_step"]
+            for other in documents
+            if document["family"] in REWINDABLE_FAMILIES
+            and other["family"] in REWINDABLE_FAMILIES
+            and other.get("run_id") == document.get("run_id")
+            and other["first_step"] <= first <= other["last_step"] + 1
+        ]
+        document["last_healthy_step"] = max(min([first, *earlier]) - 1, -1)
+    return documents
+
+
 def guard_document(incident: Incident) -> dict[str, Any]:
     """An open incident as the run's own agent reads it in a batch's acknowledgement (its guard acts on
     it): what, how bad, where it began, the last healthy step to rewind to, and the batches the
@@ -106,7 +129,7 @@ def guard_document(incident: Incident) -> dict[str, Any]:
         "layers": json.loads(incident.layers_json),
         "first_step": incident.first_step,
         "last_step": incident.last_step,
-        "last_healthy_step": max(incident.first_step - 1, -1),  # an earlier one of its family: the service
+        "last_healthy_step": max(incident.first_step - 1, -1),  # with_rewind_points moves it back
         "suspect_steps": [incident.first_step, incident.last_step],
         "suspect_batches": batches,
         "link": incident.link,

@@ -19,7 +19,7 @@ from ..storage import alerts as alert_tables
 from ..storage.codecs import iso_time
 from ..storage.queries import require_run
 from .engine import AlertEngine, alert_document
-from .incidents import RunVerdict, guard_document, incident_document, verdict
+from .incidents import RunVerdict, guard_document, incident_document, verdict, with_rewind_points
 from .rules import DEFAULT_RULES, RULE_TYPES, make_rule
 from .webhooks import render, validate_url
 
@@ -30,10 +30,6 @@ __all__ = ["AlertService"]
 # every batch of the project's runs; with more rules a batch may carry fewer steps
 # (engine.MAX_RULE_EVALUATIONS_PER_BATCH), and a project's rules are read on every batch.
 MAX_RULES_PER_PROJECT = 100
-
-
-# The incidents a rewind to a checkpoint may cure: a run that diverged, overflowed or met bad data.
-REWINDABLE_FAMILIES = ("divergence", "precision", "data")
 
 
 class AlertService:
@@ -203,33 +199,23 @@ class AlertService:
         """Incidents, newest first, and how many match before limit/offset."""
         with self._transaction() as session:
             rows, total = alert_tables.incidents_page(session, project, run_id, status, limit, offset)
-            return [incident_document(incident, name) for incident, name in rows], total
+            return with_rewind_points([incident_document(incident, name) for incident, name in rows]), total
 
     def run_health(self, run_id: str, limit: int) -> tuple[list[dict[str, Any]], int, RunVerdict]:
         """A run's incidents (newest first), their count, and its verdict: healthy | warning | critical."""
         with self._transaction() as session:
             run = require_run(session, run_id)
-            documents = [incident_document(i, run.name) for i in alert_tables.run_incidents(session, run_id)]
+            documents = with_rewind_points(
+                [incident_document(i, run.name) for i in alert_tables.run_incidents(session, run_id)]
+            )
             return documents[:limit], len(documents), verdict(documents)
 
     def guard_incidents(self, run_id: str) -> list[dict[str, Any]]:
         """The run's open incidents as its agent's guard reads them (see incidents.guard_document)."""
         with self._transaction() as session:
-            documents = [guard_document(i) for i in alert_tables.open_incidents(session, run_id)]
-        # A critical incident that an open warning announced (divergence ahead, then overflows and the loss
-        # out of range: an incident of its own once the warning was notified) was last healthy before the
-        # warning: rewind there. Both must be of the kinds a rewind cures and still active together.
-        for document in documents:
-            if document["family"] not in REWINDABLE_FAMILIES:
-                continue
-            earlier = [
-                other["first_step"]
-                for other in documents
-                if other["family"] in REWINDABLE_FAMILIES
-                and other["first_step"] <= document["first_step"] <= other["last_step"] + 1
-            ]
-            document["last_healthy_step"] = max(min([document["first_step"], *earlier]) - 1, -1)
-        return documents
+            return with_rewind_points(
+                [guard_document(i) for i in alert_tables.open_incidents(session, run_id)]
+            )
 
     def get_incident(self, incident_id: int) -> dict[str, Any]:
         with self._transaction() as session:

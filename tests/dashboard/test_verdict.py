@@ -438,3 +438,6 @@ def test_an_incident_card_names_the_last_healthy_step_to_rewind_to_where_a_rewin
     assert "Last healthy step: 1,199. To rewind, restore a checkpoint from at or before it" in as_text(card)
     (stalled,) = verdict.incident_cards([incident(4, family="stalled")], run_href)
     assert "Last healthy step" not in as_text(stalled)  # a frozen layer is not cured by a rewind
+    # the server's point wins (a warning of the same trouble began earlier): one rewind point per trouble
+    (announced,) = verdict.incident_cards([incident(5, family="precision", last_healthy_step=1100)], run_href)
+    assert "Last healthy step: 1,100." in as_text(announced)

@@ -202,3 +202,5 @@ def test_demo_diverge_warns_then_its_guard_stops_the_run_with_the_point_to_rewin
     # the rewind point: before the warning that announced it, not merely before the critical findings
     assert stop["data"]["last_healthy_step"] == warned - 1
     assert f"at or before step {warned - 1}" in done.stdout
+    # the API (and so the run page's cards) gives every incident of that trouble the same rewind point
+    assert {i["last_healthy_step"] for i in incidents if i["family"] != "stalled"} == {warned - 1}
