@@ -109,31 +109,36 @@ def guard_document(incident: Incident) -> dict[str, Any]:
     """An open incident as the run's own agent reads it in a batch's acknowledgement (its guard acts on
     it): what, how bad, where it began, the last healthy step to rewind to, and the batches the
     evidence suspects. No project or run names: the agent knows its run."""
-    findings = json.loads(incident.findings_json)
+    document = incident_document(incident, "")
     batches: list[Any] = []
-    for finding in findings:
+    for finding in document["findings"]:
         evidence = finding.get("evidence") if isinstance(finding, dict) else None
         for batch in (evidence or {}).get("batch_ids") or []:
             if batch not in batches and len(batches) < 64:
                 batches.append(batch)
-    return {
-        "id": incident.id,
-        "status": incident.status,
-        "severity": incident.severity,
-        "family": incident.family,
-        "cause_key": incident.cause_key,
-        "title": incident.title,
-        "cause": incident.cause,
-        "next_steps": json.loads(incident.next_steps_json),
-        "rules": json.loads(incident.rules_json),
-        "layers": json.loads(incident.layers_json),
-        "first_step": incident.first_step,
-        "last_step": incident.last_step,
+    return {key: document[key] for key in GUARD_KEYS} | {
         "last_healthy_step": max(incident.first_step - 1, -1),  # with_rewind_points moves it back
         "suspect_steps": [incident.first_step, incident.last_step],
         "suspect_batches": batches,
-        "link": incident.link,
     }
+
+
+# What of the API's incident document the guard reads (no project or run names, no findings).
+GUARD_KEYS = (
+    "id",
+    "status",
+    "severity",
+    "family",
+    "cause_key",
+    "title",
+    "cause",
+    "next_steps",
+    "rules",
+    "layers",
+    "first_step",
+    "last_step",
+    "link",
+)
 
 
 ONSET_RULES = ("grad_norm_spike", "loss_spike", "loss_divergence", "loss_non_finite")

@@ -49,6 +49,29 @@ def _train(run: gradwatch.Run | None, steps: int, stop: bool = True) -> tuple[in
 seen: list[dict] = []
 
 
+def _guarded_run(server) -> gradwatch.Run:
+    return gradwatch.init(project="guard", server=server.url, flush_every_steps=5, flush_interval=0.05)
+
+
+def _until_stopped(run: gradwatch.Run, guard: object) -> int | None:
+    """The loop of the guard's docs on the NaN-from-step-30 data, until the guard stops it (a few hundred
+    steps): the step the loop stopped before, None if it never did."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run.watch(model, optimizer, guard=guard)
+    for step in range(20_000):
+        if run.should_stop:
+            return step
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        run.log({"loss": loss})
+    return None
+
+
 def test_a_critical_incident_stops_a_plain_loop_within_a_flush_and_the_callback_runs_in_the_training_thread(
     api_server,
 ):
@@ -62,22 +85,8 @@ def test_a_critical_incident_stops_a_plain_loop_within_a_flush_and_the_callback_
         at_steps.append(run.step)
         seen.append(incident)
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
-    run.watch(model, optimizer, guard=Guard(on_incident=on_incident))
-    stopped_at = None
-    for step in range(20_000):  # until the guard stops it (a few hundred steps)
-        if run.should_stop:
-            stopped_at = step
-            break
-        x, y = _batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        run.log({"loss": loss})
+    run = _guarded_run(api_server)
+    stopped_at = _until_stopped(run, Guard(on_incident=on_incident))
     run.finish()
     assert stopped_at is not None, "the guard never stopped the loop"
     assert threads and set(threads) == {threading.main_thread().name}
@@ -93,19 +102,9 @@ def test_a_critical_incident_stops_a_plain_loop_within_a_flush_and_the_callback_
 
 
 def test_run_log_raises_training_halted_when_asked_to(api_server):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
-    run.watch(model, optimizer, guard=Guard(raise_on_stop=True))
+    run = _guarded_run(api_server)
     with pytest.raises(TrainingHalted) as halted:
-        for step in range(20_000):  # until the guard stops it (a few hundred steps)
-            x, y = _batch(step)
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            run.log({"loss": loss})
+        _until_stopped(run, Guard(raise_on_stop=True))  # run.log() raises before the loop checks
     run.finish()
     assert halted.value.incident["severity"] == "critical"
     assert "last healthy step" in str(halted.value)
@@ -160,20 +159,8 @@ def test_the_stop_is_an_event_of_the_run(api_server):
     run page's events show where and why training stopped."""
     import httpx
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = gradwatch.init(project="guard", server=api_server.url, flush_every_steps=5, flush_interval=0.05)
-    run.watch(model, optimizer, guard=True)
-    for step in range(20_000):  # until the guard stops it (a few hundred steps)
-        if run.should_stop:
-            break
-        x, y = _batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        run.log({"loss": loss})
+    run = _guarded_run(api_server)
+    _until_stopped(run, True)
     run.finish()
     with httpx.Client(base_url=api_server.url) as client:
         events = client.get(f"/api/v1/runs/{run.id}/events").json()["data"]
