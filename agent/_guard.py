@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from ._errors import GradwatchError
+from ._guard_offline import OfflineVerdicts
 
 __all__ = ["Guard", "TrainingHalted"]
 
@@ -88,6 +89,8 @@ class Guard:
         self._wants_stop: Incident | None = None  # this rank's wish, before the ranks agree
         self._raised = False
         self._callback_failed = False
+        # An offline run's own verdicts (gradwatch._guard_offline), set by watch(); None online.
+        self.offline: OfflineVerdicts | None = None
 
     @classmethod
     def from_argument(cls, guard: Any) -> Guard | None:

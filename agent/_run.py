@@ -20,6 +20,7 @@ from ._buffer import StepBuffer
 from ._distributed import ProcessIdentity, process_identity
 from ._errors import FeatureSwitch, GradwatchWarning, crash_details
 from ._guard import Guard
+from ._guard_offline import OfflineVerdicts
 from ._run_exit import _finish_live_runs, _live_runs, _track
 from ._run_finish import report_finish
 from ._run_metadata import _environment_metadata
@@ -224,6 +225,8 @@ class Run:
         self.guard = Guard.from_argument(guard)
         if self.guard is not None:
             self._sender.remote.ask_for_incidents(self.guard.receive)
+            if self.mode == "offline":  # no server to judge the run: the agent judges what it can
+                self.guard.offline = OfflineVerdicts()
         self._settle_id(agree=True)  # before the Watcher: it takes the rank
         self._watchers.append(Watcher(_RunSink(self), model, optimizer, scaler, watch_options))
         return self
@@ -240,6 +243,8 @@ class Run:
         Guard(raise_on_stop=True), raises gradwatch.TrainingHalted once the guard stopped training."""
         self._guarded_log(data, step)
         if self.guard is not None:
+            if self.guard.offline is not None and isinstance(data, dict) and "loss" in data:
+                self.guard.offline.note_loss(data["loss"])
             self.guard.halt_if_asked()
 
     def log_batch(self, ids: Any, step: int | None = None) -> None:

@@ -16,6 +16,7 @@ synthetic tokens, under these configurations:
                update_ratio_every=1), online as above
     gw_off     gradwatch defaults, mode="offline" (a local JSON-lines file, no server)
     gw_all_off gradwatch everything every step, offline
+    gw_guard   gradwatch defaults with watch(..., guard=True), online (the guard's cost)
     wandb      wandb.watch(model, log="all", log_freq=1) + wandb.log({"loss": loss.item()}), offline
     tb         TensorBoard: add_histogram of every gradient and parameter every step + add_scalar loss
 
@@ -100,9 +101,10 @@ CONFIGS: dict[str, str] = {
     "tb": "E  TensorBoard histograms every step",
     "gw_off": "B' gradwatch defaults, offline",
     "gw_all_off": "C' gradwatch everything every step, offline",
+    "gw_guard": "B+ gradwatch defaults with a guard, online",
 }
-GRADWATCH_CONFIGS = {"gw", "gw_all", "gw_off", "gw_all_off"}
-ONLINE_CONFIGS = {"gw", "gw_all"}
+GRADWATCH_CONFIGS = {"gw", "gw_all", "gw_off", "gw_all_off", "gw_guard"}
+ONLINE_CONFIGS = {"gw", "gw_all", "gw_guard"}
 EVERYTHING = {"layer_norms_every": 1, "histograms_every": 1, "update_ratio_every": 1}
 
 
@@ -201,7 +203,9 @@ class Monitor:
             self.run = gradwatch.init(
                 project="bench-overhead", name=f"{config}-{os.getpid()}", server=server_url, mode=mode
             )
-            self.options = EVERYTHING if config in ("gw_all", "gw_all_off") else {}
+            self.options: dict[str, Any] = EVERYTHING if config in ("gw_all", "gw_all_off") else {}
+            if config == "gw_guard":
+                self.options = {"guard": True}  # acts on incidents: the acks carry them
         elif config == "wandb":
             os.environ["WANDB_MODE"] = "offline"
             os.environ["WANDB_DIR"] = str(workdir / "wandb")
@@ -783,7 +787,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--configs",
         default=None,
         help=f"comma-separated subset of {','.join(CONFIGS)}, or 'all' (default: all but "
-        "gw_all_off; 'base' is always run)",
+        "gw_all_off and gw_guard; 'base' is always run)",
     )
     parser.add_argument(
         "--isolation",
@@ -856,7 +860,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.settle = args.settle if args.settle is not None else (0.2 if quick else 0.3)
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (10 if quick else 100)
     if not args.configs:
-        configs = [c for c in CONFIGS if c != "gw_all_off"]  # keeps the default run near 10 minutes
+        configs = [c for c in CONFIGS if c not in ("gw_all_off", "gw_guard")]  # near 10 minutes
     elif args.configs == "all":
         configs = list(CONFIGS)
     else:

@@ -1,23 +1,30 @@
-"""Early warning: how many steps before a divergence does gradwatch warn, and does it ever warn on a
-healthy run? Side by side with llm-foundry's KillLossSpike rule, fed the very same losses.
+"""Early warning and the guard: how many steps before a divergence does gradwatch warn, does it ever warn
+on a healthy run, and how many steps does a guarded loop train after the first critical incident?
+Side by side with llm-foundry's KillLossSpike rule, fed the very same losses.
 
-    .venv/bin/python bench/early_warning.py [--markdown]
+    .venv/bin/python bench/early_warning.py [--markdown] [--no-guard]
 
-Every scenario of tests/support/pathologies/ trains once, without gradwatch (its ground truth is
-measured by plain torch): per optimizer step its loss, pre-clip gradient norm and learning rate.
+Every scenario of tests/support/pathologies/ (and its bench-only runs) trains once, without gradwatch
+(its ground truth is measured by plain torch): per optimizer step its loss, pre-clip gradient norm and lr.
 
-- gradwatch: the default `divergence_warning` and `loss_divergence` rules (server/alerts/rules/divergence.py)
-  fed those values step by step exactly as the alert engine feeds them (the rules are pure functions of
-  the steps; the end-to-end path, agent to server to webhook, is what tests/system/test_pathologies.py
-  and bench/diagnosis.py run).
+- gradwatch, rule level: the default `divergence_warning` and `loss_divergence` rules
+  (server/alerts/rules/divergence.py) fed those values step by step exactly as the alert engine feeds
+  them.
+- gradwatch, end to end with the guard (unless --no-guard): each divergence run trains again, as a user
+  runs it, into a real `gradwatch server` child process (fresh SQLite, loopback) with
+  `watch(..., guard=Guard(raise_on_stop=True))` at the agent's default flush (1 s or 100 steps). Its first
+  alert of any severity, its first critical alert, and the step the guard stopped the loop at
+  (TrainingHalted from run.log()); wasted steps = optimizer steps applied after the first critical alert's
+  step until the loop stopped. A watched run trains bit-identically to the plain one, so the plain run's
+  divergence step holds for it.
 - KillLossSpike: llm-foundry's rule re-implemented from its documented parameters (window_size 100,
   outlier_multiplier 2, patience 4, loss_cap 10): after a full window, a loss at least 2x the window's
   mean is an outlier; more than `patience` outliers in a row stop the run; so does half the window above
   the cap after 2 windows. Loss only.
 
-The divergence step of a run: the first step (after 20) whose median of 5 losses is more than 3x the
-lowest such median before it, or whose loss is not finite. Lead = divergence step - first warning (or
-stop) step; a healthy control's warning or stop is a false one.
+The divergence step of a run (pathologies.divergence_step): its first non-finite loss, or the first step
+(after 20) whose median of 5 losses is more than 3x the lowest such median before it. Lead = divergence
+step - first warning (or stop) step; a healthy control's warning or stop is a false one.
 """
 
 from __future__ import annotations
@@ -26,36 +33,29 @@ import argparse
 import math
 import os
 import platform
-import statistics
 import sys
+import tempfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
+import httpx
 import pathologies
 import torch
 from _common import cpu_name
 
 from gradwatch.server.alerts.rules import Finding, StepData, make_rule
 
-# The pathologies whose mechanism is a divergence (an lr too high for where the run is).
-DIVERGENCES = ("lr_jump", "lr_too_high_fp32", "lr_restart_100x", "lr_warmup_too_high")
-
-
-def divergence_step(losses: list[float]) -> int | None:
-    best = math.inf
-    for i in range(len(losses)):
-        window = losses[max(0, i - 4) : i + 1]
-        if i > 20 and not all(math.isfinite(v) for v in window):
-            return i
-        if not all(math.isfinite(v) for v in window):
-            continue
-        level = statistics.median(window)
-        if i >= 20 and level > 3 * best:
-            return i
-        best = min(best, level)
-    return None
+# The runs whose mechanism is a divergence (an lr too high for where the run is).
+DIVERGENCES = (
+    "lr_jump",
+    "lr_too_high_fp32",
+    "lr_warmup_too_high",
+    "lr_restart_100x",
+    "post_ln_no_warmup",
+)
 
 
 class KillLossSpike:
@@ -102,17 +102,75 @@ def first_stop(scenario: pathologies.Scenario) -> int | None:
     return next((step for step, loss in enumerate(scenario.losses) if rule.stops(step, loss)), None)
 
 
+@dataclass
+class Guarded:
+    first_alert: int | None  # the first alert of any severity (step)
+    first_alert_rule: str | None
+    first_critical: int | None
+    stopped_at: int | None  # run.step when the guard stopped the loop (the step that ended + 1)
+    steps: int  # optimizer steps the run took (it may end before the guard stops it)
+
+    @property
+    def wasted(self) -> str | None:
+        """Optimizer steps applied after the first critical alert's step until the loop stopped (or the
+        run ended first, on its own)."""
+        if self.first_critical is None:
+            return None
+        if self.stopped_at is None:
+            return f"{self.steps - 1 - self.first_critical} (the run ended first)"
+        return str(self.stopped_at - 1 - self.first_critical)
+
+
+def guarded(name: str, url: str) -> Guarded:
+    """Train `name` again into the server at `url`, with a guard that raises TrainingHalted."""
+    import gradwatch
+
+    runs: list[gradwatch.Run] = []
+
+    def new_run(**options: object) -> gradwatch.Run:
+        run = gradwatch.init(project=f"guard-{name}", server=url, **options)  # default flush
+        runs.append(run)
+        return run
+
+    new_run.make_guard = lambda: gradwatch.Guard(raise_on_stop=True)  # type: ignore[attr-defined]
+    stopped_at = None
+    try:
+        SCENARIOS[name](new_run)
+    except gradwatch.TrainingHalted as halted:
+        stopped_at = halted.incident.get("stopped_at_step")
+    alerts = httpx.get(
+        f"{url}/api/v1/alerts", params={"run_id": runs[-1].id, "limit": 500}, timeout=30
+    ).json()["data"]
+    alerts.sort(key=lambda a: (a["step"], a["id"]))
+    critical = [a["step"] for a in alerts if a["severity"] == "critical"]
+    return Guarded(
+        alerts[0]["step"] if alerts else None,
+        alerts[0]["type"] if alerts else None,
+        min(critical) if critical else None,
+        stopped_at,
+        runs[-1].step,
+    )
+
+
+SCENARIOS = {**pathologies.SCENARIOS, **pathologies.BENCH_ONLY}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    parser.parse_args()
+    parser.add_argument("--no-guard", action="store_true", help="skip the end-to-end runs with a guard")
+    args = parser.parse_args()
     print(
         f"{cpu_name()}, CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
         f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}"
     )
     rows, healthy_false = [], {"gradwatch": 0, "KillLossSpike": 0}
-    for name, make in pathologies.SCENARIOS.items():
+    seconds: dict[str, float] = {}
+    for name, make in SCENARIOS.items():
+        if name not in DIVERGENCES and make not in pathologies.HEALTHY:
+            continue
         scenario = make(None)
+        seconds[name] = scenario.seconds / max(scenario.steps, 1)
         warned = first_finding("divergence_warning", scenario)
         left = first_finding("loss_divergence", scenario)
         stopped = first_stop(scenario)
@@ -120,8 +178,9 @@ def main() -> None:
             healthy_false["gradwatch"] += warned is not None or left is not None
             healthy_false["KillLossSpike"] += stopped is not None
             rows.append((name, "healthy", None, warned, left, stopped))
-        elif name in DIVERGENCES:
-            rows.append((name, "divergence", divergence_step(scenario.losses), warned, left, stopped))
+        else:
+            diverged = pathologies.divergence_step(scenario.losses)
+            rows.append((name, "divergence", diverged, warned, left, stopped))
         print(f"  {name}: warn {warned}, loss_divergence {left}, KillLossSpike {stopped}", file=sys.stderr)
 
     def lead(diverged: int | None, at: int | None) -> str:
@@ -140,6 +199,33 @@ def main() -> None:
         f"\nfalse warnings on {controls} healthy controls: gradwatch {healthy_false['gradwatch']}, "
         f"KillLossSpike {healthy_false['KillLossSpike']}"
     )
+    if args.no_guard:
+        return
+    from diagnosis import gradwatch_server
+
+    print(
+        "\n| run | diverged at | first alert (rule) | lead | first critical | guard stopped at "
+        "| wasted steps | ms a step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp, gradwatch_server(Path(tmp)) as url:
+        for name, kind, diverged, *_ in rows:
+            if kind != "divergence":
+                continue
+            g = guarded(name, url)
+            print(f"  {name} guarded: {g}", file=sys.stderr)
+            first = None if g.first_alert is None else f"{g.first_alert} ({g.first_alert_rule})"
+            show = [
+                name,
+                diverged,
+                first,
+                lead(diverged, g.first_alert),
+                g.first_critical,
+                g.stopped_at,
+                g.wasted,
+                f"{1000 * seconds[name]:.1f}",
+            ]
+            print("| " + " | ".join("-" if v is None else str(v) for v in show) + " |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ healthy clipping under accumulation and the undivided loss) and `judging`; every
 importable from `pathologies` itself.
 """
 
+from .divergence import divergence_step
 from .harness import RunFactory, Scenario, ScenarioError
 from .judging import (
     DETECTION_WINDOW,
@@ -36,6 +37,7 @@ from .judging import (
     settled_notifications,
 )
 from .scenarios import (
+    BENCH_ONLY,
     HEALTHY,
     PATHOLOGIES,
     SCENARIOS,
@@ -53,6 +55,7 @@ from .scenarios import (
     lr_zero_scheduler,
     nan_loss_bad_sample,
     overflow_layer,
+    post_ln_no_warmup,
     restart_schedule,
     resumed,
     stray_detach,
@@ -60,6 +63,7 @@ from .scenarios import (
 )
 
 __all__ = [
+    "BENCH_ONLY",
     "DETECTION_WINDOW",
     "FIRING_EVENTS",
     "HEALTHY",
@@ -77,6 +81,7 @@ __all__ = [
     "bf16_weights_stall",
     "clip_before_unscale",
     "decay_to_zero",
+    "divergence_step",
     "fp16_calibration",
     "fp16_default_sawtooth",
     "grad_accum_no_divide",
@@ -88,6 +93,7 @@ __all__ = [
     "nan_loss_bad_sample",
     "notifications",
     "overflow_layer",
+    "post_ln_no_warmup",
     "restart_schedule",
     "resumed",
     "settled_notifications",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,21 @@ from .harness import RunFactory, Scenario, _gradwatch, _require, _timed, _Trace
 from .nanogpt import BLOCK, VOCAB, _one_thread
 
 RESTART_AT = 150
+
+
+def divergence_step(losses: list[float], after: int = 20) -> int | None:
+    """Where the loss left its range: the first non-finite loss, or the first step after `after` whose
+    median of 5 losses is over 3x the lowest such median before it (bench/early_warning.py's definition)."""
+    best = math.inf
+    for i in range(len(losses)):
+        window = losses[max(0, i - 4) : i + 1]
+        if not all(math.isfinite(v) for v in window):
+            return i
+        level = statistics.median(window)
+        if i >= after and level > 3 * best:
+            return i
+        best = min(best, level)
+    return None
 
 
 def _markov_stream(seed: int, length: int, temperature: float) -> torch.Tensor:
@@ -51,6 +67,30 @@ class PostLNLanguageModel(nn.Module):
         return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
 
 
+def _train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: torch.Tensor,
+    batches: torch.Generator,
+    run: Any,
+    trace: _Trace,
+) -> None:
+    """One optimizer step on 8 random windows of `data`, the loss logged as a user logs it; the trace
+    takes the loss, the pre-clip norm (measured by clip_grad_norm_ at inf: no clip) and the lr."""
+    ix = torch.randint(len(data) - BLOCK - 1, (8,), generator=batches).tolist()
+    x = torch.stack([data[i : i + BLOCK] for i in ix])
+    y = torch.stack([data[i + 1 : i + 1 + BLOCK] for i in ix])
+    loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = float(nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+    if run is not None:
+        run.log({"loss": loss.detach()})
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    trace.add(loss, norm, lr)
+
+
 def restart_lr(step: int, base: float = 3e-3, peak_factor: float = 100.0, ramp: int = 50) -> float:
     """3e-3, then from RESTART_AT a linear ramp over `ramp` steps to peak_factor x base."""
     if step < RESTART_AT:
@@ -73,18 +113,7 @@ def lr_restart_100x(new_run: RunFactory | None = None) -> Scenario:
             for step in range(260):
                 for group in optimizer.param_groups:
                     group["lr"] = restart_lr(step)
-                ix = torch.randint(len(data) - BLOCK - 1, (8,), generator=batches).tolist()
-                x = torch.stack([data[i : i + BLOCK] for i in ix])
-                y = torch.stack([data[i + 1 : i + 1 + BLOCK] for i in ix])
-                loss = model(x, y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                norm = float(nn.utils.clip_grad_norm_(model.parameters(), math.inf))
-                if run is not None:
-                    run.log({"loss": loss.detach()})
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                trace.add(loss, norm, lr)
+                _train_step(model, optimizer, data, batches, run, trace)
     before = statistics.median(s.losses[RESTART_AT - 20 : RESTART_AT])
     after = [statistics.median(s.losses[i : i + 5]) for i in range(RESTART_AT, len(s.losses) - 4)]
     s.onset_step = RESTART_AT
@@ -97,5 +126,37 @@ def lr_restart_100x(new_run: RunFactory | None = None) -> Scenario:
     _require(
         s.facts["all_finite"] and s.facts["diverged_at"] is not None and after[-1] > 3 * before,
         f"the restart does not make the loss leave its range and stay out, finite: {s.facts}",
+    )
+    return s
+
+
+@_timed
+def post_ln_no_warmup(new_run: RunFactory | None = None, seed: int = 0, steps: int = 360) -> Scenario:
+    """A post-LN transformer at a constant Adam lr of 1e-2 with no real warm-up: it learns, then diverges
+    and stays high, finite (see the module)."""
+    s = Scenario("post_ln_no_warmup", "divergence", None)
+    torch.manual_seed(seed)
+    data = _markov_stream(0, 20_000, temperature=7.0)
+    batches = torch.Generator().manual_seed(seed)
+    with _one_thread():
+        model = PostLNLanguageModel()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+        trace = _Trace(s)
+        with _gradwatch(new_run, s, model, optimizer, lr=1e-2, warmup_steps=5) as run:
+            for _ in range(steps):
+                _train_step(model, optimizer, data, batches, run, trace)
+                schedule.step()
+    s.onset_step = divergence_step(s.losses)
+    tail = s.losses[-20:]
+    s.facts = {
+        "lowest_loss": round(min(s.losses), 3),
+        "diverged_at": s.onset_step,
+        "final_median": round(statistics.median(tail), 3),
+        "all_finite": all(math.isfinite(v) for v in s.losses),
+    }
+    _require(
+        s.onset_step is not None and s.onset_step > 50 and s.facts["all_finite"],
+        f"the run did not learn and then leave its range, finite: {s.facts}",
     )
     return s

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-RunFactory = Callable[..., Any]  # (name=..., config=..., run_id=None) -> gradwatch Run
+# (name=..., config=..., run_id=None) -> gradwatch Run. A factory with a `make_guard` attribute (a
+# callable returning a gradwatch.Guard) watches with that guard (bench/early_warning.py's stops).
+RunFactory = Callable[..., Any]
 
 
 class ScenarioError(AssertionError):
@@ -142,7 +144,8 @@ def _gradwatch(
     options = {"run_id": run_id} if run_id else {}
     run = new_run(name=scenario.name, config={"scenario": scenario.name, **config}, **options)
     run.step = start_step
-    run.watch(model, optimizer, scaler=scaler)
+    make_guard = getattr(new_run, "make_guard", None)
+    run.watch(model, optimizer, scaler=scaler, guard=make_guard() if make_guard is not None else None)
     scenario.run_ids.append(run.id)
     try:
         yield run
