@@ -44,6 +44,7 @@ class RemoteRun:
         self.packed_steps = False  # ... and steps_i64
         self.renamed = renamed
         self._superseded_warned = False  # a resume by another process cut our data (said once)
+        self._second_writer_warned = False  # ... and we still write the rank long after (said once)
         # The guard's (gradwatch._guard): told the run's open incidents each acknowledgement carries.
         self.on_incidents: Callable[[list[Any]], None] | None = None
 
@@ -88,7 +89,7 @@ class RemoteRun:
             else:
                 ack = self.transport.send_batch(self.run_id, batch)
             if isinstance(ack, dict) and ack.get("superseded_from") is not None:
-                self._warn_superseded(ack["superseded_from"])
+                self._warn_superseded(ack["superseded_from"], ack.get("second_writer") is True)
             if (
                 self.on_incidents is not None
                 and isinstance(ack, dict)
@@ -127,19 +128,29 @@ class RemoteRun:
             if self.renamed is not None:
                 self.renamed(given)
 
-    def _warn_superseded(self, step: Any) -> None:
-        """The server cut a batch: another process resumed this run's rank at `step` (once per run)."""
-        if self._superseded_warned:
-            return
-        self._superseded_warned = True
-        logger.warning(
-            "gradwatch: run %s rank %s was resumed by another process at step %s: the server keeps this "
-            "process's data before that step only. If that resume was not yours, the project's ingest "
-            "token is in other hands: revoke it and make a new one.",
-            self.run_id,
-            self.rank,
-            step,
-        )
+    def _warn_superseded(self, step: Any, second_writer: bool) -> None:
+        """The server cut a batch: another process resumed this run's rank at `step` (said once), and
+        with `second_writer`, this process still writes the rank long after (said once more)."""
+        if not self._superseded_warned:
+            self._superseded_warned = True
+            logger.warning(
+                "gradwatch: run %s rank %s was resumed by another process at step %s: from that step on "
+                "the server keeps this process's data aside (an attempt of the run, GET "
+                ".../attempts) rather than in the run. If that resume was not yours, the project's ingest "
+                "token is in other hands: revoke it and make a new one; an admin can restore the attempt.",
+                self.run_id,
+                self.rank,
+                step,
+            )
+        if second_writer and not self._second_writer_warned:
+            self._second_writer_warned = True
+            logger.warning(
+                "gradwatch: run %s rank %s is written by two processes: another one resumed it at step %s "
+                "while this one still trains. Both are kept; give each job its own run id.",
+                self.run_id,
+                self.rank,
+                step,
+            )
 
     def _report(self, verdict: Verdict, exc: BaseException, spool_path: Path | None) -> None:
         """The first failure of an outage. A token problem is the user's to fix, not the batch's:

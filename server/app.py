@@ -102,6 +102,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         engine = make_engine(settings.database_url)
         prepare_schema(engine, settings.database_url)
         store = Store(engine)
+    store.second_writer_after_s = settings.second_writer_after_s
     worker, alerts = _alerts(settings, store)
     live = LiveHub(store.engine)  # live streams; on PostgreSQL across processes (LISTEN/NOTIFY)
     store.after_commit.append(live.after_commit)

@@ -194,6 +194,46 @@ class RunResume(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class RunAttempt(Base):
+    """What a resume took out of a rank's default view (migration 0017): the data an abandoned attempt
+    (an earlier process of the run) had stored from `from_step` on, kept rather than deleted, readable by
+    anyone who may read the run and restorable by an admin (gradwatch.server.storage.attempts). Late
+    batches of the superseded processes are kept here too; one still sending long after the resume is a
+    second writer (second_writer_at)."""
+
+    __tablename__ = "run_attempts"
+    __table_args__ = (Index(None, "run_id", "rank", "from_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    from_step: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(String(32))  # "resume", or "restore" (what a restore replaced)
+    seq_floor: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # the process that took over
+    created_at: Mapped[float] = mapped_column(Float)
+    points: Mapped[int] = mapped_column(BigInteger, default=0)  # scalar points, vector rows, histograms
+    events: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    late_batches: Mapped[int] = mapped_column(Integer, default=0)
+    first_late_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_late_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    second_writer_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restored_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RunAttemptPart(Base):
+    """One piece of a kept attempt: a gzip-compressed batch document in the ingest wire format (steps at
+    or after the attempt's from_step), so that a restore writes it the way ingest does."""
+
+    __tablename__ = "run_attempt_parts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    attempt_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("run_attempts.id", ondelete="CASCADE"), index=True
+    )
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 # -- rollups and tags (migration 0004) --------------------------------------------------------------
 
 

@@ -459,7 +459,12 @@ class BatchAck(BaseModel):
     superseded_from: int | None = Field(
         None,
         description="present when a later process resumed the rank at this step: the batch's data from "
-        "this step on was not stored (it belongs to a process the resume replaced)",
+        "this step on is kept with the attempt the resume replaced (GET .../attempts), not in the run",
+    )
+    second_writer: bool | None = Field(
+        None,
+        description="present (true) when this process still writes the rank long after another resumed it: "
+        "two jobs share the run id",
     )
     incidents: list[dict[str, Any]] | None = Field(
         None,

@@ -72,6 +72,9 @@ class Settings:
 
     database_url: str = field(default_factory=default_database_url)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A process a resume superseded that still sends this long after its first late batch is a second
+    # writer of the rank (storage.attempts): its data is kept, the run gets an event, its agent is told.
+    second_writer_after_s: float = 30.0
     # Ingest limits (server.ingest_limits), per token, or per client address on an open server; 0: off.
     # Points as the agent counts them: scalar points, vector rows, histograms. Env: the names shown.
     max_batch_points: int = field(

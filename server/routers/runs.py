@@ -4,6 +4,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import JSONResponse
 
+from ..attempt_schemas import AttemptDataOut, AttemptList, AttemptOut
 from ..deps import AlertsDep, PrincipalDep, RunNames, RunNamesDep, StoreDep, authorize_run
 from ..ingest_limits import RESPONSES as INGEST_REFUSALS
 from ..ingest_limits import charge_ingest
@@ -174,6 +175,8 @@ def ingest_batch(
     ack: dict[str, object] = {"duplicate": result.duplicate, "points": result.points, "events": result.events}
     if result.superseded_from is not None:
         ack["superseded_from"] = result.superseded_from
+    if result.second_writer:
+        ack["second_writer"] = True
     if guard:
         ack["incidents"] = alerts.guard_incidents(run_id)
     return JSONResponse(ack)
@@ -189,3 +192,27 @@ def list_keys(
     """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
     run_id = authorize_run(store, principal, run_id, "read")
     return KeyList(data=store.keys(run_id, kind), kind=kind)
+
+
+@router.get("/{run_id}/attempts")
+def list_attempts(run_id: str, store: StoreDep, principal: PrincipalDep) -> AttemptList:
+    """What resumes took out of the run's default view, kept: one attempt per superseded stretch of a
+    rank (and what a restore replaced), oldest first."""
+    run_id = authorize_run(store, principal, run_id, "read")
+    found = store.attempts(run_id)
+    return AttemptList(data=[AttemptOut(**a) for a in found], count=len(found))
+
+
+@router.get("/{run_id}/attempts/{attempt_id}")
+def get_attempt(run_id: str, attempt_id: int, store: StoreDep, principal: PrincipalDep) -> AttemptDataOut:
+    """A kept attempt with its data, as batch documents of the ingest wire format."""
+    run_id = authorize_run(store, principal, run_id, "read")
+    return AttemptDataOut(**store.attempt(run_id, attempt_id))
+
+
+@router.post("/{run_id}/attempts/{attempt_id}/restore")
+def restore_attempt(run_id: str, attempt_id: int, store: StoreDep, principal: PrincipalDep) -> AttemptOut:
+    """Put a kept attempt back in the run's default view: what the rank holds from its step on is kept
+    as an attempt in turn, and the attempt's process is no longer cut by the resume that replaced it."""
+    run_id = authorize_run(store, principal, run_id, "admin")
+    return AttemptOut(**store.restore_attempt(run_id, attempt_id))

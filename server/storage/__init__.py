@@ -4,6 +4,9 @@
               transaction (commit on success, rollback and translate errors otherwise)
     run_records       RunRecord and RunFilter: a run as the Store returns it, the run list's filters
     run_updates       ingest's plain-SQL UPDATE of a run's row (status, last step, layers)
+    batch_writes      BatchWriter: a batch's data written for one rank (ingest, and restores)
+    resumes   what a resume supersedes, and the late batches of the processes it superseded
+    attempts  what resumes took out of a run's default view, kept: listing, reading, restoring
     series_reads      SeriesReads: the Store's series, per-layer vector and histogram queries
     ranks     RankReads (Store.ranks): the ranks of distributed runs, combined at query time
     live      LiveReads (Store.live): what is new for a live stream's subscriber

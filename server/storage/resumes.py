@@ -2,17 +2,19 @@
 recorded from its resume step on (Store.ingest calls these in the batch's transaction).
 
 The agent of a resumed run (gradwatch.init(resume=...)) sends one `resume` event, at the step it
-continues from, in its first batch. From that step on the rank's stored data is replaced: points,
-per-layer vectors, histograms and events at or after it are deleted (and the rollups holding them
-recomputed) before the batch is written, so the charts show one continuous line: the first attempt up
-to the resume step, the resumed one after it. The event is stored with what it replaced:
-previous_last_step (the rank's last stored step, None when there was nothing), previous_status and
-previous_status_reason (how the run stood before).
+continues from, in its first batch. From that step on the rank's stored data is replaced in the default
+view: points, per-layer vectors, histograms and events at or after it are kept as an attempt of the run
+(storage.attempts: readable, restorable by an admin, never deleted by an ingest) and removed from the
+run's tables (the rollups holding them recomputed) before the batch is written, so the charts show one
+continuous line: the first attempt up to the resume step, the resumed one after it. The event is
+stored with what it replaced: previous_last_step (the rank's last stored step, None when there was
+nothing), previous_status and previous_status_reason (how the run stood before).
 
 Order does not matter: each resume is recorded in run_resumes with the seq floor of the resuming
 process (a sender's seqs are (its start time in ms << 20) + a counter, so every batch of an earlier
 process has a lower seq), and a batch of an earlier process that arrives later (a spool replayed by
-the resumed run, `gradwatch sync`) is cut to the steps before the resume and cannot change the run's
+the resumed run, `gradwatch sync`) is cut to the steps before the resume (the rest kept in the attempt,
+and a process still sending long after is told apart as a second writer) and cannot change the run's
 status; the resume event of such a process (a resume that a later resume superseded) is recorded but
 deletes nothing. Agents with other seq schemes lose only these last guarantees.
 
@@ -42,7 +44,7 @@ from ..models import (
     VectorRollup,
 )
 from ..schemas import BatchIn, EventIn
-from . import bulk, chunked_points, rollups
+from . import attempts, bulk, chunked_points, rollups
 
 RESUME_EVENT = "resume"
 SEQ_COUNTER_BITS = 20  # the agent's seq layout: (namespace << 20) | counter (gradwatch._sender)
@@ -146,9 +148,13 @@ def _previous_last_step(session: Session, run_id: str, rank: int, ids: dict[str,
     return max(found) if found else None
 
 
-def supersede(session: Session, run_id: str, rank: int, step: int) -> int | None:
-    """Delete the rank's data at `step` and after (points, vectors, histograms, events) and bring the
-    rollups in line; returns the rank's last stored step before (None: nothing was stored)."""
+def supersede(
+    session: Session, run_id: str, rank: int, step: int, seq_floor: int | None, reason: str = "resume"
+) -> int | None:
+    """Take the rank's data at `step` and after (points, vectors, histograms, events) out of the default
+    view, kept as an attempt of the run (storage.attempts: `reason`, taken over by the process of
+    `seq_floor`), and bring the rollups in line; returns the rank's last stored step before (None:
+    nothing was stored)."""
     rows = session.execute(select(Series.id, Series.kind).where(Series.run_id == run_id)).all()
     ids: dict[str, list[int]] = {kind: [] for kind in ("scalar", *_MODELS)}
     for series_id, kind in rows:
@@ -156,6 +162,7 @@ def supersede(session: Session, run_id: str, rank: int, step: int) -> int | None
     previous = _previous_last_step(session, run_id, rank, ids)
     if previous is None or previous < step:
         return previous  # a continuation: nothing to replace
+    attempts.keep_from(session, run_id, rank, step, reason, seq_floor)
     chunked_points.delete_from(session, ids["scalar"], rank, step)
     for kind, model in _MODELS.items():
         if ids[kind]:

@@ -18,14 +18,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from sqlalchemy import ColumnElement, Engine, and_, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..database import Transactions
-from ..errors import Conflict, InvalidRequest, NotFound
+from ..errors import Conflict, NotFound
 from ..models import (
     AgentBatch,
     Event,
@@ -33,15 +32,18 @@ from ..models import (
     PointChunk,
     PointRollup,
     Run,
+    RunAttempt,
+    RunAttemptPart,
     RunResume,
     RunTag,
     Series,
     VectorPoint,
     VectorRollup,
 )
-from ..schemas import BatchIn, RunIn, ScalarSeriesIn
-from . import bulk, chunked_points, queries, resumes, rollups
-from .codecs import dump_json, pack
+from ..schemas import BatchIn, RunIn
+from . import attempts, bulk, chunked_points, queries, resumes
+from .batch_writes import BatchWriter, PackedLayerData
+from .codecs import dump_json
 from .live import LiveReads
 from .ranks import RankReads
 from .run_records import _SORT_COLUMNS, RunFilter, RunRecord
@@ -57,23 +59,7 @@ class IngestResult:
     points: int
     events: int
     superseded_from: int | None = None  # a later process resumed at this step: the batch was cut there
-
-
-def _batch_points(batch: BatchIn, series_ids: dict[str, int]) -> dict[int, chunked_points.Points]:
-    """The batch's scalars as points per series id. A key sent twice in the batch is one series (a
-    step repeated for a key keeps its last value)."""
-    by_series: dict[int, list[ScalarSeriesIn]] = {}
-    for series in batch.scalars:
-        by_series.setdefault(series_ids[series.key], []).append(series)
-    points = {}
-    for sid, parts in by_series.items():
-        if len(parts) == 1:
-            steps, values = parts[0].steps_array(), parts[0].values_array()
-        else:
-            steps = np.concatenate([p.steps_array() for p in parts])
-            values = np.concatenate([p.values_array() for p in parts])
-        points[sid] = chunked_points.Points.of(steps, values)
-    return points
+    second_writer: bool = False  # the cut process still sends long after the resume (storage.attempts)
 
 
 @dataclass(frozen=True)
@@ -82,26 +68,6 @@ class EventRecord:
     kind: str
     rank: int
     data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class _PackedLayerData:
-    """A batch's per-layer vectors and histograms as stored, by (key, step): the last of a repeated
-    (key, step) wins, as in the rows written."""
-
-    vectors: dict[tuple[str, int], bytes]
-    histograms: dict[tuple[str, int], bytes]
-
-    @classmethod
-    def of(cls, batch: BatchIn) -> _PackedLayerData:
-        return cls(
-            {
-                (v.key, step): pack(row, "d")
-                for v in batch.vectors
-                for step, row in zip(v.steps, v.values, strict=True)  # validated to pair up
-            },
-            {(h.key, h.step): pack([c for row in h.counts for c in row], "q") for h in batch.histograms},
-        )
 
 
 class Store:
@@ -117,7 +83,9 @@ class Store:
         self.live = LiveReads(engine)  # what is new for a live stream's subscriber
         self._reads = SeriesReads(self._transaction)  # series, per-layer vectors, histograms
         # Ingest appends each batch's points as chunks and merges a series' small ones every few batches.
-        self._loose_chunks = chunked_points.LooseChunks()
+        self._writer = BatchWriter(chunked_points.LooseChunks())
+        # A superseded process still sending this long after its first late batch is a second writer.
+        self.second_writer_after_s = attempts.SECOND_WRITER_AFTER_S
         # Called with (session, run_id, batch) for each newly stored batch, inside its transaction
         # (the alert engine): evaluation happens exactly once per batch, or not at all if ingest fails.
         self.after_ingest: list[Callable[[Session, str, BatchIn], None]] = []
@@ -304,9 +272,52 @@ class Store:
             series_ids = select(Series.id).where(Series.run_id == run_id)
             for table in (PointChunk, VectorPoint, HistogramPoint, PointRollup, VectorRollup):
                 session.execute(delete(table).where(table.series_id.in_(series_ids)))
-            for model in (Series, Event, AgentBatch, RunTag, RunResume):
+            attempt_ids = select(RunAttempt.id).where(RunAttempt.run_id == run_id)
+            session.execute(delete(RunAttemptPart).where(RunAttemptPart.attempt_id.in_(attempt_ids)))
+            for model in (Series, Event, AgentBatch, RunTag, RunResume, RunAttempt):
                 session.execute(delete(model).where(model.run_id == run_id))
             session.execute(delete(Run).where(Run.id == run_id))
+
+    # -- attempts kept by resumes (storage.attempts) ----------------------------------------------
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's kept attempts (what resumes took out of its default view), oldest first."""
+        with self._transaction() as session:
+            queries.require_run(session, run_id)
+            return attempts.list_attempts(session, run_id)
+
+    def attempt(self, run_id: str, attempt_id: int) -> dict[str, Any]:
+        """One kept attempt with its data as batch documents of the wire format."""
+        with self._transaction() as session:
+            queries.require_run(session, run_id)
+            found = attempts.attempt_documents(session, run_id, attempt_id)
+            if found is None:
+                raise NotFound(f"run {run_id!r} has no attempt {attempt_id}")
+            return found
+
+    def restore_attempt(self, run_id: str, attempt_id: int) -> dict[str, Any]:
+        """Put a kept attempt back in the run's default view (an admin's act): what the rank holds now
+        from the attempt's step on is kept as an attempt in turn (reason "restore"), the kept data is
+        written as ingest writes it, and its process's later batches are no longer cut."""
+        with self._transaction() as session:
+            run = queries.require_run(session, run_id, for_update=True)
+            attempt = session.get(RunAttempt, attempt_id)
+            if attempt is None or attempt.run_id != run_id:
+                raise NotFound(f"run {run_id!r} has no attempt {attempt_id}")
+            if attempt.restored_at is not None:
+                raise Conflict(f"attempt {attempt_id} of run {run_id!r} was restored already")
+            resumes.supersede(session, run_id, attempt.rank, attempt.from_step, None, reason="restore")
+            last_step = -1
+            for document in attempts.part_batches(session, attempt.id):
+                batch = BatchIn.model_validate(document)
+                _, last = self._writer.write(session, run_id, batch, PackedLayerData.of(batch))
+                last_step = max(last_step, last)
+            attempts.stop_cutting(session, attempt)
+            attempt.restored_at = time.time()
+            if last_step >= 0:
+                _update_run(session, run, time.time(), None, ("raise", last_step), None)
+            session.flush()
+            return attempts.attempt_summary(attempt)
 
     # -- ingest -----------------------------------------------------------------------------------
 
@@ -323,7 +334,7 @@ class Store:
                         check(session, run, batch)
         # Packed before the transaction: on SQLite every other tenant's write waits while it is open
         # (a batch of 2,000,000 per-layer numbers spent ~30 ms of it packing).
-        packed = _PackedLayerData.of(batch)
+        packed = PackedLayerData.of(batch)
         try:
             return self._ingest(run_id, batch, may_rewrite_history, packed)
         except IntegrityError:
@@ -335,7 +346,7 @@ class Store:
             raise
 
     def _ingest(
-        self, run_id: str, batch: BatchIn, may_rewrite_history: bool, packed: _PackedLayerData
+        self, run_id: str, batch: BatchIn, may_rewrite_history: bool, packed: PackedLayerData
     ) -> IngestResult:
         now = time.time()
         # A resume rewrites the rank's data: it waits for batches in flight and holds off new ones.
@@ -354,11 +365,15 @@ class Store:
                 return IngestResult(duplicate=True, points=0, events=0)
             # A batch of a process that a later one resumed from: only its steps before the resume count.
             cutoff = resumes.superseding_step(session, run_id, batch.rank, batch.seq)
-            superseded_from = None
+            superseded_from, second_writer = None, False
             if cutoff is not None:
                 clipped = resumes.clip(batch, cutoff)
                 if clipped != batch.model_copy(update={"status": None}):
                     superseded_from = cutoff  # something of it was cut: the sender is told
+                    # ... and what was cut is kept with the attempt the resume took out of view
+                    second_writer = attempts.keep_late(
+                        session, run_id, batch, cutoff, now, self.second_writer_after_s
+                    )
                 batch = clipped
             resume = resumes.resume_event(batch)
             if resume is not None:
@@ -373,7 +388,9 @@ class Store:
                 # check set the run running again), else as it is now.
                 told = "previous_status" in resume.data
                 facts = {
-                    "previous_last_step": resumes.supersede(session, run_id, batch.rank, resume.step),
+                    "previous_last_step": resumes.supersede(
+                        session, run_id, batch.rank, resume.step, resumes.seq_floor(batch.seq)
+                    ),
                     "previous_status": resume.data["previous_status"] if told else run.status,
                     "previous_status_reason": resume.data.get("previous_status_reason")
                     if told
@@ -381,38 +398,7 @@ class Store:
                 }
                 batch = resumes.with_resume_facts(batch, resume, facts)
 
-            series_ids = self._series_ids(session, run_id, [s.key for s in batch.scalars], "scalar")
-            new_points = _batch_points(batch, series_ids)
-            point_count = sum(map(len, new_points.values()))
-            last_step = max((int(p.steps[-1]) for p in new_points.values() if len(p)), default=-1)
-            if point_count:
-                # Points that overwrite nothing (the normal case: a run moving forward) are folded
-                # into the rollups; a series whose stored steps the batch rewrote (a resumed run)
-                # has them recomputed.
-                rewritten = chunked_points.write(session, batch.rank, new_points, self._loose_chunks)
-                rollups.merge_new_points(
-                    session, batch.rank, {sid: p for sid, p in new_points.items() if sid not in rewritten}
-                )
-                if rewritten:
-                    rollups.refresh_points(
-                        session, batch.rank, {sid: new_points[sid].steps.tolist() for sid in rewritten}
-                    )
-            if batch.events:
-                session.execute(
-                    Event.__table__.insert(),
-                    [
-                        {
-                            "run_id": run_id,
-                            "rank": batch.rank,
-                            "step": e.step,
-                            "kind": e.kind,
-                            "data_json": dump_json(e.data),
-                        }
-                        for e in batch.events
-                    ],
-                )
-                last_step = max(last_step, max(e.step for e in batch.events))
-            last_step = max(last_step, self._ingest_layer_data(session, run_id, batch, packed))
+            point_count, last_step = self._writer.write(session, run_id, batch, packed)
             reached_step: tuple[str, int | None] | None = None
             if resume is not None:  # the steps after the resume are gone (or were never there)
                 reached = max(last_step, resume.step - 1)
@@ -432,99 +418,15 @@ class Store:
             for hook in self.after_ingest:
                 hook(session, run_id, batch)
             result = IngestResult(
-                duplicate=False, points=point_count, events=len(batch.events), superseded_from=superseded_from
+                duplicate=False,
+                points=point_count,
+                events=len(batch.events),
+                superseded_from=superseded_from,
+                second_writer=second_writer,
             )
         for notify in self.after_commit:
             notify(run_id, batch)
         return result
-
-    def _ingest_layer_data(
-        self, session: Session, run_id: str, batch: BatchIn, packed: _PackedLayerData
-    ) -> int:
-        """Store the batch's per-layer vectors and histograms (packed: as packed before the transaction,
-        for the steps a resume left of them); returns the largest step (or -1)."""
-        if not batch.vectors and not batch.histograms:
-            return -1
-        layers = batch.layers
-        if layers is None:
-            layers = json.loads(session.scalar(select(Run.layers_json).where(Run.id == run_id)) or "[]")
-        width = len(layers)
-        last_step = -1
-        for vector in batch.vectors:
-            for row in vector.values:
-                if width and len(row) != width:
-                    raise InvalidRequest(
-                        f"vector {vector.key!r} has {len(row)} values per step but the run has {width} layers"
-                    )
-        for histogram in batch.histograms:
-            if width and len(histogram.counts) != width:
-                raise InvalidRequest(
-                    f"histogram {histogram.key!r} has {len(histogram.counts)} rows but the run has {width} "
-                    "layers"
-                )
-        vector_ids = self._series_ids(session, run_id, [v.key for v in batch.vectors], "vector")
-        vector_rows = {
-            (vector_ids[v.key], step): packed.vectors[v.key, step] for v in batch.vectors for step in v.steps
-        }
-        if vector_rows:
-            bulk.upsert(
-                session,
-                VectorPoint.__table__,
-                ("series_id", "rank", "step", "data"),
-                ("series_id", "rank", "step"),
-                [(sid, batch.rank, step, data) for (sid, step), data in vector_rows.items()],
-            )
-            steps_by_series: dict[int, list[int]] = {}
-            for sid, step in vector_rows:
-                steps_by_series.setdefault(sid, []).append(step)
-            rollups.refresh_vectors(session, batch.rank, steps_by_series)
-            last_step = max(step for _, step in vector_rows)
-        histogram_ids = self._series_ids(session, run_id, [h.key for h in batch.histograms], "histogram")
-        histogram_rows = {
-            (histogram_ids[h.key], h.step): (h.exponent_min, h.exponent_max, packed.histograms[h.key, h.step])
-            for h in batch.histograms
-        }
-        if histogram_rows:
-            bulk.upsert(
-                session,
-                HistogramPoint.__table__,
-                ("series_id", "rank", "step", "exponent_min", "exponent_max", "counts"),
-                ("series_id", "rank", "step"),
-                [(sid, batch.rank, step, *fields) for (sid, step), fields in histogram_rows.items()],
-            )
-            last_step = max([last_step] + [step for _, step in histogram_rows])
-        return last_step
-
-    def _series_ids(self, session: Session, run_id: str, keys: list[str], kind: str) -> dict[str, int]:
-        if not keys:
-            return {}
-        wanted = sorted(set(keys))
-        rows: list[tuple[Any, ...]] = []
-        for part in queries.chunks(wanted):
-            rows += bulk.execute(
-                session,
-                'SELECT "key", id, kind FROM series WHERE run_id = ?'
-                f' AND "key" IN ({", ".join("?" * len(part))})',
-                [run_id, *part],
-            )
-        if len(rows) < len(wanted):  # new keys (the first batches of a run): insert them, read again
-            known = {key for key, _, _ in rows}
-            bulk.upsert(
-                session,
-                Series.__table__,
-                ("run_id", "key", "kind"),
-                ("run_id", "key"),
-                [(run_id, key, kind) for key in wanted if key not in known],
-                update=False,
-            )
-            existing = select(Series.key, Series.id, Series.kind).where(
-                Series.run_id == run_id, Series.key.in_(wanted)
-            )
-            rows = [tuple(row) for row in session.execute(existing).all()]
-        clashes = [key for key, _, stored_kind in rows if stored_kind != kind]
-        if clashes:
-            raise InvalidRequest(f"key {clashes[0]!r} is already used by this run for another kind of data")
-        return {key: series_id for key, series_id, _ in rows}
 
     # -- queries (SeriesReads) ----------------------------------------------------------------------
 

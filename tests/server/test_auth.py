@@ -65,6 +65,12 @@ def _setup(url: str, tokens: Tokens) -> dict:
         assert rule.status_code == 201, rule.text
         hook = client.post("/api/v1/webhooks", json={"project": "alpha", "url": "http://127.0.0.1:9/hook"})
         assert hook.status_code == 201, hook.text
+        # A resume at step 10 keeps what it supersedes (step 10 and after) as an attempt of the run.
+        later = {"seq": 1, "scalars": [{"key": "extra", "steps": [10, 11], "values": [1.0, 2.0]}]}
+        assert client.post(f"/api/v1/runs/{run['id']}/batches", json=later).status_code == 200
+        resume = {"seq": int(time.time() * 1000) << 20, "events": [{"step": 10, "kind": "resume"}]}
+        assert client.post(f"/api/v1/runs/{run['id']}/batches", json=resume).status_code == 200
+        [attempt] = client.get(f"/api/v1/runs/{run['id']}/attempts").json()["data"]
         alert = client.get("/api/v1/alerts", params={"run_id": run["id"]}).json()["data"][0]
         incident = client.get("/api/v1/incidents", params={"run_id": run["id"]}).json()["data"][0]
     made.update(
@@ -73,6 +79,7 @@ def _setup(url: str, tokens: Tokens) -> dict:
         hook=hook.json()["id"],
         alert=alert["id"],
         incident=incident["id"],
+        attempt=attempt["id"],
     )
     return made
 
@@ -100,6 +107,8 @@ def _endpoints(ids: dict) -> list[tuple[str, str, str, dict, str, int]]:
         ("GET", r + "/histograms", f"{run}/histograms", {"params": {"layer": "l0"}}, "read", HIDDEN),
         ("GET", r + "/events", f"{run}/events", {}, "read", HIDDEN),
         ("GET", r + "/incidents", f"{run}/incidents", {}, "read", HIDDEN),
+        ("GET", r + "/attempts", f"{run}/attempts", {}, "read", HIDDEN),
+        ("GET", r + "/attempts/{attempt_id}", f"{run}/attempts/{ids['attempt']}", {}, "read", HIDDEN),
         ("GET", r + "/ranks", f"{run}/ranks", {}, "read", HIDDEN),
         ("GET", r + "/ranks/series", f"{run}/ranks/series", {"params": {"key": "loss"}}, "read", HIDDEN),
         (
@@ -208,6 +217,15 @@ def _endpoints(ids: dict) -> list[tuple[str, str, str, dict, str, int]]:
             REFUSED,
         ),
         ("POST", "/api/v1/webhooks/{webhook_id}/test", f"/api/v1/webhooks/{hook}/test", {}, "admin", HIDDEN),
+        # Once only, like the deletes: a restored attempt cannot be restored again.
+        (
+            "POST",
+            r + "/attempts/{attempt_id}/restore",
+            f"{run}/attempts/{ids['attempt']}/restore",
+            {},
+            "admin",
+            HIDDEN,
+        ),
         # Deletes last: they remove what the others use.
         ("DELETE", "/api/v1/alert-rules/{rule_id}", f"/api/v1/alert-rules/{rule}", {}, "admin", HIDDEN),
         ("DELETE", "/api/v1/webhooks/{webhook_id}", f"/api/v1/webhooks/{hook}", {}, "admin", HIDDEN),
@@ -254,8 +272,9 @@ def test_every_endpoint_times_every_scope(api_server, tokens):
                 if TOKENS[name][0] != "beta":
                     expectations.append((ids[name], 200 if scope in _scopes(name) else 403))
             for token, expected in expectations:
-                if method == "DELETE" and expected == 200 and token != ids["operator"]:
-                    continue  # a delete succeeds once: the operator does it, below
+                once = method == "DELETE" or route.endswith("/restore")
+                if once and expected == 200 and token != ids["operator"]:
+                    continue  # a delete (or a restore) succeeds once: the operator does it, below
                 response = client.request(method, path, headers=_auth(token), **kwargs)
                 got = 200 if response.status_code in (200, 201, 202, 204) else response.status_code
                 who = next((n for n in TOKENS if ids[n] == token), token)
