@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/ingest_isolation.py [--databases sqlite,postgresql] [--baseline-s 5]
         [--attack-s 15] [--swarm 8] [--no-batches] [--firing] [--postgres-admin-url URL]
-        [--attacks batches,events,layers,rules,reads,websockets,preauth,halfopen] [--proxy nginx]
+        [--attacks batches,events,layers,rules,reads,websockets,preauth,preauth_reads,halfopen,
+        slow_webhooks] [--proxy nginx]
 
 For each database and each configuration, a fresh database (a SQLite file in a temp folder; a
 PostgreSQL database created through --postgres-admin-url and dropped after) and a real server child
@@ -33,8 +34,11 @@ ingest_attack.py, OtherAttack; the hostile token may then also read and administ
 events (batches of 90,000 events), layers (40,000 layer names of 400 characters), rules (as many
 alert rules with the largest windows as its project may hold, then the batches above), reads (8
 threads reading 100,000 points of a 400,000-point series), websockets (2,000 live streams held
-open), preauth (gzip bombs and 30 MB JSON without a token) and halfopen (up to 15,000 connections
-that send half a request head). A last table gives the victim's p50/p95 alone and under each.
+open), preauth (gzip bombs and 30 MB JSON without a token), preauth_reads (gzip bombs on GET /healthz,
+reads with a made-up token per request), halfopen (up to 15,000 connections
+that send half a request head) and slow_webhooks (the victim's webhook delivery latency, asked for ->
+received, while the hostile's 8 webhooks point at receivers that drip their answers a byte every 4 s).
+A last table gives the victim's p50/p95 alone and under each.
 --proxy nginx puts server/deploy/nginx.conf in front of the server (its per-address limits on
 connections and stream opens included), as a team deployment runs it: victim and hostile go through it.
 
@@ -69,6 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "support")]
 
 import ingest_attack as scenario  # noqa: E402 - tests/support is put on the path just above
+import webhook_attack  # noqa: E402
 
 CONFIGS = {"off": {"ingest_concurrency": 0, "ingest_points_per_s": 0}, "on": {}}
 SERVE = """
@@ -238,9 +243,43 @@ def one_batch_rss(folder: Path) -> None:
         )
 
 
+def run_slow_webhooks(kind: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The victim's webhook delivery latency alone and while the hostile's receivers drip (limits on)."""
+    with database(kind, folder, args.postgres_admin_url) as url:
+        victim_token, hostile_token = scenario.make_tokens(url, "ingest,read,admin", "ingest,read,admin")
+        overrides = {**CONFIGS["on"], "webhook_allow_private": True}  # the receivers are on 127.0.0.1
+        with server(url, overrides, folder / f"server-{kind}-slow_webhooks.log") as (server_url, process):
+            result = webhook_attack.slow_webhook_scenario(
+                server_url, victim_token, hostile_token, args.baseline_s, args.attack_s
+            )
+            rss = peak_rss_mb(process.pid)
+    b, a = result.baseline, result.attack
+    print(
+        f"{kind:10} slow_webhooks limits on: victim delivery alone p50 {b.p50 * 1000:.0f} ms p95 "
+        f"{b.p95 * 1000:.0f} ms ({b.samples} samples, {b.errors} errors); under attack p50 "
+        f"{a.p50 * 1000:.0f} ms p95 {a.p95 * 1000:.0f} ms worst {a.worst * 1000:.0f} ms ({a.samples} "
+        f"samples, {a.errors} errors); hostile answers {dict(result.hostile_statuses)}",
+        flush=True,
+    )
+    return {
+        "database": kind,
+        "limits": "on",
+        "scenario": "slow_webhooks",
+        "baseline": b,
+        "attack": a,
+        "hostile_points_per_s": 0.0,
+        "hostile_statuses": dict(sorted(result.hostile_statuses.items())),
+        "hostile_limits": {},
+        "rule_status": None,
+        "peak_rss_mb": rss,
+    }
+
+
 def run_one(
     kind: str, config: str, args: argparse.Namespace, folder: Path, attack: str = "batches"
 ) -> dict[str, Any]:
+    if attack == "slow_webhooks":
+        return run_slow_webhooks(kind, args, folder)
     defaults = Settings(database_url="sqlite://")
     with database(kind, folder, args.postgres_admin_url) as url:
         # The first attack's hostile is an ingest token (as a training job holds); the others also read

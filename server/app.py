@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import http_errors, ingest_limits
 from .alerts import AlertEngine, AlertService, OutboxWorker
 from .auth import Tokens
-from .auth_first import AuthenticateBeforeBody
+from .auth_first import AddressGate, AuthenticateBeforeBody
 from .compression import GzipRequestBody
 from .database import make_engine, prepare_schema
 from .live import LiveHub
@@ -148,7 +148,14 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     # Reads, live streams and run creation per tenant (inside authentication: writes carry their principal).
     app.state.tenant_limits = TenantLimits()
     app.add_middleware(TenantLimitMiddleware, limits=app.state.tenant_limits, tokens=app.state.tokens)
-    # Around the limiters: a write without a valid token is refused before anything else is done.
-    app.add_middleware(AuthenticateBeforeBody, tokens=app.state.tokens)
+    # Around the limiters: a request without a valid token (a write without its scope) is refused before
+    # anything else is done, and the limiters count verified tokens only.
+    app.state.pre_auth_gate = AddressGate()  # one address's token lookups at once (HTTP and streams)
+    app.add_middleware(
+        AuthenticateBeforeBody,
+        tokens=app.state.tokens,
+        gate=app.state.pre_auth_gate,
+        ipv6_prefix_length=settings.ipv6_prefix_length,
+    )
     app.add_middleware(WebSecurity, policy=app.state.web_security, tokens=app.state.tokens)  # outermost
     return app

@@ -1,6 +1,13 @@
 """The delivery worker: a thread in each server process that claims due deliveries from the outbox
 table, POSTs them, and records the outcome, retrying failures with exponential backoff.
 
+Fair and concurrent: up to DELIVERY_THREADS deliveries are in flight at once, each on a thread of a
+pool, at most one per webhook (across processes: a claimed row's lease holds its webhook) and at most
+PER_PROJECT_IN_FLIGHT per project (in this process); among the rest the oldest due goes first. A
+receiver that drips its answer may only delay its own webhook's deliveries: one at a time, each cut at
+webhook_timeout_s. Sent one at a time, oldest first across all projects, one project's slow receiver
+delayed another project's delivery by 59 s.
+
 A claim is one atomic UPDATE … WHERE id = (SELECT … LIMIT 1 [FOR UPDATE SKIP LOCKED]) that moves a
 row from pending to sending with a lease (claimed_until) and a fresh claim_token: on PostgreSQL two
 processes never claim the same row, on SQLite the single writer makes the UPDATE atomic. A row whose
@@ -17,7 +24,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +41,10 @@ from ..storage import alerts as alert_tables
 from .egress import HostNotPublic, PinnedTransport
 from .webhooks import signature_headers, validate_url
 
-__all__ = ["OutboxWorker", "backoff_delay"]
+__all__ = ["DELIVERY_THREADS", "PER_PROJECT_IN_FLIGHT", "OutboxWorker", "backoff_delay"]
+
+DELIVERY_THREADS = 8
+PER_PROJECT_IN_FLIGHT = 2
 
 logger = logging.getLogger("gradwatch.alerts")
 _PHRASES = {status.value: status.phrase for status in http.HTTPStatus}
@@ -60,6 +72,8 @@ class Claimed:
     url: str
     secret: str | None
     payload: str
+    webhook_id: int
+    project: str
 
 
 class OutboxWorker:
@@ -78,12 +92,14 @@ class OutboxWorker:
         self.engine = engine
         self.settings = settings
         self._transaction = Transactions(engine)  # commit on success, roll back on any error
-        self._client = client
-        self._own_client = client is None
+        self._client = client  # given (tests): shared by every delivery; else one per delivery
         self._periodic = [_Periodic(interval, task) for interval, task in periodic]
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._senders: ThreadPoolExecutor | None = None
+        self._in_flight: dict[int, Claimed] = {}  # delivery id -> what a sender thread is sending
+        self._in_flight_lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -96,8 +112,7 @@ class OutboxWorker:
 
     def start(self) -> OutboxWorker:
         if self._thread is None:
-            if self._client is None:
-                self._client = self._new_client()
+            self._senders = ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="gradwatch-outbox-send")
             self._thread = threading.Thread(target=self._loop, name="gradwatch-outbox", daemon=True)
             self._thread.start()
         return self
@@ -108,12 +123,16 @@ class OutboxWorker:
     def stop(self, timeout: float | None = None) -> None:
         self._stopping.set()
         self._wakeup.set()
+        wait = timeout if timeout is not None else self.settings.webhook_timeout_s + 5
+        deadline = time.monotonic() + wait
         if self._thread is not None:
-            self._thread.join(timeout if timeout is not None else self.settings.webhook_timeout_s + 5)
+            self._thread.join(wait)
             self._thread = None
-        if self._own_client and self._client is not None:
-            self._client.close()
-            self._client = None
+        while self._in_flight and time.monotonic() < deadline:  # sends end within webhook_timeout_s
+            time.sleep(0.05)
+        if self._senders is not None:
+            self._senders.shutdown(wait=False, cancel_futures=True)
+            self._senders = None
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -138,30 +157,63 @@ class OutboxWorker:
     # -- one pass ---------------------------------------------------------------------------------
 
     def deliver_due(self, limit: int = 100) -> bool:
-        """Claim and send due deliveries one at a time (up to limit); True when any was attempted."""
+        """Claim due deliveries (up to limit) while a sender thread is free, each handed to one; True
+        when any was claimed. A sender that finishes wakes the loop for the next."""
         attempted = False
         for _ in range(limit):
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._senders is None:
                 break
-            claimed = self.claim()
+            with self._in_flight_lock:
+                if len(self._in_flight) >= DELIVERY_THREADS:
+                    break
+                busy_webhooks = {c.webhook_id for c in self._in_flight.values()}
+                per_project = Counter(c.project for c in self._in_flight.values())
+            busy_projects = {p for p, n in per_project.items() if n >= PER_PROJECT_IN_FLIGHT}
+            claimed = self.claim(busy_webhooks, busy_projects)
             if claimed is None:
                 break
             attempted = True
-            self._send(claimed)
+            with self._in_flight_lock:
+                self._in_flight[claimed.id] = claimed
+            self._senders.submit(self._send_and_release, claimed)
         return attempted
 
-    def claim(self) -> Claimed | None:
-        """Atomically take the oldest due delivery (or one whose lease expired) for this worker."""
+    def _send_and_release(self, claimed: Claimed) -> None:
+        try:
+            self._send(claimed)
+        except Exception:  # a sender thread must not end silently: the lease makes the row claimable again
+            logger.exception("gradwatch: webhook delivery %d failed in its sender", claimed.id)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight.pop(claimed.id, None)
+            self._wakeup.set()
+
+    def claim(
+        self, busy_webhooks: Collection[int] = (), busy_projects: Collection[str] = ()
+    ) -> Claimed | None:
+        """Atomically take the oldest due delivery (or one whose lease expired) of a webhook that is
+        not busy (see storage.alerts.claim_delivery) for this worker."""
         now = time.time()
         token = uuid.uuid4().hex
         with self._transaction() as session:
-            row = alert_tables.claim_delivery(session, now, token, now + self.settings.outbox_lease_s)
+            row = alert_tables.claim_delivery(
+                session, now, token, now + self.settings.outbox_lease_s, busy_webhooks, busy_projects
+            )
             if row is None:
                 return None
             webhook = session.get(Webhook, row.webhook_id)
             if webhook is None:
                 return None
-            return Claimed(row.id, token, row.attempts, webhook.url, webhook.secret, row.payload)
+            return Claimed(
+                row.id,
+                token,
+                row.attempts,
+                webhook.url,
+                webhook.secret,
+                row.payload,
+                webhook.id,
+                webhook.project,
+            )
 
     def _send(self, claimed: Claimed) -> None:
         body = claimed.payload.encode()
@@ -172,7 +224,6 @@ class OutboxWorker:
         } | signature_headers(claimed.secret, time.time(), body)
         status: int | None = None
         error: str | None = None
-        assert self._client is not None
         try:  # the allow-list or webhook_allow_private may have changed since the webhook was created
             validate_url(
                 claimed.url,
@@ -209,10 +260,10 @@ class OutboxWorker:
         httpx's timeout bounds each read, so a receiver that drips a byte every few seconds would hold
         the outbox, every project's deliveries, for as long as it likes: the request runs on a thread
         of its own, and past the deadline its connection is closed and the delivery counts as timed
-        out. The answer's body is never read (nothing of it is kept), however large."""
+        out. The answer's body is never read (nothing of it is kept), however large. Each delivery has
+        a client of its own (closed after it: a timed-out one's socket with it), unless one was given."""
         answer: dict[str, Any] = {}
-        client = self._client
-        assert client is not None
+        client = self._client if self._client is not None else self._new_client()
 
         def attempt() -> None:
             try:
@@ -225,10 +276,9 @@ class OutboxWorker:
         thread = threading.Thread(target=attempt, name="gradwatch-outbox-post", daemon=True)
         thread.start()
         thread.join(self.settings.webhook_timeout_s)
+        if client is not self._client:
+            client.close()  # a timed-out request's socket closes with it
         if thread.is_alive():
-            if self._own_client:  # the next delivery gets a client of its own; this one's socket closes
-                self._client = self._new_client()
-                client.close()
             raise httpx.TimeoutException(f"no complete answer within {self.settings.webhook_timeout_s:g} s")
         if "error" in answer:
             raise answer["error"]

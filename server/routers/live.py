@@ -15,6 +15,8 @@ from starlette.datastructures import QueryParams
 from starlette.websockets import WebSocketDisconnect
 
 from ..auth import Principal, Tokens, bearer
+from ..auth_first import AddressGate
+from ..client_address import client_key
 from ..deps import authorize_run
 from ..errors import Forbidden, NotFound, Unauthenticated
 from ..live import LiveHub, RunsWatch
@@ -83,6 +85,30 @@ async def _refuse(websocket: WebSocket, exc: Exception) -> None:
 async def _close(websocket: WebSocket, code: int, reason: str) -> None:
     encoded = reason.encode()[:_MAX_REASON_BYTES]
     await websocket.close(code, encoded.decode(errors="ignore"))
+
+
+async def _known_token(websocket: WebSocket, token_of: Callable[[], str | None]) -> bool:
+    """On a server with tokens, before a stream takes a place: whether its token is a valid one. A
+    missing, malformed or unknown token is refused here (accepted, then closed 4401), so that it never
+    holds one of the process's stream places (doorbells without a cookie filled them, and real ones
+    waited seconds); one address's lookups go through the pre-authentication gate (auth_first), which
+    closes a stream past it with 1013."""
+    tokens: Tokens = websocket.app.state.tokens
+    gate: AddressGate = websocket.app.state.pre_auth_gate
+    client = websocket.scope.get("client")
+    address = client_key(client[0] if client else None, websocket.app.state.settings.ipv6_prefix_length)
+    try:
+        token = token_of()
+        async with gate.slot(address or "unknown") as admitted:
+            if not admitted:
+                await websocket.close(CLOSE_TRY_AGAIN_LATER)
+                return False
+            await anyio.to_thread.run_sync(tokens.authenticate, token)
+    except Unauthenticated as exc:
+        await websocket.accept()  # a close code and reason reach the client only on an open socket
+        await _refuse(websocket, exc)
+        return False
+    return True
 
 
 def _authorize(websocket: WebSocket, run_id: str, token: str | None) -> str:
@@ -190,6 +216,8 @@ async def runs_doorbell(websocket: WebSocket, token: str | None) -> None:
     tenant = tenant_of([], token, websocket.scope.get("client"))
     tokens: Tokens = websocket.app.state.tokens
     limits: TenantLimits | None = websocket.app.state.tenant_limits if tokens.required() else None
+    if limits is not None and not await _known_token(websocket, lambda: token):
+        return
     async with stream_place(limits, tenant) as refused:
         if refused is not None:
             await websocket.close(CLOSE_TRY_AGAIN_LATER)
@@ -262,6 +290,8 @@ async def serve_stream(
     # worker threads every other request needs. A tenant at its most is held a while, then refused.
     tokens: Tokens = websocket.app.state.tokens
     limits: TenantLimits | None = websocket.app.state.tenant_limits if tokens.required() else None
+    if limits is not None and not await _known_token(websocket, token_of):
+        return
     async with stream_place(limits, tenant) as refused:
         if refused is not None:
             await websocket.close(CLOSE_TRY_AGAIN_LATER)  # before accept: HTTP 403 to the handshake

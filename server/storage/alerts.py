@@ -14,12 +14,12 @@ same transaction (an alert's incident, a rule's state), else as plain tuples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from sqlalchemy import CursorResult, Row, and_, delete, func, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql import Select
 
 from ..models import (
@@ -449,19 +449,39 @@ def deliveries_page(
 
 
 def claim_delivery(
-    session: Session, now: float, token: str, lease_until: float
+    session: Session,
+    now: float,
+    token: str,
+    lease_until: float,
+    busy_webhooks: Collection[int] = (),
+    busy_projects: Collection[str] = (),
 ) -> Row[int, int, int, str] | None:
-    """Atomically take the oldest due delivery (or one whose lease expired at `now`): it becomes
-    "sending" under `token` until `lease_until`, one more attempt. One UPDATE … WHERE id = (SELECT …
-    LIMIT 1 FOR UPDATE SKIP LOCKED): two processes never claim the same row. (id, attempts,
-    webhook_id, payload), or None when nothing is due."""
+    """Atomically take the oldest due delivery (or one whose lease expired at `now`) of a webhook with
+    no delivery in flight (in any process: a "sending" row whose lease holds), not of `busy_webhooks`
+    nor of a webhook of `busy_projects` (the caller's own limits): it becomes "sending" under `token`
+    until `lease_until`, one more attempt. One UPDATE … WHERE id = (SELECT … LIMIT 1 FOR UPDATE SKIP
+    LOCKED): two processes never claim the same row. (id, attempts, webhook_id, payload), or None when
+    nothing is due."""
     claimable = or_(
         and_(Delivery.status == "pending", Delivery.next_attempt_at <= now),
         and_(Delivery.status == "sending", Delivery.claimed_until < now),
     )
+    other = aliased(Delivery)
+    in_flight = (
+        select(other.id)
+        .where(other.webhook_id == Delivery.webhook_id, other.status == "sending", other.claimed_until >= now)
+        .exists()
+    )
+    conditions = [claimable, ~in_flight]
+    if busy_webhooks:
+        conditions.append(Delivery.webhook_id.notin_(list(busy_webhooks)))
+    if busy_projects:
+        conditions.append(
+            Delivery.webhook_id.notin_(select(Webhook.id).where(Webhook.project.in_(list(busy_projects))))
+        )
     oldest = (
         select(Delivery.id)
-        .where(claimable)
+        .where(*conditions)
         .order_by(Delivery.next_attempt_at, Delivery.id)
         .limit(1)
         .with_for_update(skip_locked=True)

@@ -346,67 +346,9 @@ def _closed_by_peer(sock) -> bool:
         return True
 
 
-class _HostileReceiver:
-    """A webhook receiver on 127.0.0.1 that reads the request, then either drips its answer a byte a
-    second ("drip") or answers 200 with a 1 GB body it keeps sending ("huge"); counts what it sent."""
-
-    def __init__(self, mode: str) -> None:
-        import socket
-        import threading
-
-        self.mode = mode
-        self.sent = 0
-        self.requests = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/hook"
-        self._stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        import threading
-
-        while not self._stop.is_set():
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
-
-    def _answer(self, connection) -> None:
-        with connection:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += connection.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(
-                next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
-            )
-            while len(body) < length:
-                body += connection.recv(65536)
-            self.requests += 1
-            try:
-                if self.mode == "drip":
-                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
-                        connection.sendall(bytes([byte]))
-                        self.sent += 1
-                        time.sleep(1.0)
-                else:
-                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
-                    chunk = b"x" * (1 << 20)
-                    while self.sent < 1_000_000_000 and not self._stop.is_set():
-                        connection.sendall(chunk)
-                        self.sent += len(chunk)
-            except OSError:
-                pass  # the client went away: what was sent is counted
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-
-
 def test_a_slow_or_huge_webhook_answer_holds_no_other_projects_delivery(database_url):
     from conftest import free_port
-    from webhook_receiver import WebhookReceiver, settled_deliveries
+    from webhook_receiver import MisbehavingReceiver, WebhookReceiver, settled_deliveries
 
     from gradwatch.server.serve import BackgroundServer
     from gradwatch.server.settings import Settings
@@ -418,7 +360,7 @@ def test_a_slow_or_huge_webhook_answer_holds_no_other_projects_delivery(database
         webhook_allow_private=True,
     )
     server = BackgroundServer(settings, "127.0.0.1", free_port(), with_dashboard=False).start()
-    drip, huge = _HostileReceiver("drip"), _HostileReceiver("huge")
+    drip, huge = MisbehavingReceiver("drip"), MisbehavingReceiver("huge")
     try:
         with WebhookReceiver() as good, _client(server, None) as api:
             hooks = {

@@ -15,6 +15,7 @@ import http.client
 import json
 import math
 import multiprocessing
+import os
 import threading
 import time
 from collections import Counter
@@ -42,9 +43,16 @@ __all__ = [
 
 
 def post(
-    url: str, path: str, body: bytes, token: str | None = None, gzipped: bool = False, timeout: float = 60.0
+    url: str,
+    path: str,
+    body: bytes,
+    token: str | None = None,
+    gzipped: bool = False,
+    timeout: float = 60.0,
+    method: str = "POST",
 ) -> tuple[int, dict[str, str], bytes]:
-    """One POST on a new connection: (status, headers, body); (0, {}, error text) when it failed."""
+    """One request (a POST unless `method` says otherwise) with `body` on a new connection: (status,
+    headers, body); (0, {}, error text) when it failed."""
     host, port = url.removeprefix("http://").split(":")
     headers = {"Content-Type": "application/json"}
     if token:
@@ -53,7 +61,7 @@ def post(
         headers["Content-Encoding"] = "gzip"
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        connection.request("POST", path, body=body, headers=headers)
+        connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
     except OSError as exc:
@@ -366,7 +374,18 @@ def _hostile_process(
 
 # -- the attacks beyond ingest batches (issue 28, round two) ------------------------------------------
 
-ATTACKS = ("batches", "events", "layers", "rules", "reads", "websockets", "preauth", "halfopen")
+ATTACKS = (
+    "batches",
+    "events",
+    "layers",
+    "rules",
+    "reads",
+    "websockets",
+    "preauth",
+    "preauth_reads",
+    "halfopen",
+    "slow_webhooks",
+)
 
 
 class OtherAttack:
@@ -378,6 +397,8 @@ class OtherAttack:
       reads       8 threads of the dearest reads: 100,000 points of a 400,000-point series, whole
       websockets  2,000 live streams held open from 127.0.0.2 (reopened as soon as they close)
       preauth     6 threads of 32 KB gzip bodies inflating to 32 MB and 2 of 30 MB JSON, without a token
+      preauth_reads  4 threads of those gzip bodies sent with GET /healthz, and 6 of GET /api/v1/runs
+                  with a made-up token per request (its lookup is a query; it was the read cap's key)
       halfopen    up to 15,000 connections from 127.0.0.2 that send half a request head and wait
     Statuses go to the Hostile's report (for websockets, the client's failures by exception type in
     its "limits")."""
@@ -430,7 +451,7 @@ class OtherAttack:
                         break
                     assert status == 429, answer
                     time.sleep(float(headers.get("retry-after", "1")))
-        elif kind == "preauth":
+        elif kind in ("preauth", "preauth_reads"):
             self.bomb = gzip.compress(
                 b'{"seq":1,"scalars":[{"key":"x","steps":[' + b"0," * (16 * 1024 * 1024) + b"0]}]}", 9
             )
@@ -454,6 +475,7 @@ class OtherAttack:
             "layers": [self._batches] * 3,
             "reads": [self._reads] * 8,
             "preauth": [self._bombs] * 6 + [self._big_json] * 2,
+            "preauth_reads": [self._healthz_bombs] * 4 + [self._made_up_token_reads] * 6,
         }[self.kind]
         threads = [threading.Thread(target=loop, args=(deadline,), daemon=True) for loop in loops]
         for thread in threads:
@@ -491,6 +513,17 @@ class OtherAttack:
             status, _, answer = post(
                 self.url, f"/api/v1/runs/{self.run_id}/batches", self.bomb, None, gzipped=True
             )
+            self._count(status, answer)
+
+    def _healthz_bombs(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            status, _, answer = post(self.url, "/healthz", self.bomb, None, gzipped=True, method="GET")
+            self._count(status, answer)
+
+    def _made_up_token_reads(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            token = "gw_" + os.urandom(16).hex()
+            status, _, answer = post(self.url, "/api/v1/runs", b"", token, method="GET")
             self._count(status, answer)
 
     def _big_json(self, deadline: float) -> None:
@@ -629,8 +662,11 @@ def run_scenario(
     )
 
 
-def make_tokens(database_url: str, hostile_scope: str = "ingest") -> tuple[str, str]:
-    """(victim, hostile) tokens, the victim's with an agent's scope, created before the server starts."""
+def make_tokens(
+    database_url: str, hostile_scope: str = "ingest", victim_scope: str = "ingest"
+) -> tuple[str, str]:
+    """(victim, hostile) tokens, the victim's with an agent's scope unless told, created before the
+    server starts."""
     from gradwatch.server.auth import Tokens
     from gradwatch.server.database import make_engine, prepare_schema
 
@@ -638,6 +674,6 @@ def make_tokens(database_url: str, hostile_scope: str = "ingest") -> tuple[str, 
     try:
         prepare_schema(engine, database_url)
         tokens = Tokens(engine)
-        return tokens.create("victim", "ingest")[1], tokens.create("hostile", hostile_scope)[1]
+        return tokens.create("victim", victim_scope)[1], tokens.create("hostile", hostile_scope)[1]
     finally:
         engine.dispose()

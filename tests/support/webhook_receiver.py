@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class WebhookReceiver:
         self.port = port
         self.status = status
         self.redirect_to: str | None = None  # answer 307 with this Location instead
+        self.hold: threading.Event | None = None  # answer only once this is set (a slow receiver)
         self.received: list[Received] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -45,6 +47,8 @@ class WebhookReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with receiver._lock:
                     receiver.received.append(Received(self.path, dict(self.headers.items()), body))
+                if receiver.hold is not None:
+                    receiver.hold.wait(60)
                 self.send_response(307 if receiver.redirect_to else receiver.status)
                 if receiver.redirect_to:
                     self.send_header("Location", receiver.redirect_to)
@@ -108,3 +112,58 @@ def settled_deliveries(
             return data
         assert time.monotonic() < deadline, data
         time.sleep(0.05)
+
+
+class MisbehavingReceiver:
+    """A webhook receiver on 127.0.0.1 that reads the request, then either drips its answer a byte every
+    `drip_s` seconds ("drip") or answers 200 with a 1 GB body it keeps sending ("huge"); counts what it
+    sent. Used by the hostile-tenant tests and bench/ingest_isolation.py's slow_webhooks attack."""
+
+    def __init__(self, mode: str, drip_s: float = 1.0) -> None:
+        self.mode = mode
+        self.drip_s = drip_s
+        self.sent = 0
+        self.requests = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/hook"
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection) -> None:
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(
+                next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            )
+            while len(body) < length:
+                body += connection.recv(65536)
+            self.requests += 1
+            try:
+                if self.mode == "drip":
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                        connection.sendall(bytes([byte]))
+                        self.sent += 1
+                        time.sleep(self.drip_s)
+                else:
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
+                    chunk = b"x" * (1 << 20)
+                    while self.sent < 1_000_000_000 and not self._stop.is_set():
+                        connection.sendall(chunk)
+                        self.sent += len(chunk)
+            except OSError:
+                pass  # the client went away: what was sent is counted
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
