@@ -268,7 +268,7 @@ class Sender:
                 if self._delivery.pending:
                     self._seal(persist=True)
                 self.spool.persist()
-                self.spool.fsync()
+                self.spool.close()  # durable, and left to `gradwatch sync`
         left = len(self.spool) if self.transport is not None else self.spool.memory_entries
         return not self._inbox and not self._delivery.pending and not left
 

@@ -48,6 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ._spool_file import (
@@ -71,6 +72,12 @@ from ._spool_file import (
     sent_path,
     spool_file_name,
 )
+
+fcntl: ModuleType | None
+try:
+    import fcntl  # advisory locks: POSIX only (elsewhere sync and a live run are not told apart)
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 # The file's places, records and readers live in _spool_file; the agent and the tests import them from here.
 __all__ = [
@@ -166,6 +173,7 @@ class Spool:
         self._dirty = False  # written since the last fsync
         self._last_fsync = float("-inf")
         self._warned: set[str] = set()
+        self._lock_fd: int | None = None  # holds a shared lock on the file while this process uses it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -223,6 +231,7 @@ class Spool:
             return 0
         found = 0
         self._file_is_ours = True
+        self._hold_lock()
         retired = leftovers.retired()
         for record in leftovers.records:
             if record.type != "batch" or record.run_id != self.run_id or record.rank != self.rank:
@@ -368,6 +377,7 @@ class Spool:
         else:
             self.memory_points -= entry.points
         if not self.keep_file and self.path is not None and self._file_is_ours and not self._disk_entries:
+            self._release_lock()
             for done in (self.path, sent_path(self.path)):  # .sent: an earlier partial sync's list
                 try:
                     done.unlink(missing_ok=True)
@@ -471,6 +481,7 @@ class Spool:
             os.close(fd)
         self._run_written = self._file_is_ours = True
         self._dirty = True
+        self._hold_lock()
         for entry, batch, offset, line in lines:
             if entry.seq in self._entries:
                 self.memory_points -= entry.points  # it moves from memory to the file
@@ -487,6 +498,34 @@ class Spool:
             )
             entry.batch = None
         return complete
+
+    def close(self) -> None:
+        """The process is done with the file: what it wrote is made durable and the file left to
+        `gradwatch sync` (or a resumed run)."""
+        self.fsync()
+        self._release_lock()
+
+    def _hold_lock(self) -> None:
+        """While this process writes or replays the file it holds a shared lock on it (flock), so that
+        `gradwatch sync`, which asks for an exclusive one, leaves a file in use to the run that uses it
+        (it sends its own batches) instead of racing it and deleting it under it."""
+        if self._lock_fd is not None or self.path is None or fcntl is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
 
     @staticmethod
     def _ends_with_newline(path: Path) -> bool:

@@ -123,11 +123,12 @@ class Record:
     reason: str | None = None  # a dead_letter record's
 
 
-def _payload(line: bytes) -> bytes | None:
-    """The JSON of a line if its checksum matches, else None (torn or corrupt)."""
+def _payload(line: bytes) -> memoryview | None:
+    """The JSON of a line if its checksum matches, else None (torn or corrupt): a view into the line,
+    not a copy (a batch line can be tens of MB)."""
     if len(line) < 11 or line[8:9] != b" " or not line.endswith(b"\n"):
         return None
-    payload = line[9:-1]
+    payload = memoryview(line)[9:-1]
     try:
         return payload if int(line[:8], 16) == zlib.crc32(payload) else None
     except ValueError:
@@ -143,7 +144,7 @@ def _describe(offset: int, line: bytes) -> Record | None:
         run_id, rank, seq, points = header.groups()
         return Record(offset, len(line), "batch", run_id.decode(), int(rank), int(seq), int(points))
     try:
-        document = json.loads(payload)
+        document = json.loads(bytes(payload))  # a run, retire or dead-letter record: a short line
         return _record(offset, len(line), document) if isinstance(document, dict) else None
     except (ValueError, TypeError, KeyError, RecursionError):
         return None  # a valid checksum over fields of the wrong type: a bad line, not a stopped sync
@@ -187,41 +188,103 @@ class ScanResult:
 
     records: list[Record]
     bad_lines: int
+    torn_tail: bool = (
+        False  # the last line is unterminated and unreadable: a write the process never finished
+    )
 
     def retired(self) -> set[tuple[str | None, int, int]]:
         """(run_id, rank, seq) of the batches a retire record withdrew: not to be sent."""
         return {(r.run_id, r.rank, r.seq) for r in self.records if r.type == "retire"}
 
 
+_HEAD = 9 + 512  # a line's checksum, and its JSON far enough to hold a batch record's header
+_CHUNK = 1 << 20
+
+
 def scan(path: Path) -> ScanResult:
-    """Read a spool file's records (streaming: one line in memory at a time)."""
+    """Read a spool file's records, streaming: a long line (a batch of tens of MB) is never held
+    whole, only its head, its checksum taken piece by piece."""
     records: list[Record] = []
     bad = 0
     offset = 0
+    torn = False
     with open(path, "rb") as f:
-        for line in f:
-            record = _describe(offset, line)
+        while head := f.readline(_HEAD):
+            if head.endswith(b"\n"):
+                record, length, terminated = _describe(offset, head), len(head), True
+            else:
+                record, length, terminated = _describe_long(f, offset, head)
             if record is None:
                 bad += 1
             else:
                 records.append(record)
-            offset += len(line)
-    return ScanResult(records, bad)
+            torn = record is None and not terminated
+            offset += length
+    return ScanResult(records, bad, torn)
+
+
+def _describe_long(f: Any, offset: int, head: bytes) -> tuple[Record | None, int, bool]:
+    """A line longer than its head, read on from `f`: (its record or None, its length, whether it
+    ends with a newline). Only a batch record's header is parsed; a long record of another kind (a run
+    record with a large config) is read back whole."""
+    checksum = zlib.crc32(head[9:])
+    length = len(head)
+    terminated = False
+    while chunk := f.readline(_CHUNK):
+        length += len(chunk)
+        if chunk.endswith(b"\n"):
+            checksum = zlib.crc32(memoryview(chunk)[:-1], checksum)
+            terminated = True
+            break
+        checksum = zlib.crc32(chunk, checksum)
+    if not terminated or head[8:9] != b" ":
+        return None, length, terminated
+    try:
+        if int(head[:8], 16) != checksum:
+            return None, length, True
+    except ValueError:
+        return None, length, True
+    header = _BATCH_HEADER.match(head, 9)
+    if header is not None:
+        run_id, rank, seq, points = header.groups()
+        return (
+            Record(offset, length, "batch", run_id.decode(), int(rank), int(seq), int(points)),
+            length,
+            True,
+        )
+    resume = f.tell()
+    f.seek(offset)
+    line = f.read(length)
+    f.seek(resume)
+    return _describe(offset, line), length, True
 
 
 def read_batch_json(path: Path, record: Record) -> bytes | None:
-    """The wire JSON of one batch record, exactly as written; None if the bytes changed since."""
+    """The wire JSON of one batch record, exactly as written; None if the bytes changed since. Only
+    the batch's own bytes are held (read straight into one buffer, the checksum taken piece by piece),
+    not the line and a copy of it."""
     with open(path, "rb") as f:
         f.seek(record.offset)
-        line = f.read(record.length)
+        head = f.read(min(record.length, 9 + 512))
+        header = _BATCH_HEADER.match(head, 9) if len(head) > 11 and head[8:9] == b" " else None
+        if header is not None and int(header.group(3)) == record.seq:
+            size = record.length - header.end() - 2  # the line ends with the record's "}" and "\n"
+            f.seek(record.offset + header.end())
+            body = f.read(size) if size > 0 else b""
+            if len(body) != size or size <= 0 or f.read(2) != b"}\n":
+                return None
+            checksum = zlib.crc32(b"}", zlib.crc32(body, zlib.crc32(head[9 : header.end()])))
+            try:
+                return body if int(head[:8], 16) == checksum else None
+            except ValueError:
+                return None
+        f.seek(record.offset)
+        line = f.read(record.length)  # another agent's layout: the whole line, parsed
     payload = _payload(line)
     if payload is None:
         return None
-    header = _BATCH_HEADER.match(payload)
-    if header is not None and int(header.group(3)) == record.seq and payload.endswith(b"}"):
-        return payload[header.end() : -1]
     try:
-        document = json.loads(payload)
+        document = json.loads(bytes(payload))
         batch = document["batch"]
     except (ValueError, KeyError, TypeError):
         return None

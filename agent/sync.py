@@ -13,11 +13,20 @@ that field (one older than the agent, or a time it finds implausible: a clock fa
 without it, and the run shows the sync's time, as before.
 
 Removal: once the server has acknowledged every batch of a spool file (now or in an earlier sync: the
-`.sent` list) and the file holds no torn or corrupt line, the file and its `.sent` list are deleted
-and SyncReport.removed names them -- unless keep=True (`--keep`), or the file changed during the sync
-(a live run still writing it: it stays for the next sync). A file with anything refused, failed or
-unread keeps everything, `.sent` list included, for the next sync. Dead-letter files are removed
-the same way once synced; with dead_letters=False they are not touched.
+`.sent` list), the file and its `.sent` list are deleted and SyncReport.removed names them -- unless
+keep=True (`--keep`), or the file changed during the sync. A torn last line (a write the process
+never finished: nothing in it can be read) does not keep a file; other corrupt lines do, once: the
+file is renamed FILE.unreadable (out of later syncs' way, kept for a look). A file with anything
+refused, failed or unsent keeps everything, `.sent` list included, for the next sync. Dead-letter
+files are removed the same way once synced; with dead_letters=False they are not touched.
+
+A live run's file: the process writing a spool file holds a shared lock on it (flock), and sync takes
+an exclusive one for the file's whole sync; a file in use is left to its run, which sends its own
+batches (SyncReport.kept says so). Without the lock, sync could delete a file under a run that was
+still appending to it.
+
+The `.sent` list is a shortcut that trusts the server to still hold what it acknowledged: for a run the
+server holds no data of (a new database, the run deleted), the list is ignored and every batch is sent.
 
 Dead letters: by default a spool file's dead-letter file (RUN-rankR.dead.jsonl, batches the live run
 moved aside after the server refused them) is synced after it, and a folder's *.dead.jsonl files
@@ -48,6 +57,7 @@ from ._spool import (
     SENT_SUFFIX,
     Record,
     dead_letter_path,
+    fcntl,
     is_dead_letter_file,
     iter_spool_files,
     read_batch_json,
@@ -142,10 +152,53 @@ def _sync_file(
     log: Callable[[str], None],
     keep: bool = False,
 ) -> None:
+    held = _exclusive_lock(path)
+    if held is None:
+        why = "a running process is writing it (it sends its own batches); sync it again once it ended"
+        report.kept.append(f"{path}: {why}")
+        log(f"{path}: kept: {why}")
+        return
+    try:
+        _sync_locked(path, transport, report, policy, log, keep)
+    finally:
+        if held >= 0:
+            os.close(held)
+
+
+def _exclusive_lock(path: Path) -> int | None:
+    """An exclusive lock on the file for its sync: its descriptor, -1 where locks are not to be had
+    (not POSIX, or the file cannot be opened: the sync goes on as before), None when a live run holds
+    it."""
+    if fcntl is None:
+        return -1
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _sync_locked(
+    path: Path,
+    transport: Any,
+    report: SyncReport,
+    policy: _Policy,
+    log: Callable[[str], None],
+    keep: bool,
+) -> None:
     before = _identity(path)
     scanned = scan(path)
     report.bad_lines += scanned.bad_lines
-    unread = scanned.bad_lines  # lines whose data the server cannot have: the file is not done
+    # lines whose data the server cannot have (a torn last line never held a whole batch)
+    unread = scanned.bad_lines - scanned.torn_tail
     retired = scanned.retired()
     dead_letter_file = is_dead_letter_file(path)
     sent_file = sent_path(path)
@@ -163,6 +216,7 @@ def _sync_file(
             batches.setdefault((record.run_id, record.rank, record.seq), record)
     points_before, skipped_before = report.points_sent, report.skipped
     stored_as: dict[str, str] = {}  # the agent's run id -> the server's (they differ when the id was taken)
+    empty: set[str] = set()  # runs the server has no data of (a new database): their .sent entries lie
     for run_id, document in runs.items():
 
         def create(document: dict[str, Any] = document, run_id: str = run_id) -> None:
@@ -175,6 +229,8 @@ def _sync_file(
                 created = transport.create_run({k: v for k, v in document.items() if k != "created_at"})
             given = created.get("id") if isinstance(created, dict) else None
             stored_as[run_id] = given if isinstance(given, str) and given else run_id
+            if isinstance(created, dict) and "last_step" in created and created["last_step"] is None:
+                empty.add(run_id)  # the server holds nothing of it: a .sent list is stale
 
         if _retrying(create, policy, report, f"run {run_id}") != _OK:
             return
@@ -182,7 +238,7 @@ def _sync_file(
     stored = 0  # batches the server has acknowledged, in this sync or an earlier one
     for (run_id, rank, seq), record in sorted(batches.items(), key=lambda item: item[0][2]):
         key = f"{run_id} {rank} {seq}"
-        if key in already:
+        if key in already and run_id not in empty:
             report.skipped += 1
             stored += 1
             continue
@@ -241,7 +297,16 @@ def _remove_if_done(
     it holds lines nothing could read, or it changed since it was scanned (a live run appending)."""
     why = None
     if unread:
-        why = f"{unread} torn or corrupt line(s) that could not be sent; delete it by hand once checked"
+        aside = path.with_name(path.name + ".unreadable")
+        try:
+            os.replace(path, aside)  # out of later syncs' way (they read *.jsonl), kept for a look
+            sent_path(path).unlink(missing_ok=True)
+        except OSError as exc:
+            why = f"{unread} corrupt line(s) that could not be sent, and it cannot be set aside: {exc}"
+        else:
+            report.kept.append(f"{path}: {unread} corrupt line(s) could not be sent; set aside as {aside}")
+            log(f"{path}: everything readable is stored; {unread} corrupt line(s) kept in {aside}")
+            return
     elif before is None or _identity(path) != before:
         why = "it was written to during the sync (a run still using it?); sync it again later"
     if why is None:

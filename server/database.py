@@ -51,6 +51,41 @@ class Transactions:
         finally:
             session.close()
 
+    @contextmanager
+    def reading(self) -> Iterator[Session]:
+        """A read that is one snapshot (pin_snapshot): its statements all see the same commits. For
+        reads only: nothing written in it is meant to last."""
+        session = self._sessions()
+        try:
+            pin_snapshot(session)
+            yield session
+        finally:
+            session.rollback()  # ends the read transaction (and its snapshot)
+            session.close()
+
+
+@contextmanager
+def snapshot_session(engine: Engine) -> Iterator[Session]:
+    """A read-only session of its own whose statements are one snapshot (pin_snapshot); never
+    committed."""
+    with Session(engine) as session:
+        pin_snapshot(session)
+        yield session
+
+
+def pin_snapshot(session: Session) -> None:
+    """Make a read session's statements one snapshot: else a batch committing between two of them is
+    seen half (a series without its rollups, a run without its summary, a runs list whose count is
+    not its rows, events without their points). Under PostgreSQL's READ COMMITTED each statement sees
+    its own; a read-only REPEATABLE READ never fails to serialize. On SQLite the driver begins no
+    transaction for SELECTs; a deferred BEGIN pins one snapshot at the first read (WAL), and a
+    read-only transaction never asks for the write lock. Call before the session's first statement."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+    elif dialect == "sqlite":
+        session.connection().exec_driver_sql("BEGIN")
+
 
 # How long a SQLite write waits for the database's one write lock before it fails (seconds). Longer
 # than an admitted batch holds the lock (~2 s for the 100,000 points of server.ingest_limits' cap with

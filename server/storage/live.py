@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from ..database import pin_snapshot
 from ..errors import NotFound
 from ..models import AgentBatch, Event, PointChunk, Run, Series
 from . import chunked_points, queries
@@ -39,6 +40,7 @@ class LiveReads:
         """A new subscriber's cursor: after step `since`, or (since None) after what is stored now.
         Raises NotFound for an unknown run."""
         with Session(self.engine) as session:
+            pin_snapshot(session)
             return _open_cursor(session, run_id, keys, rank, since)
 
     def projects_of(self, run_ids: set[str]) -> set[str]:
@@ -60,14 +62,8 @@ class LiveReads:
         with Session(self.engine) as session:
             # One snapshot for the read's statements: else a batch committing between two of them
             # comes half (its events without its points, or a status naming steps whose points come
-            # only with the next message). Under PostgreSQL's READ COMMITTED each statement sees its
-            # own; a read-only REPEATABLE READ never fails to serialize. On SQLite the driver begins
-            # no transaction for SELECTs; a deferred BEGIN pins one snapshot at the first (WAL), and a
-            # read-only transaction never asks for the write lock.
-            if self.engine.dialect.name == "postgresql":
-                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-            elif self.engine.dialect.name == "sqlite":
-                session.connection().exec_driver_sql("BEGIN")
+            # only with the next message).
+            pin_snapshot(session)
             return _read_new(session, cursor, max_points, max_events)
 
 

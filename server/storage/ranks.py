@@ -33,6 +33,7 @@ import numpy as np
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
+from ..database import snapshot_session
 from ..errors import InvalidRequest, NotFound
 from ..models import AgentBatch, Event, HistogramPoint, VectorPoint
 from . import chunked_points, queries
@@ -128,7 +129,7 @@ class Disagreement:
 
 
 class RankReads:
-    """The ranks of distributed runs, read only: each call opens a session of its own (never committed).
+    """The ranks of distributed runs, read only: each call a session of its own, one snapshot.
 
     NotFound names an unknown run or layer, InvalidRequest an unknown combine mode or a key holding
     another kind of data."""
@@ -138,7 +139,7 @@ class RankReads:
 
     def rank_summary(self, run_id: str) -> RanksSummary:
         """Every rank that sent anything to the run or announced itself, with what it reported."""
-        with Session(self.engine) as session:
+        with snapshot_session(self.engine) as session:
             return _rank_summary(session, run_id)
 
     def combined_series(
@@ -151,7 +152,7 @@ class RankReads:
         max_points: int = 2000,
     ) -> CombinedSeries:
         """One scalar key combined over the ranks for start <= step < end (see the module docstring)."""
-        with Session(self.engine) as session:
+        with snapshot_session(self.engine) as session:
             return _combined_series(session, run_id, key, combine, start, end, max_points)
 
     def combined_vectors(
@@ -164,7 +165,7 @@ class RankReads:
         max_steps: int = 500,
     ) -> CombinedVectors:
         """A per-layer key combined over the ranks, layer by layer, as a step x layer matrix."""
-        with Session(self.engine) as session:
+        with snapshot_session(self.engine) as session:
             return _combined_vectors(session, run_id, key, combine, start, end, max_steps)
 
     def combined_histograms(
@@ -178,14 +179,14 @@ class RankReads:
         max_steps: int = 200,
     ) -> CombinedHistograms:
         """One layer's log2|g| histograms over the ranks (summed for sharded gradients)."""
-        with Session(self.engine) as session:
+        with snapshot_session(self.engine) as session:
             return _combined_histograms(session, run_id, layer, key, combine, start, end, max_steps)
 
     def disagreements(
         self, run_id: str, start: int | None = None, end: int | None = None, limit: int = 1000
     ) -> tuple[list[Disagreement], int]:
         """Steps skipped on some ranks but applied on others, oldest first, and how many there are."""
-        with Session(self.engine) as session:
+        with snapshot_session(self.engine) as session:
             return _disagreements(session, run_id, start, end, limit)
 
 

@@ -49,7 +49,7 @@ class HistogramsResult:
 
 
 class SeriesReads:
-    """Series, per-layer vectors and histograms of a run, read in the Store's transactions."""
+    """Series, per-layer vectors and histograms of a run, each read one snapshot (Transactions.reading)."""
 
     def __init__(self, transaction: Callable[[], AbstractContextManager[Session]]) -> None:
         self._transaction = transaction

@@ -81,7 +81,7 @@ class Store:
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         self.ranks = RankReads(engine)  # the ranks of distributed runs, combined at query time
         self.live = LiveReads(engine)  # what is new for a live stream's subscriber
-        self._reads = SeriesReads(self._transaction)  # series, per-layer vectors, histograms
+        self._reads = SeriesReads(self._transaction.reading)  # series, per-layer vectors, histograms
         # Ingest appends each batch's points as chunks and merges a series' small ones every few batches.
         self._writer = BatchWriter(chunked_points.LooseChunks())
         # A superseded process still sending this long after its first late batch is a second writer.
@@ -232,13 +232,13 @@ class Store:
         return found
 
     def get_run(self, run_id: str) -> RunRecord:
-        with self._transaction() as session:
+        with self._transaction.reading() as session:
             return self._run_record(session, queries.require_run(session, run_id))
 
     def list_runs(self, filters: RunFilter, limit: int, offset: int) -> tuple[list[RunRecord], int]:
         """Runs matching every given filter, in the requested order, and how many match before
         limit/offset."""
-        with self._transaction() as session:
+        with self._transaction.reading() as session:  # the count and the rows of one state
             query = select(Run)
             if filters.project is not None:
                 query = query.where(Run.project == filters.project)
@@ -282,13 +282,13 @@ class Store:
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         """The run's kept attempts (what resumes took out of its default view), oldest first."""
-        with self._transaction() as session:
+        with self._transaction.reading() as session:
             queries.require_run(session, run_id)
             return attempts.list_attempts(session, run_id)
 
     def attempt(self, run_id: str, attempt_id: int) -> dict[str, Any]:
         """One kept attempt with its data as batch documents of the wire format."""
-        with self._transaction() as session:
+        with self._transaction.reading() as session:
             queries.require_run(session, run_id)
             found = attempts.attempt_documents(session, run_id, attempt_id)
             if found is None:

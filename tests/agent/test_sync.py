@@ -46,6 +46,7 @@ def _spooled(path: Path, run_id: str, poison_at: int) -> None:
         if step == poison_at:
             scalars.append({"key": "poison", "steps": [step], "values": [1.0]})
         spool.add({"rank": 0, "seq": step, "scalars": scalars}, len(scalars), persist=True)
+    spool.close()  # as an offline run's finish does: the file is left to `gradwatch sync`
 
 
 def _series(url: str, run_id: str, key: str = "x") -> dict[int, float]:
@@ -101,6 +102,7 @@ def test_a_run_recorded_hours_ago_is_listed_by_when_it_ran(tmp_path, sqlite_serv
     spool.add(
         {"rank": 0, "seq": 0, "scalars": [{"key": "x", "steps": [0], "values": [1.0]}]}, 1, persist=True
     )
+    spool.close()
     api = gradwatch.Api(sqlite_server.url)
     online = HttpTransport(sqlite_server.url)
     online.create_run(RUN | {"id": "new"})
@@ -120,6 +122,7 @@ def test_a_start_time_the_server_will_not_take_is_left_out_and_the_run_uploaded(
     spool.add(
         {"rank": 0, "seq": 0, "scalars": [{"key": "x", "steps": [0], "values": [1.0]}]}, 1, persist=True
     )
+    spool.close()
     lines: list[str] = []
     before = time.time()
     report = sync(tmp_path, sqlite_server.url, log=lines.append)
@@ -180,17 +183,29 @@ def test_a_partly_synced_file_keeps_what_is_not_stored_until_a_later_sync_stores
     assert set(_series(sqlite_server.url, "partly")) == set(range(30))
 
 
-def test_a_file_with_a_torn_line_or_written_during_the_sync_is_kept(tmp_path, sqlite_server):
+def test_a_torn_last_line_does_not_keep_a_file_and_a_corrupt_one_sets_it_aside_once(tmp_path, sqlite_server):
+    # A crash in the middle of a write leaves a torn last line: nothing in it can ever be read, so it
+    # does not keep a synced file for ever (it did: every later sync found it "not done").
     _, torn = _offline_run(tmp_path)
     with open(torn, "ab") as f:
-        f.write(b'0badc0de {"type": "batch", "ru')  # a crash in the middle of a write
+        f.write(b'0badc0de {"type": "batch", "ru')
     lines: list[str] = []
     report = sync(torn, sqlite_server.url, log=lines.append)
-    assert report.bad_lines == 1 and report.removed == [] and torn.exists()
-    assert report.kept == [
-        f"{torn}: 1 torn or corrupt line(s) that could not be sent; delete it by hand once checked"
-    ]
-    assert f"{torn}: kept: 1 torn or corrupt line(s)" in "\n".join(lines)
+    assert report.complete and report.bad_lines == 1 and report.removed == [str(torn)] and not torn.exists()
+    # A corrupt line in the middle (a disk error): everything readable is stored, and the file is set
+    # aside once as FILE.unreadable, out of later syncs' way.
+    _, corrupt = _offline_run(tmp_path)
+    data = corrupt.read_bytes().split(b"\n")
+    data[1] = data[1][:20] + b"X" + data[1][21:]
+    corrupt.write_bytes(b"\n".join(data))
+    report = sync(corrupt, sqlite_server.url, log=lines.append)
+    aside = corrupt.with_name(corrupt.name + ".unreadable")
+    assert report.bad_lines == 1 and not corrupt.exists() and aside.exists()
+    assert report.kept == [f"{corrupt}: 1 corrupt line(s) could not be sent; set aside as {aside}"]
+    assert sync(tmp_path, sqlite_server.url, log=lambda _line: None).files == 0  # not picked up again
+
+
+def test_a_file_written_during_the_sync_is_kept(tmp_path, sqlite_server):
 
     # A run still appending to its file while the sync runs: what it adds is not stored yet.
     _, live = _offline_run(tmp_path)

@@ -561,7 +561,7 @@ def _call_middleware(
     async def send(message: Any) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+    scope = {"type": "http", "method": "POST", "path": "/api/v1/runs/r/batches", "headers": headers}
     asyncio.run(GzipRequestBody(app, max_bytes)(scope, receive, send))
     return sent[0]["status"], sent[1]["body"], seen
 
