@@ -279,12 +279,19 @@ class Trainer:
     """A model, optimizer, scaler and synthetic data; step() runs one training step under a Monitor."""
 
     def __init__(
-        self, size: ModelSize, seed: int, precision: str = "fp32", fused: bool = True, compile: bool = False
+        self,
+        size: ModelSize,
+        seed: int,
+        precision: str = "fp32",
+        fused: bool = True,
+        compile: bool = False,
+        accumulate: int = 1,
     ) -> None:
         import torch
 
         self.torch = torch
         self.size = size
+        self.accumulate = accumulate  # micro-batches per optimizer step, each loss divided by it
         # fp32: no autocast (the GradScaler still scales, unscales and checks, as in a loop written
         # for fp16 and run in fp32); fp16 / bf16: CPU autocast in that type.
         self.autocast_dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
@@ -303,16 +310,19 @@ class Trainer:
 
     def step(self, monitor: Monitor) -> None:
         torch = self.torch
-        batch = self.batches[self.step_index % len(self.batches)]
-        x, y = batch[:, :-1], batch[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(
-            "cpu", dtype=self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)
-        ):
-            logits = self.model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, self.size.vocab), y.reshape(-1))
-        monitor.on_loss(loss)
-        self.scaler.scale(loss).backward()
+        for micro in range(self.accumulate):
+            batch = self.batches[(self.step_index * self.accumulate + micro) % len(self.batches)]
+            x, y = batch[:, :-1], batch[:, 1:]
+            with torch.autocast(
+                "cpu", dtype=self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)
+            ):
+                logits = self.model(x)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, self.size.vocab), y.reshape(-1)
+            )
+            monitor.on_loss(loss)
+            self.scaler.scale(loss / self.accumulate).backward()
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.optimizer)
@@ -407,7 +417,7 @@ def worker_main(
     config: str,
     size: dict[str, int],
     seed: int,
-    recipe: tuple[str, bool, bool],
+    recipe: tuple[str, bool, bool, int],
     workdir: str,
     server_url: str | None,
     server_mode: str,
@@ -495,7 +505,7 @@ class Worker:
                 config,
                 asdict(MODEL_SIZES[args.model_size]),
                 args.seed,
-                (args.precision, args.optimizer == "fused", args.compile),
+                (args.precision, args.optimizer == "fused", args.compile, args.accumulate),
                 str(workdir),
                 server_url,
                 args.server,
@@ -578,7 +588,12 @@ class SharedRunner:
         if args.threads:
             torch.set_num_threads(args.threads)
         self.trainer = Trainer(
-            MODEL_SIZES[args.model_size], args.seed, args.precision, args.optimizer == "fused", args.compile
+            MODEL_SIZES[args.model_size],
+            args.seed,
+            args.precision,
+            args.optimizer == "fused",
+            args.compile,
+            args.accumulate,
         )
         self.monitors = {c: Monitor(c, workdir, server_url, args.server) for c in configs}
         self.exclude = exclude_pids
@@ -619,6 +634,19 @@ class SharedRunner:
         cpu = self._cpu() - before
         monitor.detach()
         return times, cpu
+
+    def floor_ms(self, repeats: int = 30) -> float:
+        """The physical floor of measuring the gradients: one torch._foreach_norm over them (as the last
+        step left them), the median of `repeats` timed calls, in ms."""
+        import torch
+
+        grads = [p.grad for _, p in self.trainer.named_parameters if p.grad is not None]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch._foreach_norm(grads, 2)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000
 
     def checks(self) -> dict[str, Any]:
         return {
@@ -845,6 +873,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="torch.compile the model (inductor on CPU; compiles during the warm-up steps)",
     )
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (each of --batch sequences, its loss divided by it)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 short rounds: a smoke test")
     args = parser.parse_args(argv)
@@ -935,6 +969,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         checks = runner.checks()
+        if isinstance(runner, SharedRunner):
+            runner.info["floor_ms"] = runner.floor_ms()
         closing = runner.close()
         info, skipped = runner.info, runner.skipped
         # the timed blocks' page faults (the warm-up block first is left out); none with process isolation
@@ -1037,7 +1073,13 @@ def report(
     out(
         f"- model: GPT-style decoder, vocab {size.vocab}, context {size.context}, width {size.width}, "
         f"{size.layers} layers, {size.heads} heads: {info['params'] / 1e6:.1f}M parameters in "
-        f"{info['tensors']} tensors; batch {size.batch} x {size.context} tokens; "
+        f"{info['tensors']} tensors; batch {size.batch} x {size.context} tokens"
+        + (
+            f", {args.accumulate} micro-batches a step (loss / {args.accumulate})"
+            if args.accumulate > 1
+            else ""
+        )
+        + "; "
         f"{args.precision}{' autocast' if args.precision != 'fp32' else ''} + GradScaler + "
         f"{args.optimizer} AdamW + clip_grad_norm_(1.0)"
         + ("; model compiled (torch.compile)" if args.compile else "")
@@ -1092,6 +1134,18 @@ def report(
             out(
                 f"- ratio overhead({ours}) / overhead({theirs}), {label}: {ratio(None):.3f} "
                 f"[95% CI {low:.3f}, {high:.3f}]"
+            )
+    if "floor_ms" in info:
+        floor = info["floor_ms"]
+        base_ms = statistics.median(base_wall) * 1000
+        for config in configs:
+            if config not in GRADWATCH_CONFIGS:
+                continue
+            added = statistics.median(wall[config]) * 1000 - base_ms
+            out(
+                f"- {config}: adds {added:.2f} ms a step (median of rounds, against the baseline's "
+                f"{base_ms:.1f}); the floor, one torch._foreach_norm over the {info['tensors']} gradients "
+                f"(median of 30): {floor:.2f} ms; added / floor = {added / floor:.1f}x"
             )
     per_step_medians = ", ".join(f"{c} {statistics.median(step_times[c]) * 1000:.0f}" for c in configs)
     out(f"- median of all single steps (ms): {per_step_medians}")
