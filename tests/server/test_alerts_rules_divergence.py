@@ -152,3 +152,26 @@ def test_healthy_loss_curves_raise_no_warning_either():
     }.items():
         norms = [1.0 + 3 * noise.random() for _ in losses]  # a noisy gradient norm that does not grow
         assert _first("divergence_warning", _steps(losses, norms=norms)) == (None, None), name
+
+
+def test_the_warnings_first_precursor_stays_in_its_later_evidence():
+    """A restart to 100x the settled peak is warned at once (the lr); when the loss then climbs, that
+    finding replaces the first as the alert's evidence, and the incident's title is built from it: the
+    lr passing its peak, where it all began, stays in the evidence (it was gone from the card)."""
+    warm_cosine = [
+        1e-3 * min(1, (i + 1) / 50) * (0.5 + 0.5 * math.cos(math.pi * max(i - 50, 0) / 300))
+        for i in range(350)
+    ]
+    lrs = warm_cosine[:200] + [100 * v for v in warm_cosine[50:200]]
+    losses = [0.3 + 3 * math.exp(-i / 40) for i in range(200)]
+    losses += [losses[-1] * (1 + 4 * (i + 1) / 60) for i in range(150)]  # the climb the lr causes
+    norms = [1.0] * 200 + [1.0 + 10 * (i + 1) / 60 for i in range(150)]
+    for round_trip in (False, True):  # the state is stored as JSON between batches
+        found = findings_of(
+            feed(make_rule("divergence_warning"), _steps(losses, lrs, norms), round_trip=round_trip)[0]
+        )
+        (first_step, first), (last_step, last) = found[0], found[-1]
+        assert first_step == 200 and first.evidence["key"] == "lr"
+        assert last.evidence["key"] == "loss" and last_step > 200
+        assert last.evidence["precursors"][0].startswith("the learning rate rose")
+        assert last.evidence["precursors"][0].endswith("past its settled peak (from step 200)")

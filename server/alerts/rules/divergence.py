@@ -15,7 +15,7 @@ step: the gradient norm, the learning rate and the share of steps the clip cut.
 from __future__ import annotations
 
 import statistics
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from ..evidence import LossDivergenceEvidence
 from .base import (
@@ -272,6 +272,29 @@ class DivergenceWarning(LossDivergence):
     }
 
     def observe(self, state: LossDivergenceState, data: StepData, layers: list[str]) -> Verdict:
+        return self._keep_first(state, self._precursor(state, data, layers))
+
+    @staticmethod
+    def _keep_first(state: LossDivergenceState, verdict: Verdict) -> Verdict:
+        """A later finding of the same warning keeps the episode's first precursor in its evidence (and
+        so in the incident's title): each finding replaces the alert's last, and the lr passing its
+        settled peak at the restart was gone from the card once the loss climb it caused was the news."""
+        if verdict is CLEAR:
+            state["first_precursor"] = None
+            return verdict
+        if not isinstance(verdict, Finding):
+            return verdict
+        evidence = cast(LossDivergenceEvidence, verdict.evidence)
+        precursors = evidence["precursors"]
+        first = state.get("first_precursor")
+        if first is None:
+            if precursors:
+                state["first_precursor"] = [verdict.step, precursors[0]]
+        elif first[0] < verdict.step and not any(first[1] in text for text in precursors):
+            evidence["precursors"] = [f"{first[1]} (from step {first[0]})", *precursors]
+        return verdict
+
+    def _precursor(self, state: LossDivergenceState, data: StepData, layers: list[str]) -> Verdict:
         verdict = super().observe(state, data, layers)
         peak, lr = state.get("lr_settled"), state["lr"]
         if isinstance(verdict, Finding) or not (_finite(peak) and _finite(lr) and peak > 0):

@@ -155,6 +155,7 @@ class LossDivergenceState(TypedDict):
     lr_flat: NotRequired[int]
     lr_settled: NotRequired[float | None]
     lr_settled_step: NotRequired[int | None]
+    first_precursor: NotRequired[list[Any] | None]  # [step, words] of the open warning's first precursor
 
 
 class LrJumpState(TypedDict):
