@@ -20,61 +20,17 @@ import os
 import platform
 import sys
 import tempfile
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_name
-from agent_overhead import MODEL_SIZES, Monitor, Trainer
-
-
-class CountNormReads:
-    """Counts the elements the norm functions read while it is entered, split by whether gradwatch's
-    code called them. It wraps torch's Python entry points (torch._foreach_norm, torch.linalg.vector_norm,
-    torch.norm, Tensor.norm) for the block: a TorchDispatchMode does not see what runs in autograd's
-    callbacks at the end of backward, where gradwatch measures."""
-
-    TARGETS = (
-        (torch, "_foreach_norm"),
-        (torch.linalg, "vector_norm"),
-        (torch, "norm"),
-        (torch.Tensor, "norm"),
-    )
-
-    def __init__(self) -> None:
-        self.elements: Counter[str] = Counter()
-        self._saved: list[tuple[object, str, object]] = []
-
-    def __enter__(self) -> CountNormReads:  # noqa: PYI034
-        for owner, name in self.TARGETS:
-            original = getattr(owner, name)
-            self._saved.append((owner, name, original))
-            setattr(owner, name, self._counting(original))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
-
-    def _counting(self, original):  # type: ignore[no-untyped-def]
-        def counted(first, *args, **kwargs):  # type: ignore[no-untyped-def]
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            count = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
-            self.elements["gradwatch" if _from_gradwatch() else "loop"] += count
-            return original(first, *args, **kwargs)
-
-        return counted
-
-
-def _from_gradwatch() -> bool:
-    return any(
-        f"{os.sep}agent{os.sep}" in frame.filename or f"{os.sep}gradwatch{os.sep}" in frame.filename
-        for frame in traceback.extract_stack()
-    )
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[1] / "tests" / "support"),
+]
+from _common import cpu_name  # noqa: E402
+from agent_overhead import MODEL_SIZES, Monitor, Trainer  # noqa: E402
+from norm_reads import CountNormReads  # noqa: E402
 
 
 def measure(accumulate: int, steps: int, size_name: str, workdir: Path) -> dict[str, object]:
