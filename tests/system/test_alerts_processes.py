@@ -44,7 +44,11 @@ def test_a_delivery_pending_at_shutdown_is_sent_after_restart_exactly_once(datab
         with gradwatch.init(project="restart", server=url, flush_interval=0.05) as run:
             train(20, run=run, overflow_steps=(10, 11, 12))
         deadline = time.monotonic() + 30
-        while not (pending := _deliveries(url)) or any(d["attempts"] == 0 for d in pending):
+        # Until the first attempt is recorded: claimed ("sending", attempts 1) comes before its failure,
+        # and a sender thread records the failure a moment later.
+        while not (pending := _deliveries(url)) or any(
+            d["attempts"] == 0 or d["status"] == "sending" for d in pending
+        ):
             assert time.monotonic() < deadline, pending
             time.sleep(0.05)
         assert len(pending) == 1 and {d["status"] for d in pending} == {"pending"}  # one incident
