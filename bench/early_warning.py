@@ -55,6 +55,7 @@ DIVERGENCES = (
     "lr_warmup_too_high",
     "lr_restart_100x",
     "post_ln_no_warmup",
+    "warmup_too_fast",
 )
 
 
@@ -155,6 +156,33 @@ def guarded(name: str, url: str) -> Guarded:
 SCENARIOS = {**pathologies.SCENARIOS, **pathologies.BENCH_ONLY}
 
 
+def fast_ramps() -> str:
+    """warmup_too_fast over peaks, ramp lengths and seeds: where a fast warm-up leaves its range moves
+    with all three, and so does how much warning its precursors give (one seed proves little)."""
+    lines = [
+        "\n| fast warm-up (peak, ramp, seed) | diverged at | gw warning | gw lead | gw left | KLS stop |",
+        "|---|---|---|---|---|---|",
+    ]
+    leads = []
+    for peak in (2e-2, 3e-2):
+        for ramp in (60, 100):
+            for seed in (0, 1, 2):
+                run = pathologies.warmup_too_fast(None, seed=seed, steps=ramp + 60, peak=peak, ramp=ramp)
+                diverged = pathologies.divergence_step(run.losses)
+                warned = first_finding("divergence_warning", run)
+                left, stopped = first_finding("loss_divergence", run), first_stop(run)
+                lead = None if diverged is None or warned is None else diverged - warned
+                leads.append(lead)
+                show = [f"{peak:g}, {ramp}, {seed}", diverged, warned, lead, left, stopped]
+                lines.append("| " + " | ".join("-" if v is None else str(v) for v in show) + " |")
+    known = sorted(v for v in leads if v is not None)
+    lines.append(
+        f"\nfast warm-ups: warned on {len(known)} of {len(leads)}, lead >= 5 on "
+        f"{sum(v >= 5 for v in known)}, median lead {known[len(known) // 2] if known else '-'}"
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
@@ -199,6 +227,7 @@ def main() -> None:
         f"\nfalse warnings on {controls} healthy controls: gradwatch {healthy_false['gradwatch']}, "
         f"KillLossSpike {healthy_false['KillLossSpike']}"
     )
+    print(fast_ramps())
     if args.no_guard:
         return
     from diagnosis import gradwatch_server

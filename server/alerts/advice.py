@@ -240,6 +240,18 @@ def divergence_steps(jump: tuple[int, str] | None, good_lr: float | None, rewind
     ]
 
 
+def warm_up_divergence_steps(lr_then: float, rewind: int) -> list[str]:
+    """divergence while a warm-up still raises the lr; lr_then: the lr where it began."""
+    return [
+        (
+            f"Warm up more slowly or to a lower peak: the lr passed what the model takes near "
+            f"{lr_then:.3g} (a peak of {lr_then / 2:.3g}, or a ramp twice as long)."
+        ),
+        f"Rewind to the checkpoint before step {rewind}.",
+        "Clip gradients at max_norm=0.5 (after scaler.unscale_ with fp16) for the next 1,000 steps.",
+    ]
+
+
 def stale_grad_steps(since: int) -> list[str]:
     """overflow_at_any_scale from a streak of overflows with a finite loss since `since`."""
     return [

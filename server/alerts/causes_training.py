@@ -322,6 +322,20 @@ def _divergence(
                 ),
                 advice.divergence_steps(None, lr_before, rewind),
             )
+        warm_up = _warming_up(context, start)
+        if warm_up is not None:  # the lr is still rising at the onset: not "unchanged"
+            ramp_from, lr_then = warm_up
+            rewind = min(rewind, start)
+            return (
+                "divergence",
+                f"training diverges from step {start} while a warm-up raises the lr ({lr_then:.3g})",
+                (
+                    f"From step {start} training diverges while a warm-up is still raising the learning "
+                    f"rate ({ramp_from:.3g} {WARM_UP_SPAN} steps before, {lr_then:.3g} then): the ramp is "
+                    f"too fast or its peak too high for this model at this point{since}."
+                ),
+                advice.warm_up_divergence_steps(lr_then, rewind),
+            )
         lr_now = f" ({good_lr:.3g})" if good_lr else ""
         # With the lr unchanged, the evidence so far fits two causes: which one tells itself in the next
         # steps (a burst clears, and the incident is then updated; a divergence stays up).
@@ -339,6 +353,19 @@ def _divergence(
         cause,
         advice.divergence_steps(jump, good_lr, rewind),
     )
+
+
+WARM_UP_SPAN = 30  # steps over which an lr that rose 1.5x to the run's highest yet is a warm-up in progress
+
+
+def _warming_up(context: RunContext, step: int) -> tuple[float, float] | None:
+    """(lr WARM_UP_SPAN steps before `step`, lr at `step`) when the lr rose at least 1.5x over those steps
+    to the highest the run had had: a warm-up still ramping where the divergence began."""
+    before, now = _lr_at(context, step - WARM_UP_SPAN), _lr_at(context, step)
+    if not (before and now) or now < 1.5 * before:
+        return None
+    highest = max((lr for s, lr in context.lr if s <= step), default=now)
+    return (before, now) if now >= 0.99 * highest else None
 
 
 def _clipping(by_rule: ByRule, findings: Findings, context: RunContext, misuse: Misuse, step: int) -> Result:

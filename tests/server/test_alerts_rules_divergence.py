@@ -175,3 +175,57 @@ def test_the_warnings_first_precursor_stays_in_its_later_evidence():
         assert last.evidence["key"] == "loss" and last_step > 200
         assert last.evidence["precursors"][0].startswith("the learning rate rose")
         assert last.evidence["precursors"][0].endswith("past its settled peak (from step 200)")
+
+
+def test_a_warm_up_that_leaves_its_range_within_tens_of_steps_is_seen_there():
+    """A ramp to too high a peak: the loss falls from 4.2 to ~1 in 20 steps and is back at 3.3 by step 30.
+    The best level used to be looked for only once 45 losses were in (by then the loss was already out,
+    and its best was the diverged level: silent for good); it is looked for from `baseline` losses on,
+    and the noise's reach above it is read around the fall's trend, not from the fall's first steps."""
+    losses = [0.8 + 3.4 * math.exp(-i / 6) for i in range(25)] + [0.9 + 0.4 * i for i in range(1, 7)]
+    losses += [3.3 * (1 + 0.05 * math.sin(i)) for i in range(100)]
+    norms = [1.0] * 25 + [6.0] * 106
+    lrs = [2e-2 * min(1.0, (i + 1) / 30) for i in range(len(losses))]
+    left, finding = _first("loss_divergence", _steps(losses, lrs, norms))
+    assert left is not None and left < 40, left
+    assert finding.evidence["values"][0] < 1.2 and "the gradient norm rose" in finding.title
+    warned, _ = _first("divergence_warning", _steps(losses, lrs, norms))
+    assert warned is not None and warned < left
+
+
+def _edge_of_stability(lrs, norm_from=79, loss_from=88):
+    """A loss that has settled near 0.7 (small noise), a gradient norm that jumps 4x at `norm_from` (its
+    spikes come more and more often as the lr ramps past what the model takes) and a loss that climbs to
+    3x from `loss_from` on."""
+    noise = random.Random(2)
+    losses = [0.7 + 3 * math.exp(-i / 8) + 0.05 * noise.random() for i in range(loss_from)]
+    losses += [0.75 * (1 + 0.5 * (i + 1)) for i in range(40)]
+    norms = [1.0 + 0.2 * noise.random() for _ in range(norm_from)] + [4.0] * (len(losses) - norm_from)
+    return _steps(losses, lrs[: len(losses)], norms)
+
+
+def test_the_gradient_norm_climbing_while_the_lr_ramps_is_warned_before_the_loss_follows():
+    ramp = [2e-2 * min(1.0, (i + 1) / 100) for i in range(128)]
+    warned, warning = _first("divergence_warning", _edge_of_stability(ramp))
+    left, _ = _first("loss_divergence", _edge_of_stability(ramp))
+    assert warned is not None and warned <= 81, warned  # 3 of the last 5 norms up
+    assert left is not None and left - warned >= 5, (warned, left)
+    assert warning.evidence["precursors"][0].startswith("the gradient norm rose")
+    assert "the learning rate rose" in " ".join(warning.evidence["precursors"])
+    # the norm alone, the loss still falling: no climb (a warm-up's early steps)
+    falling = _steps([4.0 * math.exp(-i / 60) for i in range(128)], ramp, [1.0] * 79 + [4.0] * 49)
+    assert _first("divergence_warning", falling) == (None, None)
+
+
+def test_a_norm_that_grows_as_the_lr_decays_or_spikes_once_raises_no_warning():
+    """The gradient norm often grows as a cosine schedule takes the lr to 0, with the loss flat: not a
+    divergence (the lr is below its value at the best step). A lone spike every 10 steps (hard batches)
+    is not a climb (the median of 5)."""
+    noise = random.Random(3)
+    cosine = [1e-3 * (0.5 + 0.5 * math.cos(math.pi * i / 300)) for i in range(300)]
+    losses = [0.5 + 3 * math.exp(-i / 30) + 0.02 * noise.random() for i in range(300)]
+    grows = [1.0] * 200 + [4.0] * 100
+    assert _first("divergence_warning", _steps(losses, cosine, grows)) == (None, None)
+    flat_lr = [1e-3] * 300
+    spikes = [8.0 if i % 10 == 0 else 1.0 for i in range(300)]
+    assert _first("divergence_warning", _steps(losses, flat_lr, spikes)) == (None, None)

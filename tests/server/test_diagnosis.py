@@ -173,6 +173,24 @@ def test_a_divergence_without_a_trigger_rewinds_to_its_onset_with_half_the_lr():
     assert "(to 0.0002) and rewind to the checkpoint before step 505" in _steps_text(diagnosis)
 
 
+def test_a_divergence_while_a_warm_up_still_raises_the_lr_names_the_ramp_not_an_unchanged_lr():
+    """A linear warm-up over 60 steps to 2e-2 that outruns the model: the loss leaves its range at step 54,
+    the lr ~1.8e-2 and still rising. It used to read "learning rate unchanged" (no 2x rise since the
+    warning began at 47)."""
+    ramp = [(s, 2e-2 * min(1.0, (s + 1) / 60)) for s in range(60)]
+    warning = _finding("divergence_warning", 47, {"onset_step": 47, "ratio": 1.2, "precursors": []})
+    left = _finding("loss_divergence", 56, {"onset_step": 54, "ratio": 3.1, "steps": [40, 56]})
+    diagnosis = diagnose([warning, left], RunContext(lr=ramp))
+    assert diagnosis.cause_key == "divergence" and "unchanged" not in diagnosis.title
+    assert diagnosis.title.startswith("training diverges from step 47 while a warm-up raises the lr")
+    assert "Warm up more slowly or to a lower peak" in _steps_text(diagnosis)
+    assert "before step 47" in _steps_text(diagnosis)
+    # the same divergence after the warm-up has ended (a constant lr for 60 steps) is "unchanged"
+    flat = [(s, 2e-2 * min(1.0, (s + 1) / 60)) for s in range(120)]
+    late = [_finding("loss_spike", 115, {"onset_step": 110, "ratio": 6.0})]
+    assert "learning rate unchanged" in diagnose(late, RunContext(lr=flat)).title
+
+
 def test_a_warm_up_before_a_nan_loss_is_not_an_lr_jump():
     lr = [(k, 1e-3 * (1e-3 + (1 - 1e-3) * min(k, 100) / 100)) for k in range(31)]  # x11 at step 1, then <2x
     diagnosis = diagnose([_nan_loss(30)], RunContext(lr=lr))

@@ -37,6 +37,18 @@ __all__ = ["DivergenceWarning", "LossDivergence"]
 UPPER_SPAN = 3  # the upper noise of the best level is read over this many baseline windows
 
 
+def _upper_noise(window: list[float]) -> float:
+    """How far the loss's batches reach above its level: the third-highest residual of the window's losses
+    over their running median of 5 (a wider window than the best median's: one picked for its low median
+    is also one with few high batches). Over the trend, not the raw values: a window that still holds a
+    fast early fall (4.2 -> 0.9 in 20 steps) would put the reach at the fall's start and hide any climb
+    back; on a level window it is the third-highest loss's distance from the level, as before."""
+    residuals = sorted(
+        value - statistics.median(window[max(0, i - 2) : i + 3]) for i, value in enumerate(window)
+    )
+    return max(residuals[max(len(residuals) - 3, 0)], 0.0)
+
+
 class LossDivergence(RuleType[LossDivergenceState]):
     name = "loss_divergence"
     severity = "critical"
@@ -104,13 +116,12 @@ class LossDivergence(RuleType[LossDivergenceState]):
         if state["count"] <= self.warmup:
             state["start"] = level if state["start"] is None else max(state["start"], level)
         best = state["best"]
-        # The noise's upper reach around the best level: the third-highest of the last 3 x baseline losses,
-        # a wider window than the one the best median was chosen from (a window picked for its low median
-        # is also one with few high batches); the best level is looked for once that window is full.
-        full = len(recent) >= UPPER_SPAN * self.baseline  # the upper reach is read over a full window
-        if full and (best is None or center < best[1]):
-            window = sorted(recent[-UPPER_SPAN * self.baseline :])  # only when the best level moves
-            upper = window[max(len(window) - 3, 0)]
+        # The best level is looked for once `baseline` losses exist: a loss that falls fast in a warm-up and
+        # leaves its range within tens of steps (a ramp to too high a peak) has left before a longer window
+        # would fill. Its noise's upper reach is read over up to 3 x baseline losses around their trend.
+        ready = len(recent) >= self.baseline
+        if ready and (best is None or center < best[1]):
+            upper = center + _upper_noise(recent[-UPPER_SPAN * self.baseline :])  # when the best moves
             best = state["best"] = [
                 data.step,
                 center,
@@ -122,11 +133,7 @@ class LossDivergence(RuleType[LossDivergenceState]):
             state["rising"] = None
         elif best is not None and state.get("rising") is None and level >= (1 + self.factor) / 2 * best[1]:
             state["rising"] = data.step  # half way out of the range: where the climb shows
-        if (
-            state["count"] <= self.warmup
-            or best is None
-            or len(recent) < max(self.smooth, UPPER_SPAN * self.baseline)
-        ):
+        if state["count"] <= self.warmup or best is None or len(recent) < max(self.smooth, self.baseline):
             return None
         start, minimum = state["start"], best[1]
         if start is None or minimum <= 0:
@@ -260,7 +267,9 @@ class DivergenceWarning(LossDivergence):
         "Precursors of a divergence: on `sustain` steps in a row the loss's median is at least `factor` "
         "times its best level (and gave back `give_back` of its progress) while the gradient norm grew "
         "`norm_rise` times since that best step or the lr `lr_rise` times; or the lr rose past `lr_rise` "
-        "times the peak the run had settled on (no higher lr for `lr_settle` steps)."
+        "times the peak the run had settled on (no higher lr for `lr_settle` steps); or the gradient norm's "
+        "median is `norm_climb` times that of the `lr_settle` steps before while the loss has stopped "
+        "falling and the lr is not falling."
     )
     params: ClassVar[dict[str, Param]] = {
         **LossDivergence.params,
@@ -269,6 +278,9 @@ class DivergenceWarning(LossDivergence):
         "norm_rise": Param(2.0, minimum=1.0, doc="gradient norm now / at the best step"),
         "lr_rise": Param(2.0, minimum=1.0, exclusive_minimum=True, doc="lr now / settled peak or best"),
         "lr_settle": Param(20, minimum=1, maximum=MAX_WINDOW, integer=True, doc="steps without a higher lr"),
+        "norm_climb": Param(
+            3.0, minimum=1.0, exclusive_minimum=True, doc="gradient norm now / the `lr_settle` steps before"
+        ),
     }
 
     def observe(self, state: LossDivergenceState, data: StepData, layers: list[str]) -> Verdict:
@@ -296,10 +308,15 @@ class DivergenceWarning(LossDivergence):
 
     def _precursor(self, state: LossDivergenceState, data: StepData, layers: list[str]) -> Verdict:
         verdict = super().observe(state, data, layers)
-        peak, lr = state.get("lr_settled"), state["lr"]
-        if isinstance(verdict, Finding) or not (_finite(peak) and _finite(lr) and peak > 0):
+        if isinstance(verdict, Finding):
             return verdict
-        if lr < self.lr_rise * peak:
+        climb = self._norm_climb(state, data)
+        if climb is not None:
+            return climb
+        if verdict is CLEAR and state.get("climbing"):
+            return None  # the norm's climb is still half way up: not over yet
+        peak, lr = state.get("lr_settled"), state["lr"]
+        if not (_finite(peak) and _finite(lr) and peak > 0) or lr < self.lr_rise * peak:
             return verdict
         state["open"] = True
         return Finding(
@@ -321,9 +338,75 @@ class DivergenceWarning(LossDivergence):
             ),
         )
 
+    def _norm_climb(self, state: LossDivergenceState, data: StepData) -> Finding | None:
+        """The gradient norm climbing at the edge of stability, before the loss follows: its median of
+        `smooth` steps is `norm_climb` times its median over the `lr_settle` steps before, while the loss
+        has stopped falling (its median of `smooth` steps not 5% under that of the `lr_settle` before) and
+        the lr is not below its value at the window's start (a warm-up still ramping, a constant lr).
+        Not a cosine decay to 0 (the norm often grows as the lr falls), nor one spike (a median), nor a
+        loss still falling. A warm-up that outruns the model shows here: the norm spikes more and more
+        often for some steps before the loss leaves its range."""
+        history = state.get("norm_history") or []
+        best, level = state["best"], self._level(state)
+        state["climbing"] = False
+        if (
+            best is None
+            or level is None
+            or state["count"] <= self.warmup
+            or len(history) < self.lr_settle + self.smooth
+        ):
+            return None
+        norms = [norm for norm, _ in history]
+        now, before = statistics.median(norms[-self.smooth :]), statistics.median(norms[: -self.smooth])
+        lr_now, lr_then = state["lr"], history[0][1]
+        if before <= 0 or not (_finite(lr_now) and _finite(lr_then)) or lr_now < lr_then:
+            return None
+        ratio = now / before
+        state["climbing"] = bool(state.get("climb_open")) and ratio >= (1 + self.norm_climb) / 2
+        losses = state["recent"][-(self.lr_settle + self.smooth) : -self.smooth]
+        falling = len(losses) < self.lr_settle or level < 0.95 * statistics.median(losses)
+        if ratio < self.norm_climb or falling:
+            if not state["climbing"]:
+                state["climb_open"] = False
+            return None
+        # No streak on top: the median already needs 3 of the 5 norms up, and the norm leads the loss
+        # by only a few steps here.
+        state["open"] = state["climb_open"] = state["climbing"] = True
+        precursors = [f"the gradient norm rose {ratio:.3g}x in {self.lr_settle + self.smooth} steps"]
+        if lr_then > 0 and lr_now >= 1.2 * lr_then:
+            precursors.append(f"the learning rate rose {lr_now / lr_then:.3g}x to {lr_now:.3g}")
+        return Finding(
+            data.step,
+            f"divergence ahead: the gradient norm {now:.3g} (median of {self.smooth} steps) is {ratio:.3g}x "
+            f"its level {before:.3g} of the {self.lr_settle} steps before, and {state['key']} has stopped "
+            f"falling ({level:.4g}, best {best[1]:.4g} at step {best[0]})",
+            LossDivergenceEvidence(
+                key=str(state["key"]),
+                steps=[int(best[0]), data.step],
+                values=[best[1], level],
+                ratio=level / best[1] if best[1] > 0 else 1.0,
+                start_level=float(state["start"] or 0.0),
+                onset_step=data.step,
+                rising_step=state.get("rising"),
+                grad_norm=[before, now],
+                lr=[lr_then, lr_now],
+                clipped_share=[best[4], self._clip_share(state)],
+                precursors=precursors,
+            ),
+        )
+
+    def _level(self, state: LossDivergenceState) -> float | None:
+        recent = state["recent"]
+        return statistics.median(recent[-self.smooth :]) if recent else None
+
     def _track(self, state: LossDivergenceState, data: StepData) -> None:
         previous_max = state["lr_max"]
         super()._track(state, data)
+        norm = data.scalars.get("grad/global_norm")
+        if _finite(norm) and _finite(state["lr"]):
+            state["norm_history"] = [*(state.get("norm_history") or []), [norm, state["lr"]]][
+                -(self.lr_settle + self.smooth) :
+            ]
         lr = data.scalars.get("lr")
         if not _finite(lr):
             return

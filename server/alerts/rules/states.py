@@ -156,6 +156,11 @@ class LossDivergenceState(TypedDict):
     lr_settled: NotRequired[float | None]
     lr_settled_step: NotRequired[int | None]
     first_precursor: NotRequired[list[Any] | None]  # [step, words] of the open warning's first precursor
+    # divergence_warning's norm climb: [norm, lr] of the latest lr_settle + smooth steps with both finite,
+    # whether a climb finding is open and whether the norm is still half way up
+    norm_history: NotRequired[list[list[float]]]
+    climb_open: NotRequired[bool]
+    climbing: NotRequired[bool]
 
 
 class LrJumpState(TypedDict):

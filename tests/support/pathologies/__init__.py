@@ -60,6 +60,7 @@ from .scenarios import (
     resumed,
     stray_detach,
     warmup_cosine_restart,
+    warmup_too_fast,
 )
 
 __all__ = [
@@ -99,4 +100,5 @@ __all__ = [
     "settled_notifications",
     "stray_detach",
     "warmup_cosine_restart",
+    "warmup_too_fast",
 ]

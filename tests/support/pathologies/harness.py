@@ -231,9 +231,9 @@ def _finite(value: float) -> bool:
 
 
 def _timed(function: Callable[..., Scenario]) -> Callable[..., Scenario]:
-    def timed(new_run: RunFactory | None = None) -> Scenario:
+    def timed(new_run: RunFactory | None = None, **options: Any) -> Scenario:
         started = time.perf_counter()
-        scenario = function(new_run)
+        scenario = function(new_run, **options)
         scenario.seconds = time.perf_counter() - started
         return scenario
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .divergence import lr_restart_100x, post_ln_no_warmup
+from .divergence import lr_restart_100x, post_ln_no_warmup, warmup_too_fast
 from .harness import (
     RunFactory,
     Scenario,
@@ -1102,4 +1102,4 @@ HEALTHY: tuple[Callable[..., Scenario], ...] = (
 )
 SCENARIOS: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in PATHOLOGIES + HEALTHY}
 # Runs whose divergence step depends on float rounding (not pinnable in CI): measured by the benches.
-BENCH_ONLY: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in (post_ln_no_warmup,)}
+BENCH_ONLY: dict[str, Callable[..., Scenario]] = {f.__name__: f for f in (post_ln_no_warmup, warmup_too_fast)}
