@@ -1,3 +1,5 @@
+"""The alerts API: rules, incidents, acknowledgements and the webhooks they are delivered to."""
+
 import re
 from typing import Any, Literal
 from urllib.parse import urlsplit

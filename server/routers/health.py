@@ -1,3 +1,5 @@
+"""Health and identity: whether the server is up, and which principal a token is."""
+
 from fastapi import APIRouter
 
 from ..deps import PrincipalDep, StoreDep

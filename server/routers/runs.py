@@ -1,3 +1,5 @@
+"""The runs API: list, read, tag, end and delete runs, with their summaries."""
+
 from datetime import datetime
 from typing import Annotated, Literal
 

@@ -1,3 +1,5 @@
+"""The series API: one run's scalar and per-layer values over steps, downsampled for the dashboard."""
+
 import base64
 from typing import Annotated, Literal
 
