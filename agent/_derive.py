@@ -26,6 +26,7 @@ from . import _quantities
 
 if TYPE_CHECKING:
     from ._buffer import Resolved
+    from ._clip_factor import ClipFactor
 
 SCALE_BEFORE = "_amp/scale_before"  # the loss scale a step was taken with (before scaler.update)
 UNCHANGED_COUNTS = "_update/unchanged_counts"  # per layer [unchanged, non-zero gradient] → rounded_away_frac
@@ -34,6 +35,7 @@ POST_CLIP_NORM = "grad/global_norm_post_clip"
 # per step of a fused optimizer under a GradScaler: the per-layer norms, kept for the skipped steps
 NORMS_IF_SKIPPED = "_grad/norm_if_skipped"
 REWRITE_SPREAD = "_grad/rewrite_spread"  # per rewritten step: how unevenly the layers were scaled
+CLIP_FACTOR_CHECK = "_grad/clip_factor_wrong"  # on a step read fully: 1 if the clip's factor was wrong
 # Once scaled gradients were rewritten before scaler.unscale_: their global norm just before it (÷S),
 # and how unevenly that rewrite scaled the layers, to tell a clip there (a misuse) from a division
 SCALED_REWRITE = "_grad/rewritten_before_unscale"
@@ -463,8 +465,12 @@ class WatchDerivation:
         self.rewrites = GradientRewrites()
         self.scaled_rewrites = GradientRewrites()  # before scaler.unscale_: a clip there is a misuse
         self.unheld: dict[int, UnheldCandidates] = {}
+        self.clip_factor: ClipFactor | None = None  # the post-clip shortcut the checks are judged for
 
     def __call__(self, resolved: Resolved) -> None:
+        checks = resolved.scalars.pop(CLIP_FACTOR_CHECK, None)
+        if checks and self.clip_factor is not None:
+            self.clip_factor.verdict(any(value != 0 for _, value in checks))
         if self.unheld:
             resolved.events.extend(unheld_parameter_events(resolved.vectors, self.unheld))
         if derive(

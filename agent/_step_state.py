@@ -30,6 +30,8 @@ class StepState:
     unwatched_sq: Any = None  # the squared norm of the unwatched trainable parameters' gradients (_unwatched)
     measured_grads: list[Any] = field(default_factory=list)  # held until the end: an engine may clear them
     measured_at: Versions | None = None  # the gradients' versions when measured
+    probes: Any = None  # a few of their elements then (_clip_factor): the clip's factor, read later
+    deferred: bool = False  # the last pass was not measured: more passes were expected (accumulation)
     measure_at_unscale: bool = False  # still scaled at the end of backward: measured after unscale_
     rewritten_while_scaled: bool = False  # rewritten before unscale_ (a misuse): this step's norms are lost
     gradients_settled: bool = False  # the optimizer step (or the skip) came: no clip after it
@@ -67,6 +69,13 @@ class StepState:
                 "they were measured (a clip there is a misuse, told by a clip_before_unscale event; a "
                 "division by the accumulation steps is not): this step records no grad/global_norm "
                 "or grad/norm; later steps measure them at the end of backward"
+            )
+        if self.deferred:
+            return (
+                "a step had fewer backward passes than the step before and its gradients were rewritten "
+                "(clipped) after its last pass: gradwatch measures them once a step, at the pass it "
+                "expects to be the last, so that step records no grad/global_norm or grad/norm; the "
+                "steps after it are measured at every pass until the count is known again"
             )
         if self.measure_at_unscale:
             return (

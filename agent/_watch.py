@@ -59,8 +59,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import _distributed, _gradients, _quantities, _watch_start
+from ._clip_factor import ClipFactor
 from ._coverage import OptimizerCoverage
 from ._derive import (  # the agent-internal keys this module records for _derive
+    CLIP_FACTOR_CHECK,
     MAX_LAYERS_IN_EVENT,
     NORMS_IF_SKIPPED,
     POST_CLIP_NORM,
@@ -164,6 +166,12 @@ class Watcher:
         # A rewrite of still-scaled gradients was seen: from then on they are measured at the end of
         # backward, scaled (the only moment they are not yet rewritten), and again before unscale_.
         self._rewrites_while_scaled = False
+        # One read of the gradients per optimizer step (issue 40): the post-clip norm from the clip's
+        # factor (_clip_factor), and with gradient accumulation, the measurement deferred to the
+        # step's last backward pass once the passes per step are known (_on_backward_end).
+        self._clip_factor = self.derive.clip_factor = ClipFactor(self.params)
+        self._last_pass = 0  # the pass expected to be a step's last (0: unknown, every pass is measured)
+        self._short_steps: set[int] = set()  # pass counts of steps that ended early and lost their norms
 
         self._handles.append(optimizer.register_step_pre_hook(guard(self._pre_step_hook)))
         self._handles.append(optimizer.register_step_post_hook(guard(self._post_step_hook)))
@@ -291,10 +299,23 @@ class Watcher:
             this_step.measured_grads = grads
             this_step.measured_at = _gradients.versions(grads)
             this_step.measure_at_unscale = True
+        elif (
+            not self._rewrites_while_scaled
+            and this_step.micro_batches < self._last_pass
+            and this_step.micro_batches not in self._short_steps
+        ):
+            # More backward passes are due before the step (as many as the last step had): the norms
+            # are the last pass's, so they are taken there; a step that ends early is measured at the
+            # optimizer step if nothing rewrote its gradients since (see _settle_gradients).
+            this_step.pre_clip, this_step.probes = None, None
+            this_step.measured_grads = grads
+            this_step.measured_at = _gradients.versions(grads)
+            this_step.deferred = True
         else:
+            this_step.deferred = False
             self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
-        if self.scaler is None and self._histograms_due():
-            self._take_histograms(grads)
+            if self.scaler is None and self._histograms_due():
+                self._take_histograms(grads)
 
     def _measures_at_unscale(self) -> bool:
         """Whether this backward pass's gradients are measured after scaler.unscale_ rather than now:
@@ -319,6 +340,8 @@ class Watcher:
         this_step.pre_clip = per_layer
         this_step.measured_grads = grads
         this_step.measured_at = _gradients.versions(grads)
+        # Still scaled, the probes would give the clip's factor divided by the scale: read fully then.
+        this_step.probes = None if scale is not None else self._clip_factor.probes(grads)
 
     def _take_histograms(self, grads: list[Any]) -> None:
         self._this_step.histograms = _quantities.log2_histograms(grads, self._like)
@@ -362,6 +385,7 @@ class Watcher:
             self._take_histograms(grads)
         if not self._rewrites_while_scaled:  # there, what was rewritten before unscale_ is seen at the step
             this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
+            this_step.probes = self._clip_factor.probes(grads)  # as unscaled
 
     def _settle_gradients(self) -> None:
         """The optimizer step (or the skip) has come: whatever clip there was is done. A gradient
@@ -373,6 +397,18 @@ class Watcher:
         if this_step.measured_at is None:
             return
         grads = self._grads()
+        if this_step.deferred and this_step.pre_clip is None:
+            # Deferred to a later pass that did not come (fewer micro-batches than the step before):
+            # as the last pass left them, unless something rewrote them since: lost (said once), and
+            # from then on a pass of that count is measured too (an epoch's last, partial window of
+            # accumulation costs a read more on the other steps, and is never lost twice).
+            if _gradients.rewritten(this_step.measured_at, grads):
+                self._short_steps.add(this_step.micro_batches)
+                return
+            self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
+            if self.scaler is None and self._histograms_due():  # with a scaler: after unscale_ only
+                self._take_histograms(grads)
+            return
         if (
             this_step.measure_at_unscale
             and this_step.pre_clip is None
@@ -386,15 +422,29 @@ class Watcher:
             return
         if not _gradients.rewritten(this_step.measured_at, grads) or this_step.pre_clip is None:
             return
-        after = _quantities.layer_norms(grads, self._like)
         if _gradients.only_removed(this_step.measured_at, grads):
             # Some .grad set to None by hand (layers left out of this step), the others untouched: no
             # clip. The norms are those the optimizer sees (none for them: a no_gradient event).
-            this_step.pre_clip, this_step.measured_grads = after, grads
+            this_step.pre_clip, this_step.measured_grads = _quantities.layer_norms(grads, self._like), grads
             return
-        # The norm the optimizer steps with, and how evenly the rewrite scaled each layer (_derive).
+        # The norm the optimizer steps with, and how evenly the rewrite scaled each layer (_derive): from
+        # the clip's factor, or read fully on the per-layer sampling steps (which verify the factor).
+        pre_global = _quantities.global_norm(this_step.pre_clip, this_step.unwatched_sq)
+        verify = this_step.layer_norms_wanted or self.options.due(
+            self.options.layer_norms_every, self.sink.step
+        )
+        by_factor = None if verify else self._clip_factor.post_clip(this_step.probes, grads, pre_global)
+        if by_factor is not None:
+            this_step.post_clip, this_step.rewrite_spread = by_factor
+            return
+        after = _quantities.layer_norms(grads, self._like)
         this_step.post_clip = _quantities.global_norm(after, self._unwatched.squared_norm(self._like))
         this_step.rewrite_spread = _quantities.factor_spread(this_step.pre_clip, after)
+        check = self._clip_factor.check(
+            this_step.probes, grads, pre_global, this_step.post_clip, this_step.rewrite_spread
+        )
+        if check is not None:  # judged on the sender thread (WatchDerivation): no sync here
+            self.sink.add_scalar(CLIP_FACTOR_CHECK, self.sink.step, check)
 
     def _record_gradient_norms(self, step: int) -> None:
         """grad/global_norm (and post-clip), and per-layer grad/norm on sampled and skipped steps,
@@ -562,6 +612,10 @@ class Watcher:
         sink, this_step, options = self.sink, self._this_step, self.options
         self._settle_gradients()
         self._record_gradient_norms(step)
+        # The pass expected to be the next step's last, measured (with accumulation; as this one's); a
+        # step measured some other way (at unscale_, by hand) or not at all: every pass is.
+        measured = this_step.pre_clip is not None and this_step.measured_at is not None
+        self._last_pass = this_step.micro_batches if measured and not self._rewrites_while_scaled else 0
         if this_step.loss_count:
             sink.add_scalar("amp/loss", step, this_step.loss_sum / this_step.loss_count)
         if this_step.micro_batches:

@@ -60,14 +60,16 @@ def _setup(url: str, tokens: Tokens) -> dict:
             ],
             "events": [{"step": 1, "kind": "skip"}],
         }
-        assert client.post(f"/api/v1/runs/{run['id']}/batches", json=batch).status_code == 200
+        stored = client.post(f"/api/v1/runs/{run['id']}/batches", json=batch)
+        assert stored.status_code == 200, stored.text  # a 429 names its limit
         rule = client.post("/api/v1/alert-rules", json={"project": "alpha", "type": "skip_storm"})
         assert rule.status_code == 201, rule.text
         hook = client.post("/api/v1/webhooks", json={"project": "alpha", "url": "http://127.0.0.1:9/hook"})
         assert hook.status_code == 201, hook.text
         # A resume at step 10 keeps what it supersedes (step 10 and after) as an attempt of the run.
         later = {"seq": 1, "scalars": [{"key": "extra", "steps": [10, 11], "values": [1.0, 2.0]}]}
-        assert client.post(f"/api/v1/runs/{run['id']}/batches", json=later).status_code == 200
+        stored = client.post(f"/api/v1/runs/{run['id']}/batches", json=later)
+        assert stored.status_code == 200, stored.text
         resume = {"seq": int(time.time() * 1000) << 20, "events": [{"step": 10, "kind": "resume"}]}
         assert client.post(f"/api/v1/runs/{run['id']}/batches", json=resume).status_code == 200
         [attempt] = client.get(f"/api/v1/runs/{run['id']}/attempts").json()["data"]
