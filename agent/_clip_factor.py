@@ -26,7 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 PROBE_LAYERS = 8
-TOLERANCE = 1e-5  # relative: a rewrite within it is one factor; float32 rounding is ~1e-7
+# Relative. The post-clip norm must come within 1e-5 of a full read's (the truth tests' bound; float32
+# rounding puts them ~1e-6 apart). The per-layer factors of one clip differ by the rounding of each
+# layer's norm, up to ~1e-5 for a small layer: within 1e-4 they are one factor (as _derive counts).
+MISS_TOLERANCE = 1e-5
+SPREAD_TOLERANCE = 1e-4
 
 
 class ClipFactor:
@@ -74,8 +78,8 @@ class ClipFactor:
         estimate = None if self.state == "off" else self._estimate(before, grads, pre_clip_global)
         if estimate is None:
             return None
-        miss = (estimate[0] - post).abs() > TOLERANCE * post.abs()
-        wrong = (spread > TOLERANCE) | (miss & self._torch.isfinite(post))
+        miss = (estimate[0] - post).abs() > MISS_TOLERANCE * post.abs()
+        wrong = (spread > SPREAD_TOLERANCE) | (miss & self._torch.isfinite(post))
         return wrong.to(self._torch.float32)
 
     def verdict(self, wrong: bool) -> None:
