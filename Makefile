@@ -14,7 +14,7 @@ LOCK := .ci/constraints.txt
 # 2.13.0): the lock pins the release the Makefile installs, whichever build of it pip finds.
 FREEZE = -m pip freeze --all --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*$$/\1/'
 
-.PHONY: demo test install lint clean screenshots lock test-latest
+.PHONY: demo test test-fast install lint clean screenshots lock test-latest
 
 # A changed lock re-runs the installs into the existing .venv, which moves every pinned package to
 # its locked version (a package the lock no longer lists stays: `make clean` first to drop it).
@@ -66,6 +66,11 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -ra -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+## make test-fast: the inner loop (about a minute on 2 cores): the tests that start no server, browser,
+## PostgreSQL or other process (the `slow` marker, set in tests/conftest.py, leaves the rest to make test).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not postgres and not browser" $(PYTEST_ARGS)
 
 ## make test-latest: the same tests in a second venv (.venv-latest) with the newest release of every
 ## dependency pyproject.toml allows, not the lock's (torch stays TORCH_VERSION): upgraded on each run,

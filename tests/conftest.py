@@ -221,3 +221,54 @@ def server_process(database_url: str, tmp_path) -> Iterator[str]:
                 process.kill()
                 process.wait()
     assert "Traceback" not in log_path.read_text(), log_path.read_text()
+
+
+# -- `make test-fast`: the pure rooms --------------------------------------------------------------
+
+# Fixtures that start a server, a database server, a browser or other processes: a test using one is
+# marked `slow` (make test-fast leaves it out; make test runs everything).
+SLOW_FIXTURES = frozenset(
+    {
+        "api_server",
+        "sqlite_server",
+        "full_server",
+        "server_process",
+        "client",
+        "tokens",
+        "browser_page",
+        "chromium_path",
+        "postgres_url",
+    }
+)
+SLOW_FOLDERS = ("system", "dashboard")  # whole processes, servers and browsers
+# Modules that start servers of their own (faulty, hostile or slow ones), or wait out real timeouts.
+SLOW_MODULES = frozenset(
+    {
+        "test_ingest_limits.py",
+        "test_webhook_ssrf.py",
+        "test_webhook_fairness.py",
+        "test_hostile_tenants.py",
+        "test_live.py",
+        "test_alerts.py",
+        "test_transport_faults.py",
+        "test_http_hostile_server.py",
+        "test_finish_and_dead_letters.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: starts servers, browsers or processes (not in make test-fast)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.parent.name
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            folder in SLOW_FOLDERS
+            or item.path.name in SLOW_MODULES
+            or SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+            or params.get("database_url") == "postgres"
+        ):
+            item.add_marker(pytest.mark.slow)
