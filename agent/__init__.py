@@ -18,7 +18,7 @@ from ._run import Run
 from ._run import server_and_token as _server_and_token
 from .api import Api, ApiError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "Api",
     "ApiError",
