@@ -117,7 +117,21 @@ def _readable_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> str:
     return authorize_run(store, principal, run_id, "read")
 
 
+def _ingestible_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> str:
+    """The same for a caller that sends the run data (scope ingest)."""
+    return authorize_run(store, principal, run_id, "ingest")
+
+
+def _administered_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> str:
+    """The same for a caller that changes or deletes the run (scope admin)."""
+    return authorize_run(store, principal, run_id, "admin")
+
+
+# The path's run id, authorized for one scope: an endpoint takes one of these instead of calling
+# authorize_run itself (404 unknown or another project's run, 401/403 token).
 ReadableRunId = Annotated[str, Depends(_readable_run)]
+IngestibleRunId = Annotated[str, Depends(_ingestible_run)]
+AdministeredRunId = Annotated[str, Depends(_administered_run)]
 
 
 def _run_names(store: StoreDep, principal: PrincipalDep) -> RunNames:

@@ -7,7 +7,17 @@ from fastapi import APIRouter, Depends, Query, Response, status
 from fastapi.responses import JSONResponse
 
 from ..attempt_schemas import AttemptDataOut, AttemptList, AttemptOut
-from ..deps import AlertsDep, PrincipalDep, RunNames, RunNamesDep, StoreDep, authorize_run
+from ..deps import (
+    AdministeredRunId,
+    AlertsDep,
+    IngestibleRunId,
+    PrincipalDep,
+    ReadableRunId,
+    RunNames,
+    RunNamesDep,
+    StoreDep,
+    authorize_run,
+)
 from ..ingest_limits import RESPONSES as INGEST_REFUSALS
 from ..ingest_limits import charge_ingest
 from ..schemas import (
@@ -134,18 +144,14 @@ def get_run(
 
 
 @router.patch("/{run_id}")
-def update_run(
-    run_id: str, patch: RunPatch, store: StoreDep, principal: PrincipalDep, names: RunNamesDep
-) -> RunOut:
+def update_run(run_id: AdministeredRunId, patch: RunPatch, store: StoreDep, names: RunNamesDep) -> RunOut:
     """Rename a run or replace its tags."""
-    run_id = authorize_run(store, principal, run_id, "admin")
     return run_out(store.update_run(run_id, patch.name, patch.tags), names)
 
 
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Response:
+def delete_run(run_id: AdministeredRunId, store: StoreDep) -> Response:
     """Delete a run and all of its data."""
-    run_id = authorize_run(store, principal, run_id, "admin")
     store.delete_run(run_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -157,7 +163,7 @@ def delete_run(run_id: str, store: StoreDep, principal: PrincipalDep) -> Respons
     response_model=BatchAck,
 )
 def ingest_batch(
-    run_id: str,
+    run_id: IngestibleRunId,
     batch: BatchIn,
     store: StoreDep,
     principal: PrincipalDep,
@@ -169,7 +175,6 @@ def ingest_batch(
 ) -> JSONResponse:
     """Store one agent batch; a batch with a (rank, seq) seen before is acknowledged and ignored. With
     guard=true the acknowledgement also carries the run's open incidents, as judged after this batch."""
-    run_id = authorize_run(store, principal, run_id, "ingest")
     # Replacing a finished run's steps (a resume below them) is an admin's; a job's token only adds.
     result = store.ingest(run_id, batch, may_rewrite_history=principal.open or "admin" in principal.scopes)
     # The acknowledgement as a ready response: validating and serialising a BatchAck for it cost
@@ -186,35 +191,30 @@ def ingest_batch(
 
 @router.get("/{run_id}/keys")
 def list_keys(
-    run_id: str,
+    run_id: ReadableRunId,
     store: StoreDep,
-    principal: PrincipalDep,
     kind: Literal["scalar", "vector", "histogram"] = "scalar",
 ) -> KeyList:
     """The keys a run has of one kind: scalar series, per-layer vectors or histograms."""
-    run_id = authorize_run(store, principal, run_id, "read")
     return KeyList(data=store.keys(run_id, kind), kind=kind)
 
 
 @router.get("/{run_id}/attempts")
-def list_attempts(run_id: str, store: StoreDep, principal: PrincipalDep) -> AttemptList:
+def list_attempts(run_id: ReadableRunId, store: StoreDep) -> AttemptList:
     """What resumes took out of the run's default view, kept: one attempt per superseded stretch of a
     rank (and what a restore replaced), oldest first."""
-    run_id = authorize_run(store, principal, run_id, "read")
     found = store.attempts(run_id)
     return AttemptList(data=[AttemptOut(**a) for a in found], count=len(found))
 
 
 @router.get("/{run_id}/attempts/{attempt_id}")
-def get_attempt(run_id: str, attempt_id: int, store: StoreDep, principal: PrincipalDep) -> AttemptDataOut:
+def get_attempt(run_id: ReadableRunId, attempt_id: int, store: StoreDep) -> AttemptDataOut:
     """A kept attempt with its data, as batch documents of the ingest wire format."""
-    run_id = authorize_run(store, principal, run_id, "read")
     return AttemptDataOut(**store.attempt(run_id, attempt_id))
 
 
 @router.post("/{run_id}/attempts/{attempt_id}/restore")
-def restore_attempt(run_id: str, attempt_id: int, store: StoreDep, principal: PrincipalDep) -> AttemptOut:
+def restore_attempt(run_id: AdministeredRunId, attempt_id: int, store: StoreDep) -> AttemptOut:
     """Put a kept attempt back in the run's default view: what the rank holds from its step on is kept
     as an attempt in turn, and the attempt's process is no longer cut by the resume that replaced it."""
-    run_id = authorize_run(store, principal, run_id, "admin")
     return AttemptOut(**store.restore_attempt(run_id, attempt_id))

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from ..deps import PrincipalDep, StoreDep, authorize_run
+from ..deps import PrincipalDep, ReadableRunId, StoreDep, authorize_run
 from ..errors import InvalidRequest
 from ..http_errors import model_json
 from ..schemas import (
@@ -74,9 +74,8 @@ def compare_runs(
 
 @router.get("/{run_id}/series", response_model=SeriesOut)
 def get_series(
-    run_id: str,
+    run_id: ReadableRunId,
     store: StoreDep,
-    principal: PrincipalDep,
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. amp/scale, loss")],
     max_points: Annotated[int, Query(ge=2, le=100_000)] = 2000,
     start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
@@ -84,7 +83,6 @@ def get_series(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     """One scalar series over [start, end); exact up to max_points points, min/max-downsampled beyond."""
-    run_id = authorize_run(store, principal, run_id, "read")
     result = store.series(run_id, key, rank, start, end, max_points)
     return model_json(
         SeriesOut(
@@ -113,9 +111,8 @@ class PackedVectorsOut(BaseModel):
 
 @router.get("/{run_id}/vectors", response_model=VectorsOut | PackedVectorsOut)
 def get_vectors(
-    run_id: str,
+    run_id: ReadableRunId,
     store: StoreDep,
-    principal: PrincipalDep,
     key: Annotated[str, Query(min_length=1, max_length=250, description="e.g. grad/norm, update/ratio")],
     max_steps: Annotated[int, Query(ge=1, le=20_000)] = 500,
     start: Annotated[int | None, Query(ge=0, description="first step, inclusive")] = None,
@@ -127,7 +124,6 @@ def get_vectors(
     ] = "json",
 ) -> Response:
     """A per-layer quantity as a step x layer matrix (for heatmaps), in the model's layer order."""
-    run_id = authorize_run(store, principal, run_id, "read")
     result = store.vectors(run_id, key, rank, start, end, max_steps)
     if encoding == "f64" and all(len(row) == len(result.layers) for row in result.values):
         matrix = np.asarray(result.values, dtype="<f8").reshape(len(result.steps), len(result.layers))
@@ -155,9 +151,8 @@ def get_vectors(
 
 @router.get("/{run_id}/histograms", response_model=HistogramsOut)
 def get_histograms(
-    run_id: str,
+    run_id: ReadableRunId,
     store: StoreDep,
-    principal: PrincipalDep,
     layer: Annotated[str, Query(min_length=1, max_length=500, description="a layer name")],
     key: Annotated[str, Query(min_length=1, max_length=250)] = "grad/hist",
     max_steps: Annotated[int, Query(ge=1, le=10_000)] = 200,
@@ -166,7 +161,6 @@ def get_histograms(
     rank: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     """One layer's log2|g| histograms over steps: counts per power of two, zeros, NaN/Inf."""
-    run_id = authorize_run(store, principal, run_id, "read")
     result = store.histograms(run_id, key, layer, rank, start, end, max_steps)
     return model_json(
         HistogramsOut(
@@ -184,9 +178,8 @@ def get_histograms(
 
 @router.get("/{run_id}/events")
 def list_events(
-    run_id: str,
+    run_id: ReadableRunId,
     store: StoreDep,
-    principal: PrincipalDep,
     kind: str | None = None,
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
@@ -202,7 +195,6 @@ def list_events(
 ) -> EventPageOut:
     """Events in step order (e.g. kind=skip for skipped optimizer steps); with after_id, only those
     stored after a previous answer's (live pages)."""
-    run_id = authorize_run(store, principal, run_id, "read")
     page = EventReads(store.engine).page(run_id, kind, start, end, limit, after_id)
     return EventPageOut(
         data=[EventOut(step=e.step, kind=e.kind, rank=e.rank, data=e.data) for e in page.events],
