@@ -377,14 +377,17 @@ class Watcher:
         this_step = self._this_step
         this_step.begun = True
         grads = self._grads()
-        if this_step.pre_clip is None and not this_step.rewritten_while_scaled:
+        measured_here = this_step.pre_clip is None and not this_step.rewritten_while_scaled
+        if measured_here:
             # Unscaled and not yet clipped here (a clip of scaled gradients is a misuse): measured after
             # the backward passes of the step (measure_at_unscale), or after none (assigned by hand).
-            self._measure(grads, scaled=False)
+            self._measure(grads, scaled=False)  # notes their versions and probes too
         if self._histograms_due() and this_step.histograms is None:
             self._take_histograms(grads)
-        if not self._rewrites_while_scaled:  # there, what was rewritten before unscale_ is seen at the step
-            this_step.measured_at = _gradients.versions(grads)  # unscale_ itself rewrote them
+        if not measured_here and not self._rewrites_while_scaled:
+            # Measured at the end of backward, still scaled: unscale_ itself rewrote them since (there,
+            # what was rewritten before unscale_ is seen at the step instead).
+            this_step.measured_at = _gradients.versions(grads)
             this_step.probes = self._clip_factor.probes(grads)  # as unscaled
 
     def _settle_gradients(self) -> None:
