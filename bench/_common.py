@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Self
 
 __all__ = [
+    "CHROMIUM",
+    "CHROMIUM_ARGS",
     "CLI_MODULE",
     "LOOPBACK",
     "MLFLOW_VERSION",
@@ -58,18 +60,10 @@ __all__ = [
 
 # `gradwatch` run as a module of this interpreter: the installed (or PYTHONPATH's) gradwatch.cli
 CLI_MODULE = (sys.executable, "-m", "gradwatch.cli")
-# Debian's Chromium for the browser benchmarks, headless, with nothing that would reach beyond 127.0.0.1.
-CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
+# Debian's Chromium for the browser benchmarks: tests/support/headless_chromium.py (shared with the tests).
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from headless_chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
 MLFLOW_VERSION = "3.17.2"  # the MLflow the BENCHMARKS.md figures were measured with
 # Requests made with urllib go straight to 127.0.0.1, whatever the *_proxy environment says.
 LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))

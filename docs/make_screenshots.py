@@ -10,7 +10,6 @@ pressed), so the page shows the alerts the overflow burst raises, one of them ac
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import tempfile
@@ -19,16 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+sys.path.insert(0, str(DOCS.parent / "tests" / "support"))
+from headless_chromium import launch  # noqa: E402  (shared with the tests and bench/)
+
 # Denser than the defaults (10/100/100 steps) so a 400-step demo fills the per-layer views.
 WATCH_OPTIONS = {"layer_norms_every": 5, "histograms_every": 20, "update_ratio_every": 20}
 SCREENSHOTS = ("run-page.png", "runs-list.png", "compare.png", "alerts.png")
@@ -130,7 +122,7 @@ def main() -> int:
         # The screenshot's "Slack" receiver is on 127.0.0.1: a private target, allowed on purpose.
         settings = Settings(database_url=f"sqlite:///{home}/gradwatch.db", webhook_allow_private=True)
         server = BackgroundServer(settings, "127.0.0.1", _free_port()).start()
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = launch(playwright)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             _make_rule_and_webhook(page, f"{server.url}/dashboard", receiver_url)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import headless_chromium
 import httpx
 import pytest
 
@@ -25,7 +25,6 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "GRADWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 IN_CI = os.environ.get("GRADWATCH_CI") == "1"
-CHROMIUM = os.environ.get("GRADWATCH_TEST_CHROMIUM", "/usr/bin/chromium")
 # The webhook tests' receivers listen on 127.0.0.1, which servers refuse as a webhook target by default
 # (SSRF protection: server/alerts/egress.py). Allow it here, at import, so every Settings() built in
 # tests and every server subprocess (which inherits the environment) allows it; the SSRF tests
@@ -140,19 +139,6 @@ def client(api_server):
         yield c
 
 
-# Debian's Chromium, headless, with nothing that would reach beyond 127.0.0.1.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
-
-
 @pytest.fixture
 def browser_page(chromium_path):
     """A Playwright page in headless Chromium; `page.problems` collects console errors, page errors
@@ -160,7 +146,7 @@ def browser_page(chromium_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        browser = headless_chromium.launch(playwright, chromium_path)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         problems: list[str] = []
         page.on(
@@ -175,9 +161,9 @@ def browser_page(chromium_path):
 
 @pytest.fixture(scope="session")
 def chromium_path() -> str:
-    path = shutil.which(CHROMIUM) or (CHROMIUM if os.path.exists(CHROMIUM) else None)
+    path = headless_chromium.chromium_path()
     if path is None:
-        unavailable(f"Chromium not found at {CHROMIUM} (apt-get install -y chromium)")
+        unavailable(f"Chromium not found at {headless_chromium.CHROMIUM} (apt-get install -y chromium)")
     return path
 
 

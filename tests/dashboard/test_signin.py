@@ -4,7 +4,7 @@ browser-session cookie (never in the page), and signing out asks again."""
 
 import httpx
 import pytest
-from conftest import CHROMIUM_ARGS
+from headless_chromium import launch
 
 from gradwatch.server.auth import Tokens
 from gradwatch.server.database import make_engine
@@ -30,7 +30,7 @@ def test_dashboard_asks_for_a_token_and_keeps_it_only_in_the_session(full_server
         assert api.post("/api/v1/runs", json={"project": "beta", "name": "hidden-run"}).status_code == 201
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        browser = launch(playwright, chromium_path)
         context = browser.new_context()
         page = context.new_page()
         problems: list[str] = []
@@ -162,7 +162,7 @@ def test_every_page_works_signed_in_with_a_read_token(full_server, sqlite_url, c
     assert run.id == "shared-job"
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        browser = launch(playwright, chromium_path)
         page = browser.new_page()
         problems: list[str] = []
         page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)

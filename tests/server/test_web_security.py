@@ -19,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import CHROMIUM_ARGS, free_port
+from conftest import free_port
+from headless_chromium import launch
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
@@ -289,7 +290,7 @@ def test_another_site_can_neither_sign_the_browser_in_nor_frame_the_dashboard(
     from playwright.sync_api import expect, sync_playwright
 
     with _attacker_site(full_server.url, attacker_token) as attacker, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        browser = launch(playwright, chromium_path)
         context = browser.new_context()
         page = context.new_page()
         problems: list[str] = []
