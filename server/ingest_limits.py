@@ -33,7 +33,7 @@ dependency runs (a 5 MB batch: ~70 ms in which no other request moves):
 - After storing, the CPU time the storing thread spent (time.thread_time around Store.ingest, so not
   time spent waiting for a lock or the database) is worth POINTS_PER_CPU_S points a second; a batch
   that cost more than it was charged, say one on which alert rules fire at every step, is charged
-  the rest.
+  the rest (not the server's first batch: its CPU includes the server's own warm-up).
 A tenant's next batch is admitted only once its own bucket can pay what its last batch cost, so one
 tenant's backlog is never paid for with another's time.
 
@@ -259,6 +259,11 @@ class IngestLimits:
         self.ipv6_prefix_length = ipv6_prefix_length
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         self._known_tokens: OrderedDict[str, str] = OrderedDict()  # token hash -> tenant key
+        # The first batch a server stores also pays its warm-up (SQL statements compiled for its engine,
+        # modules loaded on first use: ~1 s of CPU on PostgreSQL under load); that is the server's, not
+        # the tenant's, so it is not charged on top (it made the tenant's next batch wait for a 52,000-
+        # point debt).
+        self._warmed_up = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> IngestLimits:
@@ -436,7 +441,8 @@ class IngestLimits:
         """After storing: a batch whose storing took more CPU than its cost accounts for (alert rules
         that fire on every step of it, say) is charged the difference."""
         worth = (cpu_s - FREE_CPU_S) * POINTS_PER_CPU_S
-        if not self.points_per_s or worth <= cost:
+        warming_up, self._warmed_up = not self._warmed_up, True
+        if not self.points_per_s or worth <= cost or warming_up:
             return
         tenant = self._tenant(key)
         tenant.balance -= worth - cost

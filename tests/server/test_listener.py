@@ -214,9 +214,13 @@ def test_the_server_caps_one_addresss_connections_and_serves_everyone_else(sqlit
     held = [_connect(port) for _ in range(4)]
     try:
         assert all(answered(sock) for sock in held)  # kept alive: each holds its place
-        extra = _connect(port)
-        assert not answered(extra)
-        extra.close()
+        try:
+            extra = _connect(port)
+        except OSError:  # closed at once: under load the reset can reach the connect itself
+            extra = None
+        if extra is not None:
+            assert not answered(extra)
+            extra.close()
         assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200  # 127.0.0.1: not capped
         elsewhere = _connect(port, "127.0.0.3")
         assert answered(elsewhere)
