@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ._quantities import rewrite_factors
+
 PROBE_LAYERS = 8
 # Relative. The post-clip norm must come within 1e-5 of a full read's (the truth tests' bound; float32
 # rounding puts them ~1e-6 apart). The per-layer factors of one clip differ by the rounding of each
@@ -95,13 +97,9 @@ class ClipFactor:
         if after is None or before is None or after.shape != before.shape:
             return None
         torch = self._torch
-        valid = torch.isfinite(before) & torch.isfinite(after) & (before != 0)
-        factors = torch.where(valid, after / torch.where(valid, before, torch.ones_like(before)), 0.0)
-        largest = factors.max()
-        smallest = torch.where(valid, factors, largest).min()
-        spread = torch.where(largest > 0, (largest - smallest) / largest, 0.0)
+        largest, spread, any_valid = rewrite_factors(before, after)
         # No element to read a factor from (all 0): taken as untouched, and the next verification tells.
-        factor = torch.where(valid.any(), largest, 1.0)
+        factor = torch.where(any_valid, largest, 1.0)
         # A clip multiplies by 0 only when its total was not finite (an inf written after the measured
         # backward): the gradients it leaves hold NaN where the inf was, and so does their norm.
         post = torch.where((factor == 0) & (pre_clip_global > 0), torch.nan, factor * pre_clip_global)

@@ -103,13 +103,20 @@ def factor_spread(before: Any, after: Any) -> Any:
     it: (largest - smallest) / largest of the per-layer factors after/before, over the layers with a
     finite, non-zero norm before (a 0-dim device tensor). 0 when every layer was scaled alike, as a
     clip by the global norm or a division by a constant does; 0 when no layer counts."""
+    return rewrite_factors(before, after)[1]
+
+
+def rewrite_factors(before: Any, after: Any) -> tuple[Any, Any, Any]:
+    """(largest factor after/before, spread as in factor_spread, whether any value counted), 0-dim
+    device tensors, over the finite pairs with a non-zero value before: per-layer norms, or the
+    gradient elements _clip_factor probes (signed, so != 0 rather than > 0)."""
     import torch
 
-    valid = torch.isfinite(before) & torch.isfinite(after) & (before > 0)
+    valid = torch.isfinite(before) & torch.isfinite(after) & (before != 0)
     factors = torch.where(valid, after / torch.where(valid, before, torch.ones_like(before)), 0.0)
     largest = factors.max() if factors.numel() else torch.zeros((), device=before.device)
     smallest = torch.where(valid, factors, largest).min() if factors.numel() else largest
-    return torch.where(largest > 0, (largest - smallest) / largest, 0.0)
+    return largest, torch.where(largest > 0, (largest - smallest) / largest, 0.0), valid.any()
 
 
 class Snapshot:

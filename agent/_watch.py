@@ -295,9 +295,7 @@ class Watcher:
             # ~1.8e19 (a scaler that never meets an overflow, in fp32 or bf16, doubles S without end)
             # or underflows at a tiny S. unscale_ comes before any clip (a clip before it is a misuse,
             # told by the versions): measured after it, unscaled, once however many micro-batches.
-            this_step.pre_clip = None
-            this_step.measured_grads = grads
-            this_step.measured_at = _gradients.versions(grads)
+            self._note_unmeasured(grads)
             this_step.measure_at_unscale = True
         elif (
             not self._rewrites_while_scaled
@@ -307,15 +305,25 @@ class Watcher:
             # More backward passes are due before the step (as many as the last step had): the norms
             # are the last pass's, so they are taken there; a step that ends early is measured at the
             # optimizer step if nothing rewrote its gradients since (see _settle_gradients).
-            this_step.pre_clip, this_step.probes = None, None
-            this_step.measured_grads = grads
-            this_step.measured_at = _gradients.versions(grads)
+            self._note_unmeasured(grads)
             this_step.deferred = True
         else:
             this_step.deferred = False
-            self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
-            if self.scaler is None and self._histograms_due():
-                self._take_histograms(grads)
+            self._measure_as_they_are(grads)
+
+    def _note_unmeasured(self, grads: list[Any]) -> None:
+        """Measured later, not now: their versions tell then whether anything rewrote them since."""
+        this_step = self._this_step
+        this_step.pre_clip, this_step.probes = None, None
+        this_step.measured_grads = grads
+        this_step.measured_at = _gradients.versions(grads)
+
+    def _measure_as_they_are(self, grads: list[Any]) -> None:
+        """Measured now, still scaled unless unscaled already; a run without a GradScaler takes its
+        sampled histograms here too (with one, after unscale_: they are binned unscaled)."""
+        self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
+        if self.scaler is None and self._histograms_due():
+            self._take_histograms(grads)
 
     def _measures_at_unscale(self) -> bool:
         """Whether this backward pass's gradients are measured after scaler.unscale_ rather than now:
@@ -408,9 +416,7 @@ class Watcher:
             if _gradients.rewritten(this_step.measured_at, grads):
                 self._short_steps.add(this_step.micro_batches)
                 return
-            self._measure(grads, scaled=self.scaler_view is not None and self._unscaled() is not True)
-            if self.scaler is None and self._histograms_due():  # with a scaler: after unscale_ only
-                self._take_histograms(grads)
+            self._measure_as_they_are(grads)
             return
         if (
             this_step.measure_at_unscale
